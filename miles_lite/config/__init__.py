@@ -1,0 +1,18 @@
+"""Typed configuration (Hydra structured configs) and its validation."""
+
+from miles_lite.config.compose import compose_dictconfig, default_config_dir, load_config, to_yaml
+from miles_lite.config.schema import GROUPS, MilesConfig
+from miles_lite.config.validate import ConfigError, ModelDims, model_dims, validate
+
+__all__ = [
+    "GROUPS",
+    "ConfigError",
+    "MilesConfig",
+    "ModelDims",
+    "compose_dictconfig",
+    "default_config_dir",
+    "load_config",
+    "model_dims",
+    "to_yaml",
+    "validate",
+]

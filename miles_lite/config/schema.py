@@ -1,0 +1,326 @@
+"""Typed configuration: one dataclass per config group, composed into `MilesConfig`.
+
+Hydra merges the YAML files of `conf/` into these dataclasses, so a wrong type or an unknown key
+fails at composition with the field's dotted name. Cross-field rules (TP divides heads, group
+sizes, known reward names) live in `validate.py`.
+
+SGLang server arguments (`rollout.sglang_args`) and Megatron `TransformerConfig` fields
+(`trainer.transformer`) pass through as mappings: any field those libraries accept can be set
+without this file naming it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class TinyModelShape:
+    """Shape of a randomly initialised model, used when `model.hf_path` is unset."""
+
+    hidden_size: int = 64
+    ffn_hidden_size: int = 176
+    num_layers: int = 2
+    num_attention_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int | None = None
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = True
+    qkv_bias: bool = True
+    qk_norm: bool = False
+    init_seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    """Which model to train: an HF safetensors directory, or a tiny random one of `arch`."""
+
+    name: str = "tiny-qwen2"
+    # HF checkpoint directory (config.json + *.safetensors). None builds `shape` at random.
+    hf_path: str | None = None
+    # Tokenizer directory. None: the model directory's tokenizer, or the offline BPE tokenizer.
+    tokenizer_path: str | None = None
+    # Architecture used when building at random: qwen2 | llama | qwen3.
+    arch: str = "qwen2"
+    # Vocabulary of the offline tokenizer (random models only).
+    vocab_size: int = 512
+    shape: TinyModelShape = field(default_factory=TinyModelShape)
+
+
+@dataclass
+class TrainerConfig:
+    """Megatron-core trainer: parallelism, precision, optimiser, schedule, memory knobs."""
+
+    tp: int = 1
+    dp: int = 1
+    pp: int = 1
+    # fp32 | bf16 | fp8 (fp8 needs TransformerEngine on a GPU).
+    precision: str = "fp32"
+    # TransformerEngine FP8 recipe: delayed | tensorwise | blockwise.
+    fp8_recipe: str = "delayed"
+    # gpu | cpu | auto (auto = gpu when CUDA is present).
+    device: str = "auto"
+    # te | local (auto: te on GPU, local on CPU).
+    layer_spec: str = "auto"
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    lr_schedule: str = "constant"
+    lr_warmup_steps: int = 0
+    weight_decay: float = 0.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.98
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    # Token budget of one packed micro-batch (no padding waste).
+    micro_batch_tokens: int = 8192
+    # Tokens whose vocabulary scores are materialised at once when computing logprobs/entropy.
+    logprob_chunk_tokens: int = 1024
+    use_distributed_optimizer: bool = False
+    seed: int = 1234
+    # Non-finite loss or gradient: skip the step; stop the run after this many in a row.
+    max_nonfinite_skips: int = 3
+    # Megatron TransformerConfig fields passed through verbatim (e.g. recompute_granularity).
+    transformer: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout engines and how samples are drawn from them."""
+
+    # reference (CPU, HF transformers, SGLang's HTTP API) | sglang
+    backend: str = "reference"
+    engines: int = 2
+    engine_tp: int = 1
+    prompts_per_step: int = 8
+    # Completions per prompt (the GRPO group size).
+    group_size: int = 8
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: list[str] = field(default_factory=list)
+    # DAPO dynamic sampling: drop zero-std groups and over-sample to refill, up to this many rounds.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 3
+    request_timeout_s: float = 600.0
+    # Generate step N+1 while training step N; rollouts older than `max_staleness` versions are dropped.
+    async_steps: int = 0
+    max_staleness: int = 1
+    # Engine startup: seconds to wait for /health_generate before failing with the server log.
+    startup_timeout_s: float = 300.0
+    # SGLang `launch_server` arguments passed through verbatim (key: flag name without dashes).
+    sglang_args: dict[str, Any] = field(default_factory=dict)
+    # Reference-engine arguments (batch size, dtype, threads) passed through.
+    reference_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class AlgoConfig:
+    """Advantage estimator, policy loss and train/inference mismatch correction."""
+
+    # grpo | dr_grpo | rloo | reinforce_pp_baseline
+    advantage_estimator: str = "grpo"
+    std_normalize: bool = True
+    # Drop groups whose rewards are all equal (they carry no learning signal); always counted.
+    drop_zero_signal: bool = False
+    # ppo | gspo
+    policy_loss: str = "ppo"
+    clip_low: float = 0.2
+    clip_high: float = 0.28
+    dual_clip_c: float | None = None
+    kl_coef: float = 0.0
+    # k1 | k2 | k3
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+    # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
+    agg_mode: str = "token_mean"
+    agg_constant: float | None = None
+    # Importance-sampling correction of the rollout/trainer mismatch:
+    # none | token | sequence_product | sequence_geomean, mode truncate | mask.
+    is_level: str = "token"
+    is_mode: str = "truncate"
+    is_upper: float = 2.0
+    is_lower: float | None = None
+    # On-policy distillation term weight (needs a teacher).
+    distill_coef: float = 0.0
+
+
+@dataclass
+class PresampleConfig:
+    """Presampling filter: k samples per question, drop the all-wrong and all-right ones."""
+
+    enabled: bool = True
+    k: int = 8
+    # strict = exact_check (answer and format); lenient = the last number in the text is right.
+    scoring: str = "lenient"
+    drop_all_wrong: bool = True
+    drop_all_right: bool = True
+    max_new_tokens: int | None = None
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Offline GSM8K-format arithmetic problems."""
+
+    train_size: int = 2000
+    eval_size: int = 64
+    min_steps: int = 1
+    max_steps: int = 2
+    min_operand: int = 1
+    max_operand: int = 9
+    ops: list[str] = field(default_factory=lambda: ["+", "-", "*"])
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from."""
+
+    # synthetic | gsm8k
+    source: str = "synthetic"
+    # GSM8K jsonl/parquet files (source=gsm8k).
+    train_path: str | None = None
+    eval_path: str | None = None
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    shuffle_seed: int = 0
+    max_prompt_tokens: int = 512
+    presample: PresampleConfig = field(default_factory=PresampleConfig)
+
+
+@dataclass
+class RewardsConfig:
+    """Weighted reward set; `weights` overrides or extends the named set's weights."""
+
+    set: str = "worklog"
+    weights: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class WeightSyncConfig:
+    """How new weights reach the engines after each optimizer step, and how pushes are verified."""
+
+    # distributed (gloo on CPU, NCCL on GPU) | ipc (colocated CUDA IPC) | disk (safetensors)
+    transport: str = "distributed"
+    bucket_mib: int = 512
+    # Shared directory for the disk transport (versioned subdirectories).
+    disk_dir: str | None = None
+    verify: bool = True
+    probe_sequences: int = 2
+    probe_tokens: int = 32
+    # A push whose probe per-token |logp diff| (mean) exceeds this raises.
+    max_probe_logp_diff: float = 1e-3
+    checksum_samples: int = 4
+    # full: one broadcast of HF tensors per engine (works with any SGLang); shard: TP-aware slices.
+    mode: str = "shard"
+    init_timeout_s: float = 120.0
+
+
+@dataclass
+class CheckpointConfig:
+    """Async sharded checkpoints and resume."""
+
+    dir: str | None = None
+    interval: int = 0
+    async_save: bool = True
+    keep_last: int = 2
+    keep_every: int = 0
+    # auto (newest complete checkpoint) | none | a checkpoint path
+    resume: str = "auto"
+
+
+@dataclass
+class FaultToleranceConfig:
+    """Health checks of rollout engines and their replacement."""
+
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 5.0
+    failure_threshold: int = 2
+    max_engine_restarts: int = 3
+    request_retries: int = 3
+
+
+@dataclass
+class ObservabilityConfig:
+    """Prometheus exporter, rollout tables, progress output, optional sinks."""
+
+    metrics_port: int = 0
+    # 127.0.0.1 by default; cluster runs listen on all interfaces.
+    metrics_host: str = "127.0.0.1"
+    metrics_enabled: bool = True
+    rollout_table: bool = True
+    progress: bool = True
+    wandb: bool = False
+    tensorboard: bool = False
+
+
+@dataclass
+class ClusterConfig:
+    """Where the roles run."""
+
+    # local (processes on this machine) | ray
+    mode: str = "local"
+    # disaggregated (separate devices per role) | colocated (shared devices, engines sleep in training)
+    placement: str = "disaggregated"
+    ray_address: str | None = None
+    trainer_gpus_per_rank: float = 0.0
+    engine_gpus: float = 0.0
+    cpus_per_engine: float = 1.0
+    placement_timeout_s: float = 120.0
+
+
+@dataclass
+class ExperimentConfig:
+    """The run itself: name, output directory, length, warm-up and evaluation."""
+
+    name: str = "tiny_cpu"
+    output_dir: str = "outputs"
+    run_name: str | None = None
+    steps: int = 20
+    # sft | opd | none
+    warmup: str = "sft"
+    warmup_steps: int = 100
+    warmup_batch_size: int = 16
+    warmup_lr: float = 3e-3
+    # Teacher for on-policy distillation (HF directory); None: trained tiny teacher.
+    teacher_path: str | None = None
+    eval_every: int = 0
+    eval_size: int = 64
+    seed: int = 0
+
+
+@dataclass
+class MilesConfig:
+    """The whole job. Every group maps to a directory of `conf/`."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rewards: RewardsConfig = field(default_factory=RewardsConfig)
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+    observability: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    experiment: ExperimentConfig = field(default_factory=ExperimentConfig)
+
+
+# Config groups, in the order `conf/config.yaml` lists them.
+GROUPS: tuple[str, ...] = (
+    "model",
+    "trainer",
+    "rollout",
+    "algo",
+    "data",
+    "rewards",
+    "weight_sync",
+    "checkpoint",
+    "fault_tolerance",
+    "observability",
+    "cluster",
+    "experiment",
+)

@@ -1,0 +1,225 @@
+"""Start-up validation: every rule names the field and says how to fix it.
+
+All problems are collected and reported together, so a user fixes a config in one round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from miles_lite.config.schema import MilesConfig
+
+
+class ConfigError(ValueError):
+    """One or more invalid fields; `problems` holds one line per field."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n  - " + "\n  - ".join(problems))
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The dimensions the parallelism rules depend on."""
+
+    num_attention_heads: int
+    num_kv_heads: int
+    vocab_size: int
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.arch": ("qwen2", "llama", "qwen3"),
+    "trainer.precision": ("fp32", "bf16", "fp8"),
+    "trainer.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
+    "trainer.device": ("auto", "cpu", "gpu"),
+    "trainer.layer_spec": ("auto", "te", "local"),
+    "trainer.lr_schedule": ("constant", "cosine", "linear"),
+    "rollout.backend": ("reference", "sglang"),
+    "algo.advantage_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"),
+    "algo.policy_loss": ("ppo", "gspo"),
+    "algo.kl_estimator": ("k1", "k2", "k3"),
+    "algo.agg_mode": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
+    "algo.is_level": ("none", "token", "sequence_product", "sequence_geomean"),
+    "algo.is_mode": ("truncate", "mask"),
+    "data.source": ("synthetic", "gsm8k"),
+    "data.presample.scoring": ("strict", "lenient"),
+    "weight_sync.transport": ("distributed", "ipc", "disk"),
+    "weight_sync.mode": ("shard", "full"),
+    "cluster.mode": ("local", "ray"),
+    "cluster.placement": ("disaggregated", "colocated"),
+    "experiment.warmup": ("sft", "opd", "none"),
+}
+
+# Estimators whose baseline is the group itself need at least two samples per prompt.
+_GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
+
+
+def _get(cfg: object, dotted: str) -> object:
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def model_dims(cfg: MilesConfig) -> ModelDims:
+    """Read head counts and vocabulary from `model.hf_path`'s config.json, or from `model.shape`."""
+    if cfg.model.hf_path:
+        config_file = Path(cfg.model.hf_path) / "config.json"
+        hf = json.loads(config_file.read_text())
+        heads = int(hf["num_attention_heads"])
+        return ModelDims(heads, int(hf.get("num_key_value_heads", heads)), int(hf["vocab_size"]))
+    s = cfg.model.shape
+    return ModelDims(s.num_attention_heads, s.num_kv_heads, cfg.model.vocab_size)
+
+
+def _check_choices(cfg: MilesConfig, problems: list[str]) -> None:
+    for dotted, allowed in CHOICES.items():
+        value = _get(cfg, dotted)
+        if value not in allowed:
+            problems.append(f"{dotted}={value!r} is not one of {', '.join(allowed)}; set {dotted}=<one of them>")
+
+
+def _check_positive(cfg: MilesConfig, problems: list[str]) -> None:
+    for dotted in (
+        "trainer.tp", "trainer.dp", "trainer.pp", "trainer.micro_batch_tokens", "trainer.logprob_chunk_tokens",
+        "rollout.engines", "rollout.engine_tp", "rollout.prompts_per_step", "rollout.group_size",
+        "rollout.max_new_tokens", "weight_sync.bucket_mib", "data.max_prompt_tokens",
+        "fault_tolerance.failure_threshold",
+    ):
+        value = _get(cfg, dotted)
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"{dotted}={value!r} must be a positive integer")
+    for dotted in ("rollout.async_steps", "experiment.steps", "experiment.warmup_steps", "checkpoint.interval",
+                   "checkpoint.keep_every", "fault_tolerance.max_engine_restarts"):
+        value = _get(cfg, dotted)
+        if not isinstance(value, int) or value < 0:
+            problems.append(f"{dotted}={value!r} must be an integer >= 0")
+
+
+def _check_model(cfg: MilesConfig, problems: list[str]) -> ModelDims | None:
+    if cfg.model.hf_path:
+        config_file = Path(cfg.model.hf_path) / "config.json"
+        if not config_file.is_file():
+            problems.append(
+                f"model.hf_path={cfg.model.hf_path!r} has no config.json; point it at an HF checkpoint "
+                "directory (config.json + *.safetensors) or unset it to train a tiny random model"
+            )
+            return None
+    try:
+        return model_dims(cfg)
+    except (KeyError, ValueError, OSError) as err:
+        problems.append(f"model.hf_path: cannot read head counts from config.json ({err})")
+        return None
+
+
+def _check_parallelism(cfg: MilesConfig, dims: ModelDims, problems: list[str]) -> None:
+    tp, heads, kv = cfg.trainer.tp, dims.num_attention_heads, dims.num_kv_heads
+    if tp >= 1 and heads % tp:
+        problems.append(
+            f"trainer.tp={tp} must divide the model's {heads} attention heads; "
+            f"choose one of {[d for d in range(1, heads + 1) if heads % d == 0]}"
+        )
+    if tp >= 1 and kv % tp:
+        problems.append(
+            f"trainer.tp={tp} must divide the model's {kv} KV groups (num_key_value_heads); "
+            f"choose one of {[d for d in range(1, kv + 1) if kv % d == 0]}"
+        )
+    etp = cfg.rollout.engine_tp
+    if etp >= 1 and heads % etp:
+        problems.append(f"rollout.engine_tp={etp} must divide the model's {heads} attention heads")
+    if etp >= 1 and kv % etp and etp % kv:
+        # SGLang replicates KV heads when engine TP exceeds the KV groups, which needs divisibility.
+        problems.append(
+            f"rollout.engine_tp={etp} and the model's {kv} KV groups must divide one another"
+        )
+    if cfg.trainer.pp != 1:
+        problems.append("trainer.pp must be 1: pipeline parallelism is not supported yet; use trainer.tp/dp")
+
+
+def _check_algo(cfg: MilesConfig, problems: list[str]) -> None:
+    algo = cfg.algo
+    if algo.advantage_estimator in _GROUP_ESTIMATORS and cfg.rollout.group_size < 2:
+        problems.append(
+            f"rollout.group_size={cfg.rollout.group_size} must be >= 2 for "
+            f"algo.advantage_estimator={algo.advantage_estimator} (the group is its own baseline)"
+        )
+    if not 0 <= algo.clip_low < 1:
+        problems.append(f"algo.clip_low={algo.clip_low} must be in [0, 1)")
+    if algo.clip_high < 0:
+        problems.append(f"algo.clip_high={algo.clip_high} must be >= 0")
+    if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
+        problems.append(f"algo.dual_clip_c={algo.dual_clip_c} must be > 1 (or null to disable dual clip)")
+    if algo.is_upper <= 1:
+        problems.append(f"algo.is_upper={algo.is_upper} must be > 1")
+    if algo.is_lower is not None and not 0 <= algo.is_lower < 1:
+        problems.append(f"algo.is_lower={algo.is_lower} must be in [0, 1) (or null for 1/is_upper)")
+    if algo.agg_mode == "seq_mean_token_sum_norm" and not algo.agg_constant:
+        problems.append(
+            "algo.agg_constant must be set (e.g. to rollout.max_new_tokens) when "
+            "algo.agg_mode=seq_mean_token_sum_norm"
+        )
+    if cfg.experiment.warmup == "opd" and algo.distill_coef <= 0:
+        problems.append("experiment.warmup=opd needs algo.distill_coef > 0 (e.g. algo.distill_coef=1.0)")
+
+
+def _check_rewards(cfg: MilesConfig, problems: list[str]) -> None:
+    from miles_lite.rewards import REWARD_NAMES, get_reward_set
+
+    try:
+        get_reward_set(cfg.rewards.set)
+    except ValueError as err:
+        problems.append(f"rewards.set: {err}")
+    unknown = sorted(set(cfg.rewards.weights) - set(REWARD_NAMES))
+    if unknown:
+        problems.append(
+            f"rewards.weights names unknown rewards {unknown}; known rewards: {', '.join(REWARD_NAMES)}"
+        )
+
+
+def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
+    if cfg.data.source == "gsm8k":
+        for dotted in ("data.train_path", "data.eval_path"):
+            path = _get(cfg, dotted)
+            if dotted == "data.eval_path" and path is None:
+                continue
+            if not path or not os.path.exists(str(path)):
+                problems.append(
+                    f"{dotted}={path!r} does not exist; data.source=gsm8k reads GSM8K jsonl or parquet files "
+                    "(fields question, answer)"
+                )
+    if cfg.trainer.precision == "fp8" and cfg.trainer.device == "cpu":
+        problems.append("trainer.precision=fp8 needs TransformerEngine on a GPU; use fp32 or bf16 on CPU")
+    if cfg.trainer.layer_spec == "te" and cfg.trainer.device == "cpu":
+        problems.append("trainer.layer_spec=te needs a GPU; use trainer.layer_spec=local on CPU")
+    resume = cfg.checkpoint.resume
+    if resume not in ("auto", "none") and not os.path.isdir(resume):
+        problems.append(f"checkpoint.resume={resume!r} is neither auto, none nor a checkpoint directory")
+    if cfg.rollout.max_staleness < cfg.rollout.async_steps:
+        problems.append(
+            f"rollout.max_staleness={cfg.rollout.max_staleness} must be >= rollout.async_steps="
+            f"{cfg.rollout.async_steps}, or every asynchronous rollout would be dropped"
+        )
+    if cfg.weight_sync.transport == "ipc" and cfg.cluster.placement != "colocated":
+        problems.append("weight_sync.transport=ipc needs cluster.placement=colocated (engines on the trainer's GPUs)")
+
+
+def validate(cfg: MilesConfig) -> ModelDims | None:
+    """Check every cross-field rule of `cfg`; raise `ConfigError` listing all problems at once.
+
+    Returns the model dimensions the checks used (None if they could not be read).
+    """
+    problems: list[str] = []
+    _check_choices(cfg, problems)
+    _check_positive(cfg, problems)
+    dims = _check_model(cfg, problems)
+    if dims is not None:
+        _check_parallelism(cfg, dims, problems)
+    _check_algo(cfg, problems)
+    _check_rewards(cfg, problems)
+    _check_paths_and_devices(cfg, problems)
+    if problems:
+        raise ConfigError(problems)
+    return dims

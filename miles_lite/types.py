@@ -1,0 +1,146 @@
+"""The records that cross the seams between data, rollout, rewards, algorithms and the trainer.
+
+Token sequences are plain `list[int]` / `tuple[int, ...]` (ragged, never padded) so that the trainer
+can pack them by token budget; per-token floats line up one-to-one with `response_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, in SGLang's `sampling_params` vocabulary."""
+
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # Optional per-request seed (reference engine honours it; SGLang uses `sampling_seed`).
+    seed: int | None = None
+
+    def to_sglang(self) -> dict[str, Any]:
+        """The `sampling_params` JSON object of SGLang's `/generate`."""
+        params: dict[str, Any] = {
+            "max_new_tokens": self.max_new_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "ignore_eos": self.ignore_eos,
+        }
+        if self.stop:
+            params["stop"] = list(self.stop)
+        if self.stop_token_ids:
+            params["stop_token_ids"] = list(self.stop_token_ids)
+        if self.seed is not None:
+            params["sampling_seed"] = self.seed
+        return params
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One engine answer: the sampled tokens, their logprobs under the engine's weights, and why it stopped.
+
+    `output_logprobs[i]` is log p(output_ids[i] | prefix) in nats, computed by the engine from the raw
+    (temperature-free) distribution, as SGLang reports `output_token_logprobs`.
+    """
+
+    output_ids: tuple[int, ...]
+    output_logprobs: tuple[float, ...]
+    # "stop" (EOS or a stop string/token), "length" (max_new_tokens), "abort".
+    finish_reason: str
+    weight_version: str
+    engine_id: str = ""
+    latency_s: float = 0.0
+
+
+@dataclass
+class Sample:
+    """One completion of one prompt, with everything the rollout table records."""
+
+    prompt_index: int
+    prompt_ids: list[int]
+    response_ids: list[int]
+    rollout_logprobs: list[float]
+    response_text: str = ""
+    finish_reason: str = ""
+    engine_id: str = ""
+    weight_version: str = ""
+    # Raw value of every reward function, plus "total" (the weighted sum).
+    rewards: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def reward(self) -> float:
+        """The weighted total reward (0.0 before scoring)."""
+        return self.rewards.get("total", 0.0)
+
+
+@dataclass
+class Group:
+    """The `group_size` completions of one prompt; GRPO-style estimators use it as its own baseline."""
+
+    prompt_index: int
+    prompt_text: str
+    question: str
+    answer: float
+    steps: tuple[float, ...]
+    samples: list[Sample] = field(default_factory=list)
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def is_zero_signal(self) -> bool:
+        """All completions earned the same reward: the group carries no policy-gradient signal."""
+        rewards = self.rewards
+        return len(rewards) > 0 and max(rewards) - min(rewards) < 1e-8
+
+
+@dataclass(frozen=True)
+class TrainBatch:
+    """Sequences ready for the trainer, ragged; index i is one completion.
+
+    - `tokens[i]`: prompt + response token ids, length P_i + R_i.
+    - `prompt_lengths[i]`: P_i; the loss covers positions P_i .. P_i + R_i - 1 (the response).
+    - `rollout_logprobs[i]`: R_i engine logprobs of the response tokens (nats).
+    - `advantages[i]`: one float per completion (broadcast over its response tokens).
+    - `ref_logprobs` / `teacher_logprobs`: optional R_i floats each, filled by the trainer.
+    """
+
+    tokens: list[list[int]]
+    prompt_lengths: list[int]
+    rollout_logprobs: list[list[float]]
+    advantages: list[float]
+    ref_logprobs: list[list[float]] | None = None
+    teacher_logprobs: list[list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.tokens)
+        for name in ("prompt_lengths", "rollout_logprobs", "advantages"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries for {n} sequences")
+        for i, (toks, plen, lps) in enumerate(zip(self.tokens, self.prompt_lengths, self.rollout_logprobs,
+                                                   strict=True)):
+            if len(toks) - plen != len(lps):
+                raise ValueError(
+                    f"TrainBatch sequence {i}: {len(toks) - plen} response tokens but {len(lps)} rollout logprobs"
+                )
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens (prompt + response) across the batch."""
+        return sum(len(t) for t in self.tokens)
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [len(t) - p for t, p in zip(self.tokens, self.prompt_lengths, strict=True)]
