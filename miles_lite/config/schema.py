@@ -79,6 +79,12 @@ class TrainerConfig:
     # Tokens whose vocabulary scores are materialised at once when computing logprobs/entropy.
     logprob_chunk_tokens: int = 1024
     use_distributed_optimizer: bool = False
+    # LR schedule length in optimizer steps (cosine/linear decay); None: experiment.steps.
+    lr_decay_steps: int | None = None
+    # The vocabulary is padded to a multiple of tp * vocab_divisor rows (padding never enters a softmax).
+    vocab_divisor: int = 128
+    # Keep a host copy of the initial weights as the KL reference model (also kept when algo.kl_coef > 0).
+    keep_reference: bool = False
     seed: int = 1234
     # Non-finite loss or gradient: skip the step; stop the run after this many in a row.
     max_nonfinite_skips: int = 3
@@ -106,6 +112,8 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 3
     request_timeout_s: float = 600.0
+    # Outstanding requests one engine is given at most; more wait in the manager (bounds open connections).
+    max_inflight_per_engine: int = 256
     # Generate step N+1 while training step N; rollouts older than `max_staleness` versions are dropped.
     async_steps: int = 0
     max_staleness: int = 1
@@ -115,6 +123,9 @@ class RolloutConfig:
     sglang_args: dict[str, Any] = field(default_factory=dict)
     # Reference-engine arguments (batch size, dtype, threads) passed through.
     reference_args: dict[str, Any] = field(default_factory=dict)
+    # Base URLs (http://host:port) of engines started outside this run's process tree, e.g. the
+    # rollout pods of a Kubernetes MilesJob; when set, no engines are launched and `engines` must equal their count.
+    engine_urls: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -253,6 +264,8 @@ class ObservabilityConfig:
     rollout_table: bool = True
     progress: bool = True
     wandb: bool = False
+    # W&B project the run logs to (run name = experiment.run_name); used only when `wandb` is true.
+    wandb_project: str = "miles-lite"
     tensorboard: bool = False
 
 

@@ -166,17 +166,16 @@ def _check_algo(cfg: MilesConfig, problems: list[str]) -> None:
 
 
 def _check_rewards(cfg: MilesConfig, problems: list[str]) -> None:
-    from miles_lite.rewards import REWARD_NAMES, get_reward_set
+    from miles_lite.rewards import get_reward_set, validate_reward_names
 
     try:
         get_reward_set(cfg.rewards.set)
     except ValueError as err:
         problems.append(f"rewards.set: {err}")
-    unknown = sorted(set(cfg.rewards.weights) - set(REWARD_NAMES))
-    if unknown:
-        problems.append(
-            f"rewards.weights names unknown rewards {unknown}; known rewards: {', '.join(REWARD_NAMES)}"
-        )
+    try:
+        validate_reward_names(cfg.rewards.weights)
+    except ValueError as err:
+        problems.append(f"rewards.weights: {err}")
 
 
 def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:

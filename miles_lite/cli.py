@@ -1,0 +1,65 @@
+"""`miles-lite`: the command line.
+
+    miles-lite train [--cfg job|all] [--config-dir DIR] [OVERRIDE ...]   RL training (Hydra overrides)
+    miles-lite presample ...                                             pass@k and the filtered data set
+    miles-lite engine ...                                                serve the CPU reference engine
+    miles-lite eval MODEL_OR_CKPT DATA                                   greedy evaluation table
+    miles-lite convert --to-hf CKPT OUT | --from-hf HF_DIR OUT           checkpoint conversion
+    miles-lite report RUN_DIR                                            HTML report of a run
+
+Each subcommand's implementation lives beside the code it drives and exposes
+`add_arguments(parser)` and `run(args) -> int`; this module only wires them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+# subcommand -> (module implementing it, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("miles_lite.train_cli", "run RL training; arguments are Hydra overrides (trainer.tp=2 ...)"),
+    "presample": ("miles_lite.rollout.presample_cli", "k samples per question: pass@k and a filtered data set"),
+    "engine": ("miles_lite.rollout.serve", "serve the CPU reference engine (SGLang's HTTP API)"),
+    "eval": ("miles_lite.eval_cli", "greedy evaluation of a model or checkpoint on a data set"),
+    "convert": ("miles_lite.checkpoint.convert_cli", "convert checkpoints to and from HF safetensors"),
+    "report": ("miles_lite.observability.report", "write a self-contained HTML report of a run directory"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The top-level parser; with `command`, that subcommand's parser fully built.
+
+    Only the chosen subcommand's module is imported, so `miles-lite --help` and argument errors
+    answer without importing torch or Megatron.
+    """
+    parser = argparse.ArgumentParser(
+        prog="miles-lite",
+        description="RL post-training for LLMs: Megatron-core trainer + SGLang rollout engines.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        if name != command:
+            sub.add_parser(name, help=help_text)
+            continue
+        module = importlib.import_module(module_name)
+        child = sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text).strip(),
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(child)
+        child.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the `miles-lite` console script; returns the process exit code."""
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in args_list if not a.startswith("-")), None)
+    parser = build_parser(command if command in SUBCOMMANDS else None)
+    args = parser.parse_args(args_list)
+    return int(args._module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""GSM8K-format math problems: parsing, loading and saving.
+
+A GSM8K record has a ``question`` and an ``answer`` field. The ``answer`` field is the
+reference solution: free text whose calculator annotations look like ``<<48/2=24>>`` and whose
+last line is ``#### <final number>``. This module turns records into :class:`MathProblem`
+values and back, from JSON-lines (``.jsonl``/``.json``) or Parquet files.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles_lite.rewards.numbers import numbers_equal, parse_number
+
+SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
+_FINAL_MARKER = "####"
+_FINAL_HINT = "GSM8K answers end with '#### <number>'"
+_ANNOTATION_RE = re.compile(r"<<([^<>]*)>>")
+
+
+class DatasetError(ValueError):
+    """A dataset file is missing, unreadable, or holds a malformed record."""
+
+
+@dataclass(frozen=True)
+class MathProblem:
+    """One math word problem with its reference solution.
+
+    Attributes:
+        question: the problem statement shown to the model.
+        solution: the reference solution text (the GSM8K ``answer`` field), ending with
+            ``#### <number>``.
+        answer: the final numeric answer, read from the ``####`` line.
+        steps: intermediate results, one per ``<<expr=value>>`` annotation in ``solution``,
+            in order (the value after the last ``=``).
+    """
+
+    question: str
+    solution: str
+    answer: float
+    steps: tuple[float, ...] = ()
+
+    @classmethod
+    def from_record(cls, question: str, solution: str, *, where: str = "problem") -> MathProblem:
+        """Build a problem from a GSM8K ``question``/``answer`` pair; ``where`` names it in errors."""
+        return cls(
+            question=question,
+            solution=solution,
+            answer=parse_final_answer(solution, where=where),
+            steps=extract_steps(solution),
+        )
+
+
+def parse_final_answer(text: str, *, where: str = "problem") -> float:
+    """Read the final answer written after the last ``#### `` marker of a reference solution.
+
+    Commas, a sign and decimals are allowed (``#### 1,234``, ``#### -3``, ``#### 2.50``). Tags
+    such as ``<SOLUTION>`` are never consulted: the ``####`` line is the only source of truth.
+
+    Raises:
+        ValueError: the marker is missing or not followed by a number; the message starts with
+            ``where`` (e.g. ``"data.jsonl: line 7: field 'answer'"``) so the record can be found.
+    """
+    index = text.rfind(_FINAL_MARKER)
+    if index < 0:
+        raise ValueError(f"{where} has no '#### N' final answer; {_FINAL_HINT}")
+    tail = text[index + len(_FINAL_MARKER):].strip()
+    token = tail.splitlines()[0] if tail else ""
+    value = parse_number(token)
+    if value is None:
+        raise ValueError(
+            f"{where} has {token!r} after '####', which is not a number; {_FINAL_HINT} "
+            "(commas, a sign and decimals are fine, units and '$' are not)"
+        )
+    return value
+
+
+def extract_steps(text: str) -> tuple[float, ...]:
+    """Intermediate results from ``<<expr=value>>`` annotations, in order of appearance.
+
+    An annotation without ``=`` or whose value is not a number is skipped: the public GSM8K
+    data holds a handful of malformed annotations, and steps are auxiliary information that
+    should not make a whole dataset unloadable.
+    """
+    steps = []
+    for body in _ANNOTATION_RE.findall(text):
+        if "=" not in body:
+            continue
+        value = parse_number(body.rsplit("=", 1)[1])
+        if value is not None:
+            steps.append(value)
+    return tuple(steps)
+
+
+def strip_annotations(text: str) -> str:
+    """Remove ``<<...>>`` calculator annotations, keeping the surrounding math text."""
+    return _ANNOTATION_RE.sub("", text)
+
+
+def _check_suffix(path: Path) -> str:
+    suffix = path.suffix.lower()
+    if suffix not in SUPPORTED_SUFFIXES:
+        raise DatasetError(
+            f"{path}: unsupported dataset extension {path.suffix!r}; supported: "
+            f"{', '.join(SUPPORTED_SUFFIXES)}"
+        )
+    return suffix
+
+
+def _record_to_problem(record: Any, where: str) -> MathProblem:
+    if not isinstance(record, dict):
+        raise DatasetError(
+            f"{where}: expected a JSON object with 'question' and 'answer' fields, "
+            f"got {type(record).__name__}"
+        )
+    for field in ("question", "answer"):
+        value = record.get(field)
+        if field not in record:
+            raise DatasetError(
+                f"{where}: missing field {field!r}; each record needs 'question' and 'answer' "
+                f"(found fields: {sorted(record)})"
+            )
+        if not isinstance(value, str) or not value.strip():
+            raise DatasetError(f"{where}: field {field!r} must be a non-empty string, got {value!r}")
+    try:
+        return MathProblem.from_record(record["question"], record["answer"], where=f"{where}: field 'answer'")
+    except ValueError as exc:
+        raise DatasetError(str(exc)) from None
+
+
+def _iter_json_records(path: Path) -> Iterator[tuple[str, Any]]:
+    text = path.read_text(encoding="utf-8")
+    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+        # A .json file may also be a single JSON array of records.
+        try:
+            records = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{path}: invalid JSON array: {exc}") from None
+        for index, record in enumerate(records):
+            yield f"{path}: item {index} (0-based)", record
+        return
+    for lineno, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {lineno}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(
+                f"{where}: invalid JSON ({exc.msg}); expected one JSON object per line"
+            ) from None
+        yield where, record
+
+
+def _iter_parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises several types for corrupt files
+        raise DatasetError(f"{path}: cannot read Parquet file: {exc}") from None
+    missing = [name for name in ("question", "answer") if name not in table.column_names]
+    if missing:
+        raise DatasetError(
+            f"{path}: Parquet file lacks column(s) {missing}; found {table.column_names}; "
+            "GSM8K data needs string columns 'question' and 'answer'"
+        )
+    columns = table.select(["question", "answer"]).to_pydict()
+    for index, (question, answer) in enumerate(zip(columns["question"], columns["answer"], strict=True)):
+        yield f"{path}: row {index} (0-based)", {"question": question, "answer": answer}
+
+
+def load_gsm8k(path: str | Path) -> list[MathProblem]:
+    """Load GSM8K-format problems from a ``.jsonl``/``.json`` or ``.parquet`` file.
+
+    Each record needs string fields ``question`` and ``answer`` (the reference solution ending
+    in ``#### <number>``); other fields are ignored. Blank lines in JSON-lines files are
+    skipped.
+
+    Raises:
+        DatasetError: (a ``ValueError``) for a missing file, an unknown extension, or a
+            malformed record; the message names the file, the line or row, the field and the fix.
+    """
+    path = Path(path)
+    suffix = _check_suffix(path)
+    if not path.is_file():
+        raise DatasetError(f"{path}: dataset file not found")
+    records = _iter_parquet_records(path) if suffix == ".parquet" else _iter_json_records(path)
+    problems = [_record_to_problem(record, where) for where, record in records]
+    if not problems:
+        raise DatasetError(f"{path}: dataset holds no records")
+    return problems
+
+
+def save_gsm8k(problems: Iterable[MathProblem], path: str | Path) -> Path:
+    """Write problems as GSM8K ``question``/``answer`` records to ``.jsonl``/``.json`` or ``.parquet``.
+
+    ``.json`` is written as JSON lines, which :func:`load_gsm8k` reads back. Parent directories
+    are created. Returns the path written.
+
+    Raises:
+        DatasetError: unknown extension, or a problem whose ``solution`` does not end with a
+            ``#### N`` line equal to its ``answer`` (it would not load back).
+    """
+    path = Path(path)
+    suffix = _check_suffix(path)
+    records = []
+    for index, problem in enumerate(problems):
+        where = f"problem {index} (0-based)"
+        try:
+            written = parse_final_answer(problem.solution, where=f"{where}: solution")
+        except ValueError as exc:
+            raise DatasetError(str(exc)) from None
+        if not numbers_equal(written, problem.answer):
+            raise DatasetError(
+                f"{where}: solution says '#### {written:g}' but answer is {problem.answer:g}; "
+                "the saved file keeps only the solution text, so they must agree"
+            )
+        records.append({"question": problem.question, "answer": problem.solution})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = pa.schema([("question", pa.string()), ("answer", pa.string())])
+        pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+    else:
+        with path.open("w", encoding="utf-8") as handle:
+            for record in records:
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+    return path

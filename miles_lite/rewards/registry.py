@@ -1,0 +1,262 @@
+"""Reward registry, named reward sets and weighted scoring.
+
+A reward function maps a batch of completions to one raw value per completion::
+
+    fn(completions, *, answers, questions, steps) -> list[float]
+
+A :class:`RewardSet` names rewards and their weights; :func:`score` runs every reward of a
+set, checks what each returned, and adds the weighted ``total``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence, Sized
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from miles_lite.rewards import math as math_rewards
+
+TOTAL_KEY = "total"
+
+
+class RewardFn(Protocol):
+    """Batch reward: one raw float per completion; every keyword sequence is aligned with it."""
+
+    def __call__(
+        self,
+        completions: Sequence[str],
+        *,
+        answers: Sequence[float],
+        questions: Sequence[str],
+        steps: Sequence[Sequence[float]],
+    ) -> list[float]: ...
+
+
+# Built-in rewards in reporting order.
+REWARD_NAMES: tuple[str, ...] = (
+    "exact_check",
+    "correctness_check",
+    "lenient_correctness_check",
+    "format_check",
+    "tag_check",
+    "step_check",
+    "solution_number_check",
+)
+
+
+@dataclass(frozen=True)
+class RegisteredReward:
+    """A registry entry: the reward function and the largest raw value it can return."""
+
+    fn: RewardFn
+    max_value: float = 1.0
+
+
+# Raw maxima of the built-ins; all others reach 1.0.
+_BUILTIN_MAX = MappingProxyType({"tag_check": 4 * math_rewards.TAG_CREDIT})
+# The one process-wide registry: name -> reward. Custom rewards join it through
+# register_reward so that configs can refer to them by name.
+REWARD_REGISTRY: dict[str, RegisteredReward] = {
+    name: RegisteredReward(getattr(math_rewards, name), _BUILTIN_MAX.get(name, 1.0)) for name in REWARD_NAMES
+}
+
+
+@dataclass(frozen=True)
+class RewardSet:
+    """A named, immutable choice of rewards and their weights.
+
+    Attributes:
+        name: label used in configs and logs.
+        weights: reward name -> weight applied to its raw value in the ``total``.
+    """
+
+    name: str
+    weights: Mapping[str, float] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        if not self.weights:
+            raise ValueError(f"reward set {self.name!r} has no rewards")
+        weights = {str(key): float(value) for key, value in self.weights.items()}
+        bad = {key: value for key, value in weights.items() if not math.isfinite(value)}
+        if bad:
+            raise ValueError(f"reward set {self.name!r} has non-finite weights: {bad}")
+        if TOTAL_KEY in weights:
+            raise ValueError(f"{TOTAL_KEY!r} is reserved for the weighted sum, not a reward name")
+        object.__setattr__(self, "weights", MappingProxyType(weights))
+
+    def with_weights(self, overrides: Mapping[str, float]) -> RewardSet:
+        """A copy whose weights are these weights updated by ``overrides`` (which may add rewards).
+
+        Raises:
+            ValueError: an override names an unregistered reward or a non-finite weight.
+        """
+        validate_reward_names(overrides)
+        return RewardSet(self.name, {**self.weights, **overrides})
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Reward names in the order they are reported."""
+        return tuple(self.weights)
+
+    @property
+    def max_total(self) -> float:
+        """Highest reachable ``total``: each positive weight times its reward's maximum raw value
+        (rewards are assumed non-negative). Rewards must be registered."""
+        validate_reward_names(self.names)
+        return sum(
+            max(weight, 0.0) * REWARD_REGISTRY[name].max_value for name, weight in self.weights.items()
+        )
+
+
+WORKLOG_WEIGHTS = {
+    "exact_check": 2.0,
+    "correctness_check": 1.0,
+    "lenient_correctness_check": 0.5,
+    "format_check": 0.5,
+    "tag_check": 1.0,
+    "step_check": 0.5,
+    "solution_number_check": 0.25,
+}
+REWARD_SETS: Mapping[str, RewardSet] = MappingProxyType(
+    {
+        # Everything: correctness dominates, format and shown work shape early training.
+        "worklog": RewardSet("worklog", WORKLOG_WEIGHTS),
+        "correctness_only": RewardSet("correctness_only", {"correctness_check": 1.0}),
+        # Only the shape of the answer, with the worklog weights (max 1.25).
+        "format_only": RewardSet(
+            "format_only", {"format_check": 0.5, "tag_check": 1.0, "solution_number_check": 0.25}
+        ),
+    }
+)
+
+
+def get_reward_set(name: str | RewardSet) -> RewardSet:
+    """The named reward set (a :class:`RewardSet` passes through unchanged).
+
+    Raises:
+        ValueError: unknown name; the message lists the known sets.
+    """
+    if isinstance(name, RewardSet):
+        return name
+    if name not in REWARD_SETS:
+        raise ValueError(f"unknown reward set {name!r}; known sets: {', '.join(sorted(REWARD_SETS))}")
+    return REWARD_SETS[name]
+
+
+def validate_reward_names(names: Iterable[str]) -> None:
+    """Check that every name is a registered reward.
+
+    Raises:
+        ValueError: listing the unknown names and the known reward names.
+    """
+    unknown = [name for name in names if name not in REWARD_REGISTRY]
+    if unknown:
+        raise ValueError(
+            f"unknown reward name(s) {unknown}; known rewards: {', '.join(sorted(REWARD_REGISTRY))}"
+        )
+
+
+def register_reward(name: str, fn: RewardFn, *, max_value: float = 1.0) -> None:
+    """Add a custom reward under ``name`` so reward sets can use it.
+
+    ``max_value`` is the largest raw value ``fn`` returns; it only feeds
+    :attr:`RewardSet.max_total` (used to normalise and report rewards).
+
+    Raises:
+        ValueError: the name is empty, reserved (``total``) or already registered, or
+            ``max_value`` is not a positive finite number.
+        TypeError: ``fn`` is not callable.
+    """
+    if not isinstance(name, str) or not name.strip() or name == TOTAL_KEY:
+        raise ValueError(f"invalid reward name {name!r}")
+    if name in REWARD_REGISTRY:
+        raise ValueError(f"reward {name!r} is already registered")
+    if not callable(fn):
+        raise TypeError(f"reward {name!r} must be callable, got {type(fn).__name__}")
+    if not (math.isfinite(max_value) and max_value > 0):
+        raise ValueError(f"reward {name!r}: max_value must be positive and finite, got {max_value!r}")
+    REWARD_REGISTRY[name] = RegisteredReward(fn, float(max_value))
+
+
+def unregister_reward(name: str) -> None:
+    """Remove a custom reward; built-in rewards cannot be removed.
+
+    Raises:
+        ValueError: ``name`` is built in or not registered.
+    """
+    if name in REWARD_NAMES:
+        raise ValueError(f"built-in reward {name!r} cannot be unregistered")
+    if name not in REWARD_REGISTRY:
+        raise ValueError(f"reward {name!r} is not registered")
+    del REWARD_REGISTRY[name]
+
+
+def _checked_values(name: str, values: object, n: int) -> list[float]:
+    """Raw values of one reward, verified to be exactly ``n`` finite floats."""
+    # Any sized iterable (list, tuple, numpy array) is accepted; text and mappings are not.
+    sized_iterable = isinstance(values, Sized) and isinstance(values, Iterable)
+    if isinstance(values, (str, bytes, Mapping)) or not sized_iterable:
+        raise ValueError(f"reward {name!r} returned {type(values).__name__}, expected a list of {n} floats")
+    values = list(values)
+    if len(values) != n:
+        raise ValueError(f"reward {name!r} returned {len(values)} values for {n} completions")
+    checked = []
+    for index, value in enumerate(values):
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(
+                f"reward {name!r} returned {value!r} for completion {index}, expected a float"
+            ) from None
+        if isinstance(value, str) or not math.isfinite(number):
+            raise ValueError(
+                f"reward {name!r} returned {value!r} for completion {index}, expected a finite float"
+            )
+        checked.append(number)
+    return checked
+
+
+def score(
+    reward_set: RewardSet | str,
+    completions: Sequence[str],
+    answers: Sequence[float],
+    questions: Sequence[str],
+    steps: Sequence[Sequence[float]],
+) -> list[dict[str, float]]:
+    """Score completions with every reward of ``reward_set``.
+
+    Args:
+        reward_set: a :class:`RewardSet` or the name of a known set.
+        completions: generated texts, one per sample.
+        answers, questions, steps: reference data aligned with ``completions`` (same length).
+
+    Returns:
+        One dict per completion: each reward's raw value under its name, plus ``total``, the
+        weighted sum.
+
+    Raises:
+        ValueError: unknown reward set or reward names, misaligned inputs, or a reward that did
+            not return exactly one finite float per completion (the message names the reward).
+    """
+    reward_set = get_reward_set(reward_set)
+    validate_reward_names(reward_set.names)
+    n = len(completions)
+    for label, values in (("answers", answers), ("questions", questions), ("steps", steps)):
+        if len(values) != n:
+            raise ValueError(f"{label} has {len(values)} entries but there are {n} completions")
+    raw = {
+        name: _checked_values(
+            name,
+            REWARD_REGISTRY[name].fn(completions, answers=answers, questions=questions, steps=steps),
+            n,
+        )
+        for name in reward_set.names
+    }
+    results = []
+    for index in range(n):
+        row = {name: raw[name][index] for name in reward_set.names}
+        row[TOTAL_KEY] = sum(reward_set.weights[name] * row[name] for name in reward_set.names)
+        results.append(row)
+    return results

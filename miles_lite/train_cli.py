@@ -1,0 +1,58 @@
+"""Run RL training. Positional arguments are Hydra overrides of the configuration in `conf/`:
+
+    miles-lite train                                   the embedded default (experiment=tiny_cpu)
+    miles-lite train trainer.tp=2 rollout.engines=4    change fields
+    miles-lite train experiment=gsm8k_qwen2.5_0.5b model.hf_path=/ckpt/Qwen2.5-0.5B-Instruct
+    miles-lite train --cfg job                         print the resolved configuration and exit
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of `miles-lite train`."""
+    parser.add_argument("overrides", nargs="*", metavar="OVERRIDE",
+                        help="Hydra override, e.g. trainer.tp=2, rollout=sglang, experiment=tiny_cpu")
+    parser.add_argument("--cfg", choices=("job", "all"), default=None,
+                        help="print the resolved configuration (job: as the run uses it) and exit")
+    parser.add_argument("--config-dir", default=None, help="configuration directory (default: the project's conf/)")
+    parser.add_argument("--config-name", default="config", help="top-level config file name without .yaml")
+
+
+def compose_or_explain(args: argparse.Namespace):
+    """Compose and validate the configuration; print a readable error and return None on bad input."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    from miles_lite.config import ConfigError, load_config, validate
+
+    try:
+        cfg = load_config(args.overrides, args.config_dir, args.config_name)
+    except (HydraException, OmegaConfBaseException) as err:
+        print(f"miles-lite train: configuration error: {err}", file=sys.stderr)
+        return None
+    try:
+        validate(cfg)
+    except ConfigError as err:
+        print(f"miles-lite train: {err}", file=sys.stderr)
+        return None
+    return cfg
+
+
+def run(args: argparse.Namespace) -> int:
+    """Compose, validate, then print (`--cfg`) or train; exit code 2 on configuration errors."""
+    cfg = compose_or_explain(args)
+    if cfg is None:
+        return 2
+    if args.cfg:
+        from miles_lite.config import to_yaml
+
+        print(to_yaml(cfg), end="")
+        return 0
+    from miles_lite.driver import train
+
+    train(cfg)
+    return 0

@@ -1,0 +1,128 @@
+"""Configuration: composition from conf/, overrides, validation messages, the CLI's --cfg."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from miles_lite.cli import main
+from miles_lite.config import GROUPS, ConfigError, MilesConfig, default_config_dir, load_config, validate
+from miles_lite.config.schema import TrainerConfig
+
+
+def _problems(overrides: list[str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(overrides))
+    return str(info.value)
+
+
+def test_default_composes_to_typed_dataclass_and_validates():
+    cfg = load_config()
+    assert isinstance(cfg, MilesConfig)
+    assert isinstance(cfg.trainer, TrainerConfig)
+    assert cfg.experiment.name == "tiny_cpu"
+    assert cfg.model.arch == "qwen2" and cfg.model.shape.qkv_bias
+    validate(cfg)
+
+
+def test_conf_has_every_group_and_each_option_composes():
+    conf = default_config_dir()
+    assert {p.name for p in conf.iterdir() if p.is_dir()} == set(GROUPS)
+    for group in GROUPS:
+        for option in sorted((conf / group).glob("*.yaml")):
+            overrides = [f"{group}={option.stem}"]
+            if option.stem == "qwen2.5_0.5b":
+                continue  # needs model.hf_path (mandatory): checked below
+            if group == "data" and option.stem == "gsm8k":
+                overrides.append("data.train_path=/nonexistent.jsonl")
+            cfg = load_config(overrides)
+            assert isinstance(cfg, MilesConfig), option
+
+
+def test_overrides_are_typed():
+    cfg = load_config(["trainer.tp=2", "rollout.engines=4", "algo.clip_high=0.3"])
+    assert (cfg.trainer.tp, cfg.rollout.engines, cfg.algo.clip_high) == (2, 4, 0.3)
+    with pytest.raises(Exception, match="tp"):
+        load_config(["trainer.tp=two"])
+
+
+def test_pass_through_mappings_accept_library_fields():
+    cfg = load_config(["+rollout.sglang_args.chunked_prefill_size=4096",
+                       "+trainer.transformer.recompute_granularity=selective"])
+    assert cfg.rollout.sglang_args["chunked_prefill_size"] == 4096
+    assert cfg.trainer.transformer == {"recompute_granularity": "selective"}
+
+
+def test_tp_must_divide_heads_and_kv_groups():
+    msg = _problems(["trainer.tp=3"])
+    assert "trainer.tp=3 must divide the model's 4 attention heads" in msg
+    assert "KV groups" in msg and "[1, 2]" in msg
+
+
+def test_group_size_must_be_at_least_two_for_grpo():
+    assert "rollout.group_size=1 must be >= 2" in _problems(["rollout.group_size=1"])
+
+
+def test_unknown_reward_names_list_known_ones():
+    msg = _problems(["+rewards.weights.style_check=1.0"])
+    assert "style_check" in msg and "exact_check" in msg and "step_check" in msg
+    assert "rewards.set" in _problems(["rewards.set=nope"])
+
+
+def test_choices_and_every_problem_reported_at_once():
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(["trainer.precision=fp4", "algo.is_level=word", "rollout.engines=0"]))
+    problems = info.value.problems
+    assert any(p.startswith("trainer.precision='fp4' is not one of fp32, bf16, fp8") for p in problems)
+    assert any("algo.is_level" in p for p in problems)
+    assert any("rollout.engines=0 must be a positive integer" in p for p in problems)
+
+
+def test_hf_checkpoint_dims_drive_the_checks(tmp_path: Path):
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936}')
+    validate(load_config(["model=qwen2.5_0.5b", f"model.hf_path={tmp_path}", "trainer.tp=2"]))
+    assert "trainer.tp=4 must divide the model's 14 attention heads" in _problems(
+        ["model=qwen2.5_0.5b", f"model.hf_path={tmp_path}", "trainer.tp=4"])
+    assert "has no config.json" in _problems(["model=qwen2.5_0.5b", f"model.hf_path={tmp_path / 'missing'}"])
+
+
+def test_gsm8k_paths_fp8_on_cpu_and_staleness():
+    msg = _problems(["data=gsm8k", "data.train_path=/no/such/file.jsonl", "trainer.precision=fp8",
+                     "rollout.async_steps=2", "rollout.max_staleness=1"])
+    assert "data.train_path='/no/such/file.jsonl' does not exist" in msg
+    assert "fp8 needs TransformerEngine on a GPU" in msg
+    assert "rollout.max_staleness=1 must be >= rollout.async_steps=2" in msg
+
+
+def test_cli_prints_resolved_job_config(capsys):
+    assert main(["train", "--cfg", "job", "trainer.tp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "trainer:" in out and "tp: 2" in out and "experiment:" in out
+
+
+def test_cli_reports_bad_override_and_bad_value(capsys):
+    assert main(["train", "--cfg", "job", "trainer.tpp=3"]) == 2
+    assert "trainer.tpp" in capsys.readouterr().err
+    assert main(["train", "--cfg", "job", "trainer.tp=3"]) == 2
+    assert "must divide" in capsys.readouterr().err
+
+
+def test_cli_help_and_argument_errors(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    assert "presample" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["trian"])
+    assert info.value.code == 2
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def test_schema_fields_have_defaults():
+    # Every field needs a default so that `miles-lite train` with no arguments works.
+    for group in GROUPS:
+        cls = type(getattr(MilesConfig(), group))
+        for f in dataclasses.fields(cls):
+            assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, f.name
