@@ -170,6 +170,8 @@ class PresampleConfig:
     drop_all_wrong: bool = True
     drop_all_right: bool = True
     max_new_tokens: int | None = None
+    # Presample only the first N training questions and train on the kept ones (0 = all questions).
+    max_questions: int = 0
 
 
 @dataclass

@@ -1,0 +1,75 @@
+"""The driver's own resumable state: step, weight version, data order, RNG streams, filter, buffer.
+
+The data order is the `PromptSource` state (seed, epoch, cursor and the epoch's full order, so a
+resume continues the same permutation even after a presample filter shrank it). The RNG states
+cover what the driver process draws from: Python's `random`, NumPy's global generator and torch's
+CPU generator (trainer ranks keep their own streams in their shards).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+_FORMAT = 1
+
+
+def capture_rng() -> dict[str, Any]:
+    """Python, NumPy and torch (CPU) global RNG states."""
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    """Put back what `capture_rng` returned."""
+    for key in ("python", "numpy", "torch"):
+        if key not in state:
+            raise KeyError(f"driver RNG state lacks {key!r}; the checkpoint was not written by capture_rng")
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+
+
+@dataclass
+class DriverState:
+    """What the driver needs, besides the trainer's shards, to continue a run exactly.
+
+    Attributes:
+        step: optimizer steps completed (the next step to run).
+        weight_version: version of the weights last pushed to the engines.
+        data: `PromptSource.state_dict()` (data cursor and epoch order).
+        rng: `capture_rng()` of the driver process.
+        presample_keep: dataset indices the presample filter kept (None: no filter applied).
+        rollout_buffer: rollouts generated ahead of training (one-step-off async), picklable.
+        extra: anything else a caller records (JSON-like values).
+    """
+
+    step: int
+    weight_version: int
+    data: dict[str, Any]
+    rng: dict[str, Any] = field(default_factory=capture_rng)
+    presample_keep: list[int] | None = None
+    rollout_buffer: list[Any] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.step < 0:
+            raise ValueError(f"DriverState.step={self.step} must be >= 0")
+        if self.weight_version < 0:
+            raise ValueError(f"DriverState.weight_version={self.weight_version} must be >= 0")
+
+    def to_tree(self) -> dict[str, Any]:
+        """A plain tree for the checkpoint's shared state (tensors stay tensors)."""
+        return {"format": _FORMAT, **asdict(self)}
+
+    @staticmethod
+    def from_tree(tree: dict[str, Any]) -> DriverState:
+        """Inverse of `to_tree`; ValueError naming the problem on a foreign tree."""
+        if tree.get("format") != _FORMAT:
+            raise ValueError(f"driver state format {tree.get('format')!r} is not {_FORMAT}; "
+                             "the checkpoint was written by an incompatible version")
+        fields = {k: v for k, v in tree.items() if k != "format"}
+        return DriverState(**fields)

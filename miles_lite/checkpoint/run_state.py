@@ -1,0 +1,120 @@
+"""What the driver calls: save a run (trainer shards + driver state + HF assets) and resume one.
+
+`RankCheckpointer` is the per-rank object (one per trainer rank, held for the whole run so that
+one asynchronous save stays in flight between steps); `save_run` / `resume_run` apply it to the
+driver's in-process trainer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from miles_lite.checkpoint.async_ckpt import AsyncCheckpointer, SaveStats
+from miles_lite.checkpoint.driver_state import DriverState, capture_rng, restore_rng
+from miles_lite.checkpoint.resume import CheckpointReader, resolve_resume
+from miles_lite.checkpoint.trainer_state import checkpoint_payload, hf_assets, restore_actor
+from miles_lite.config.schema import MilesConfig
+
+
+def tokenizer_dir(cfg: MilesConfig) -> Path | None:
+    """Where the run's tokenizer files are: `model.tokenizer_path`, else `model.hf_path`, else None."""
+    for candidate in (cfg.model.tokenizer_path, cfg.model.hf_path):
+        if candidate and Path(candidate).is_dir():
+            return Path(candidate)
+    return None
+
+
+class RankCheckpointer:
+    """Checkpoints of one trainer rank's `TrainerActor` (plus, on rank 0, the driver state and HF assets).
+
+    Args:
+        cfg: the run's config (`checkpoint.*`, `model.*` for the assets).
+        timeout_s: how long a rank waits for the others while flushing.
+    """
+
+    def __init__(self, cfg: MilesConfig, timeout_s: float = 1800.0) -> None:
+        self.cfg = cfg
+        self.saver = AsyncCheckpointer.from_config(cfg.checkpoint, timeout_s=timeout_s)
+
+    def save(self, actor: Any, step: int, driver: DriverState | None = None) -> SaveStats:
+        """Snapshot `actor` (and `driver` on rank 0) as checkpoint `step`; returns once training may go on."""
+        rank0 = self.saver.rank == 0
+        assets = hf_assets(actor.hf_config, tokenizer_dir(self.cfg)) if rank0 else None
+        meta = {"weight_version": driver.weight_version} if rank0 and driver is not None else None
+        payload = checkpoint_payload(actor, driver.to_tree() if rank0 and driver is not None else None,
+                                     assets=assets, meta=meta)
+        return self.saver.save(step, payload)
+
+    def finalize(self) -> SaveStats | None:
+        """Wait for the save in flight; its completed stats (None when nothing was saved)."""
+        return self.saver.finalize()
+
+    def close(self) -> None:
+        self.saver.close()
+
+    @staticmethod
+    def restore(actor: Any, path: str | Path) -> DriverState | None:
+        """Load checkpoint `path` into `actor` (verifying checksums); the driver state it holds, if any."""
+        reader = CheckpointReader(path)
+        try:
+            shared = restore_actor(actor, reader)
+        finally:
+            reader.close()
+        tree = shared.get("driver")
+        return DriverState.from_tree(tree) if tree is not None else None
+
+
+def save_run(cfg: MilesConfig, system: Any, data: Any, steps_done: int, metrics: Any = None, final: bool = False,
+             checkpointer: RankCheckpointer | None = None) -> SaveStats | None:
+    """Checkpoint the run after `steps_done` steps (no-op when `checkpoint.dir` is unset).
+
+    Args:
+        system: holds `trainer.actor` (the in-process TrainerActor) and `version` (weights pushed).
+        data: the `PromptSource` (its cursor and epoch order are saved).
+        metrics: receives `checkpoint_blocked(s)` / `checkpoint_committed(flush_s, bytes)` when given.
+        final: wait for the flush before returning (end of run).
+        checkpointer: the run's RankCheckpointer; with None the save is synchronous (a fresh
+            checkpointer cannot leave a flush in flight for anyone to wait on).
+    """
+    if not cfg.checkpoint.dir:
+        return None
+    own = checkpointer is None
+    ckpt = checkpointer or RankCheckpointer(cfg)
+    driver = DriverState(step=steps_done, weight_version=int(getattr(system, "version", 0)),
+                         data=data.state_dict(), rng=capture_rng())
+    try:
+        stats = ckpt.save(system.trainer.actor, steps_done, driver)
+        if metrics is not None:
+            metrics.checkpoint_blocked(stats.blocked_s)
+        if own or final:
+            stats = ckpt.finalize() or stats
+            if metrics is not None and stats.flush_s is not None:
+                metrics.checkpoint_committed(stats.flush_s, int(stats.total_bytes or stats.bytes))
+    finally:
+        if own:
+            ckpt.close()
+    return stats
+
+
+def resume_run(cfg: MilesConfig, system: Any, data: Any, log: Callable[[str], None] = print) -> int:
+    """Restore the checkpoint `checkpoint.resume` selects; returns the step to continue from (0: fresh).
+
+    Restores the trainer (any TP/DP), the data cursor, the driver's RNG streams and weight version,
+    then pushes the restored weights to the engines (they start from the initial model).
+    """
+    path = resolve_resume(cfg.checkpoint)
+    if path is None:
+        return 0
+    driver = RankCheckpointer.restore(system.trainer.actor, path)
+    if driver is None:
+        log(f"checkpoint {path}: weights loaded (no driver state: an initial checkpoint); starting at step 0")
+        return 0
+    data.load_state_dict(driver.data)
+    restore_rng(driver.rng)
+    system.version = driver.weight_version
+    if getattr(system, "sync", None) is not None:
+        system.push_weights()
+    log(f"resumed from {path} at step {driver.step} (weight version {driver.weight_version})")
+    return driver.step

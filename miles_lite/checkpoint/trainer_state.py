@@ -1,0 +1,206 @@
+"""A `TrainerActor` rank's state <-> checkpoint payload, stored independently of TP and DP.
+
+Weights and the optimizer's per-parameter tensors (Adam moments; fp32 master weights under bf16)
+are cut by each parameter's `ParamLayout` into pieces of full Hugging Face tensors: `model/<hf>`,
+`optim/<key>/<hf>`, `optim/master/<hf>`. Data-parallel replicas write nothing (dp_rank 0 covers
+the model) and replicated tensors are written by tp_rank 0 only. Loading assembles each rank's
+shards for its *current* layout, so a TP=2 checkpoint resumes at TP=1 and vice versa. Optimizer
+step counts, parameter groups, the LR schedule and counters are shared; RNG streams are local and
+come back only when the parallel layout is unchanged (otherwise the fresh rank's streams stay).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import Tensor
+
+from miles_lite.checkpoint.payload import CheckpointPayload, GlobalPiece
+from miles_lite.checkpoint.resume import CheckpointReader
+from miles_lite.trainer.layout import LayoutKind, ParamLayout
+
+MODEL_PREFIX = "model/"
+OPTIM_PREFIX = "optim/"
+# Files an HF tokenizer directory may hold; those present are stored with the checkpoint.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
+
+
+def layout_pieces(prefix: str, layout: ParamLayout, local: Tensor) -> list[GlobalPiece]:
+    """Pieces of full HF tensors (named `prefix + hf_name`) that this rank's shard `local` holds."""
+    return [GlobalPiece(name=prefix + piece.hf_name, tensor=part,
+                        global_shape=layout.hf_shapes[layout.hf_names.index(piece.hf_name)],
+                        dim=piece.dim, start=piece.start)
+            for piece, part in layout.split(local)]
+
+
+def assemble(reader: CheckpointReader, prefix: str, layout: ParamLayout) -> Tensor:
+    """This rank's shard of the parameter `layout` describes, from the checkpoint's full tensors."""
+    return layout.assemble({n: reader.global_tensor(prefix + n) for n in layout.hf_names})
+
+
+def _optimizers(actor: Any) -> list[Any]:
+    opt = actor.optimizer
+    return list(getattr(opt, "chained_optimizers", [opt]))
+
+
+def optimizer_param_names(actor: Any) -> list[list[str]]:
+    """For each sub-optimizer, the Megatron parameter name of every torch-optimizer state index.
+
+    Under bf16 the torch optimizer steps fp32 copies; they are mapped back to their model parameter.
+    """
+    names = {id(p): n for n, p in actor.policy.model.named_parameters()}
+    out: list[list[str]] = []
+    for sub in _optimizers(actor):
+        alias: dict[int, int] = {}
+        for model_group, main_group in zip(getattr(sub, "float16_groups", []),
+                                           getattr(sub, "fp32_from_float16_groups", []), strict=True):
+            alias.update({id(main): id(model) for model, main in zip(model_group, main_group, strict=True)})
+        order = [p for group in sub.optimizer.param_groups for p in group["params"]]
+        out.append([names[alias.get(id(p), id(p))] for p in order])
+    return out
+
+
+def _master_names(sub: Any, names: Mapping[int, str]) -> list[list[str]]:
+    return [[names[id(p)] for p in group] for group in getattr(sub, "float16_groups", [])]
+
+
+def _split_sub(sd: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(torch optimizer state dict, the rest) of one Megatron sub-optimizer's state dict."""
+    if "state" in sd:
+        return sd, {}
+    return sd["optimizer"], {k: v for k, v in sd.items() if k != "optimizer"}
+
+
+def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
+                       assets: Mapping[str, bytes | Path] | None = None,
+                       meta: Mapping[str, Any] | None = None) -> CheckpointPayload:
+    """This rank's payload: HF-named pieces of weights and optimizer tensors, shared and local trees.
+
+    Args:
+        actor: a ready `TrainerActor`.
+        driver_tree: rank 0: the driver's state (`DriverState.to_tree()`), stored under `driver`.
+        assets / meta: rank 0: files for `hf/` and manifest metadata.
+    """
+    sd = actor.state_dict_for_checkpoint()
+    par = sd["parallel"]
+    layouts: Mapping[str, ParamLayout] = actor.layouts
+    writes = par["dp_rank"] == 0
+
+    def mine(layout: ParamLayout) -> bool:
+        return writes and (layout.kind is not LayoutKind.REPLICATED or par["tp_rank"] == 0)
+
+    pieces: list[GlobalPiece] = []
+    for name, tensor in sd["model"].items():
+        if mine(layouts[name]):
+            pieces += layout_pieces(MODEL_PREFIX, layouts[name], tensor)
+    subs = sd["optimizer"] if isinstance(sd["optimizer"], list) else [sd["optimizer"]]
+    index_names = optimizer_param_names(actor)
+    model_names = {id(p): n for n, p in actor.policy.model.named_parameters()}
+    shared_opt: list[dict[str, Any]] = []
+    for sub_sd, names, sub in zip(subs, index_names, _optimizers(actor), strict=True):
+        torch_sd, rest = _split_sub(sub_sd)
+        steps: dict[str, Any] = {}
+        for idx, st in torch_sd["state"].items():
+            name = names[idx]
+            for key, value in st.items():
+                if key == "step":
+                    steps[name] = value
+                elif isinstance(value, Tensor) and tuple(value.shape) == layouts[name].local_shape:
+                    if mine(layouts[name]):
+                        pieces += layout_pieces(f"{OPTIM_PREFIX}{key}/", layouts[name], value)
+                else:
+                    raise ValueError(f"optimizer state {key!r} of {name} has an unexpected shape; "
+                                     "only per-parameter tensors and 'step' are checkpointed")
+        for group_names, group in zip(_master_names(sub, model_names), rest.get("fp32_from_fp16_params", []),
+                                      strict=True):
+            for name, master in zip(group_names, group, strict=True):
+                if mine(layouts[name]):
+                    pieces += layout_pieces(f"{OPTIM_PREFIX}master/", layouts[name], master)
+        shared_opt.append({"param_groups": torch_sd["param_groups"], "step": steps,
+                           "grad_scaler": rest.get("grad_scaler")})
+    shared = None
+    if par["tp_rank"] == 0 and par["dp_rank"] == 0:
+        shared = {"optimizer": shared_opt, "scheduler": sd["scheduler"], "counters": sd["counters"],
+                  "parallel": {"tp_size": par["tp_size"], "dp_size": par["dp_size"]},
+                  "driver": dict(driver_tree) if driver_tree is not None else None}
+    meta_all = {"tp": par["tp_size"], "dp": par["dp_size"], "tensor_names": "hf", **dict(meta or {})}
+    return CheckpointPayload(pieces=pieces, local={"rng": sd["rng"], "parallel": par}, shared=shared,
+                             assets=assets if shared is not None else None,
+                             meta=meta_all if shared is not None else None)
+
+
+def _optimizer_state(actor: Any, reader: CheckpointReader, shared_opt: list[dict[str, Any]]) -> Any:
+    layouts: Mapping[str, ParamLayout] = actor.layouts
+    model_names = {id(p): n for n, p in actor.policy.model.named_parameters()}
+    keys = sorted({n[len(OPTIM_PREFIX):].split("/", 1)[0] for n in reader.global_names(OPTIM_PREFIX)} - {"master"})
+    out = []
+    for sub, names, saved in zip(_optimizers(actor), optimizer_param_names(actor), shared_opt, strict=True):
+        state: dict[int, dict[str, Any]] = {}
+        for idx, name in enumerate(names):
+            layout = layouts[name]
+            if name not in saved["step"]:
+                continue  # never stepped when saved: keeps no state
+            entry: dict[str, Any] = {"step": saved["step"][name]}
+            for key in keys:
+                if reader.has_global(f"{OPTIM_PREFIX}{key}/{layout.hf_names[0]}"):
+                    entry[key] = assemble(reader, f"{OPTIM_PREFIX}{key}/", layout)
+            state[idx] = entry
+        torch_sd = {"state": state, "param_groups": saved["param_groups"]}
+        if not hasattr(sub, "fp32_from_float16_groups"):
+            out.append(torch_sd)
+            continue
+        masters = [[assemble(reader, f"{OPTIM_PREFIX}master/", layouts[n]) for n in group]
+                   for group in _master_names(sub, model_names)]
+        sub_sd: dict[str, Any] = {"optimizer": torch_sd, "fp32_from_fp16_params": masters}
+        if saved.get("grad_scaler") is not None:
+            sub_sd["grad_scaler"] = saved["grad_scaler"]
+        out.append(sub_sd)
+    return out[0] if len(out) == 1 else out
+
+
+def restore_actor(actor: Any, reader: CheckpointReader) -> dict[str, Any]:
+    """Load weights, optimizer, schedule, counters (and RNG when the layout matches) into `actor`.
+
+    Works across TP/DP changes. A checkpoint without optimizer tensors (e.g. converted from HF)
+    loads weights only and keeps the actor's fresh optimizer and schedule.
+    Returns the shared tree (holds the `driver` state the run saved, or None).
+    """
+    from miles_lite.trainer.checkpoint_state import capture_rng
+
+    shared = reader.shared()
+    par = actor.par
+    layouts: Mapping[str, ParamLayout] = actor.layouts
+    model = {name: assemble(reader, MODEL_PREFIX, layout) for name, layout in layouts.items()}
+    has_optim = bool(reader.global_names(OPTIM_PREFIX)) and "optimizer" in shared
+    same_layout = shared.get("parallel") == {"tp_size": par.tp_size, "dp_size": par.dp_size}
+    local = reader.local(par.rank) if same_layout else None
+    state = {
+        "model": model,
+        "optimizer": _optimizer_state(actor, reader, shared["optimizer"]) if has_optim
+        else actor.optimizer.state_dict(),
+        "scheduler": shared["scheduler"] if "scheduler" in shared else actor.scheduler.state_dict(),
+        "rng": local["rng"] if local is not None else capture_rng(),
+        "counters": shared.get("counters", {"steps_done": 0, "nonfinite_in_a_row": 0, "nonfinite_total": 0}),
+        "parallel": {"tp_rank": par.tp_rank, "tp_size": par.tp_size},
+    }
+    actor.load_checkpoint_state(state)
+    return shared
+
+
+def hf_assets(hf_config: Mapping[str, Any], tokenizer_dir: str | Path | None) -> dict[str, bytes | Path]:
+    """`config.json` (from the model's HF config) plus the tokenizer files found in `tokenizer_dir`."""
+    assets: dict[str, bytes | Path] = {"config.json": json.dumps(dict(hf_config), indent=2, default=str).encode()}
+    if tokenizer_dir is not None:
+        root = Path(tokenizer_dir)
+        assets.update({f: root / f for f in TOKENIZER_FILES if (root / f).is_file()})
+    return assets
+
+
+def hf_pieces(hf_state: Mapping[str, Tensor], skip: Iterable[str] = ()) -> list[GlobalPiece]:
+    """Whole-tensor `model/<hf name>` pieces of a full HF state dict (an initial checkpoint)."""
+    skipped = set(skip)
+    return [GlobalPiece.whole(MODEL_PREFIX + n, t) for n, t in hf_state.items() if n not in skipped]

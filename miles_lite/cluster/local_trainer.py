@@ -1,0 +1,58 @@
+"""The trainer role in the driver's own process (one rank): the single-machine, world-size-1 case."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from miles_lite.config.schema import MilesConfig
+from miles_lite.trainer.layout import ParamLayout
+from miles_lite.types import TrainBatch
+
+
+class LocalTrainer:
+    """A `TrainerActor` of world size 1 with the calls the driver and weight sync make."""
+
+    def __init__(self, cfg: MilesConfig) -> None:
+        from miles_lite.trainer.actor import TrainerActor
+        from miles_lite.weight_sync.distributed import free_port
+
+        self.actor = TrainerActor(cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",
+                                  total_steps=max(cfg.experiment.steps, 1))
+
+    def layouts(self) -> list[ParamLayout]:
+        """Parameter layouts of TP rank 0 (they describe every rank's sharding)."""
+        return list(self.actor.layouts.values())
+
+    def weight_shards(self) -> list[dict[str, torch.Tensor]]:
+        """`{megatron name: local tensor}` per trainer TP rank (one rank here)."""
+        return [{name: tensor for name, tensor, _ in self.actor.named_shards()}]
+
+    def probe_logprobs(self, sequences: Any) -> list[list[float]]:
+        """Logprobs of each probe sequence's tokens after its prompt (nats), under the current weights."""
+        batch = TrainBatch(
+            tokens=[list(s) for s in sequences.sequences], prompt_lengths=list(sequences.prompt_lens),
+            rollout_logprobs=[[0.0] * (len(s) - p) for s, p in zip(sequences.sequences, sequences.prompt_lens,
+                                                                     strict=True)],
+            advantages=[0.0] * len(sequences.sequences))
+        return self.actor.compute_logprobs(batch)
+
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:
+        return self.actor.compute_logprobs(batch, model)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.actor.train_step(batch)
+
+    def sft_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
+        return self.actor.sft_step(batch, lr)
+
+    def state_dicts(self) -> list[dict[str, Any]]:
+        """Checkpoint state of every rank (one here)."""
+        return [self.actor.state_dict_for_checkpoint()]
+
+    def load_state_dicts(self, states: list[dict[str, Any]]) -> None:
+        self.actor.load_checkpoint_state(states[0])
+
+    def close(self) -> None:
+        self.actor.close()

@@ -1,0 +1,107 @@
+"""Engine slot records and their lifecycle table (the state machine `EngineFleet` drives).
+
+    starting -> healthy -> dead -> replacing -> stale -> healthy
+        \\-> dead            replacing -> dead     stale -> dead
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from miles_lite.rollout.engine import RolloutEngine
+
+
+class EngineState(enum.Enum):
+    """Lifecycle state of one engine slot."""
+
+    STARTING = "starting"
+    HEALTHY = "healthy"
+    DEAD = "dead"
+    REPLACING = "replacing"
+    STALE = "stale"
+
+
+TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
+    EngineState.STARTING: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
+    EngineState.HEALTHY: frozenset({EngineState.DEAD}),
+    EngineState.DEAD: frozenset({EngineState.REPLACING}),
+    EngineState.REPLACING: frozenset({EngineState.STALE, EngineState.DEAD}),
+    EngineState.STALE: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
+}
+
+
+class IllegalTransition(RuntimeError):
+    """A state change that the engine lifecycle does not allow."""
+
+
+@dataclass
+class EngineHandle:
+    """What a launcher returns: a ready engine client and how to stop its server.
+
+    `stop` may be sync or async; it must end the server process (the fleet calls it on a dead
+    engine before starting its replacement, so a hung process never lingers).
+    """
+
+    engine: RolloutEngine
+    stop: Callable[[], object] | None = None
+    pid: int | None = None
+
+
+# launcher(slot_index, incarnation) -> a started engine that answers /health_generate.
+Launcher = Callable[[int, int], Awaitable[EngineHandle]]
+
+
+@dataclass(frozen=True)
+class Transition:
+    """One recorded state change (for tests, logs and the event timeline)."""
+
+    time_s: float
+    slot: int
+    engine_id: str
+    old: EngineState
+    new: EngineState
+    reason: str
+
+
+@dataclass(frozen=True)
+class EngineLease:
+    """One reserved request slot on one incarnation of an engine (from `EngineFleet.acquire`)."""
+
+    record: EngineRecord
+    incarnation: int
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.record.engine
+
+    @property
+    def engine_id(self) -> str:
+        return self.record.engine_id
+
+
+@dataclass
+class EngineRecord:
+    """One engine slot: the current engine in it and its bookkeeping."""
+
+    index: int
+    handle: EngineHandle
+    state: EngineState = EngineState.STARTING
+    # Version of the weights the engine serves ("" = unknown until reported or pushed).
+    version: str = ""
+    incarnation: int = 0
+    inflight: int = 0
+    health_failures: int = 0
+    request_failures: int = 0
+    requests_served: int = 0
+    last_error: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def engine(self) -> RolloutEngine:
+        return self.handle.engine
+
+    @property
+    def engine_id(self) -> str:
+        return self.handle.engine.engine_id

@@ -1,0 +1,55 @@
+"""Wire `EngineLauncher` (engine server processes) into `EngineFleet` (lifecycle and replacement)."""
+
+from __future__ import annotations
+
+from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher
+from miles_lite.rollout.launcher import EngineLauncher
+
+
+def fleet_launcher(launcher: EngineLauncher, stop_grace_s: float = 10.0) -> Launcher:
+    """The fleet's `launcher(index, incarnation)` over `EngineLauncher.start/stop`.
+
+    The handle's `pid` is the server process (what a fault-injection test SIGKILLs); `stop` ends
+    its whole process group.
+    """
+
+    async def launch(index: int, incarnation: int) -> EngineHandle:
+        launched = await launcher.start(index)
+
+        async def stop() -> None:
+            await launcher.stop(launched, stop_grace_s)
+
+        return EngineHandle(launched.client, stop=stop, pid=launched.process.pid)
+
+    return launch
+
+
+async def start_fleet(
+    rollout: RolloutConfig,
+    ft: FaultToleranceConfig,
+    model_path: str,
+    log_dir: str,
+    *,
+    engines: int | None = None,
+    health_checks: bool = True,
+) -> EngineFleet:
+    """Start `engines` (default `rollout.engines`) servers of `rollout.backend` as one fleet.
+
+    The fleet owns the servers: `await fleet.close()` stops them all. With `health_checks`, the
+    periodic health task runs from the start. If a server fails to start, the ones already up
+    are stopped before the error propagates.
+    """
+    n = rollout.engines if engines is None else engines
+    if n < 1:
+        raise ValueError(f"rollout.engines must be >= 1, got {n}")
+    fleet = EngineFleet(ft, fleet_launcher(EngineLauncher(rollout, model_path, log_dir)),
+                        max_inflight_per_engine=rollout.max_inflight_per_engine)
+    try:
+        await fleet.launch(n)
+    except BaseException:
+        await fleet.close()
+        raise
+    if health_checks:
+        fleet.start_health_checks()
+    return fleet

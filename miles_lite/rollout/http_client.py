@@ -1,0 +1,260 @@
+"""`HttpEngine`: the RolloutEngine protocol over SGLang 0.5.10's native HTTP API (aiohttp).
+
+Endpoints and payloads are those of SGLang 0.5.10's `entrypoints/http_server.py` / `managers/io_struct.py`;
+the reference engine serves the same subset. Error handling:
+
+- a non-200 answer, a connection failure or a timeout raises EngineError (with the engine id, path, status
+  and the start of the body);
+- weight and version calls that answer {"success": false, "message": ...} raise EngineError even with
+  status 200, so a silently failed update never passes for a good one.
+
+`score()` sends `/generate` with `max_new_tokens=1`, greedy, `return_logprob` and
+`logprob_start_len = prompt_len - 1`: SGLang's `input_token_logprobs` covers `input_ids[start:]` and its first
+entry has no logprob (None), so entries 1.. are exactly the logprobs of `input_ids[prompt_len:]` (raw
+log-softmax, no temperature). SGLang 0.5.10 also accepts `max_new_tokens=0` (a prefill-only path); one
+decoded token keeps the request on the ordinary path every version serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+
+from miles_lite.rollout.engine import EngineError
+from miles_lite.types import Generation, SamplingParams
+
+_FINISH_TYPES = ("stop", "length", "abort")
+
+
+class HttpEngine:
+    """An engine reached over HTTP at `url` (an SGLang server or the reference engine)."""
+
+    def __init__(self, engine_id: str, url: str, request_timeout_s: float = 600.0,
+                 control_timeout_s: float = 60.0) -> None:
+        self.engine_id = engine_id
+        self.url = url.rstrip("/")
+        self.request_timeout_s = request_timeout_s
+        self.control_timeout_s = control_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+        self._session_loop: asyncio.AbstractEventLoop | None = None
+
+    def __repr__(self) -> str:
+        return f"HttpEngine({self.engine_id!r}, {self.url!r})"
+
+    # ---- transport -------------------------------------------------------------------------------------------
+
+    def _get_session(self) -> aiohttp.ClientSession:
+        loop = asyncio.get_running_loop()
+        # A session belongs to the loop that made it; callers that run several loops get one each.
+        if self._session is None or self._session.closed or self._session_loop is not loop:
+            # No total-connection cap: the rollout manager bounds concurrency itself.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            self._session_loop = loop
+        return self._session
+
+    async def _request(self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float,
+                       expect_json: bool = True) -> Any:
+        try:
+            async with self._get_session().request(
+                method, f"{self.url}{path}", json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s),
+            ) as resp:
+                text = await resp.text()
+                if resp.status != 200:
+                    raise EngineError(f"{self.engine_id} {path}: HTTP {resp.status}: {text[:500]}")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineError(f"{self.engine_id} {path}: {type(exc).__name__}: {exc}") from exc
+        if not expect_json:
+            return text
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise EngineError(f"{self.engine_id} {path}: answer is not JSON: {text[:200]!r}") from exc
+
+    async def _post_checked(self, path: str, payload: dict[str, Any], timeout_s: float | None = None) -> dict:
+        """POST a weight/control call; SGLang answers {"success": bool, "message": str}."""
+        data = await self._request("POST", path, payload, timeout_s or self.control_timeout_s)
+        if not isinstance(data, dict) or data.get("success") is not True:
+            message = data.get("message") if isinstance(data, dict) else data
+            raise EngineError(f"{self.engine_id} {path} failed: {message}")
+        return data
+
+    # ---- generation ------------------------------------------------------------------------------------------
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> Generation:
+        """Sample one completion: token ids in, token ids + per-token logprobs (nats) + finish reason out."""
+        payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling.to_sglang(),
+                                   "return_logprob": True}
+        if rid is not None:
+            payload["rid"] = rid
+        start = time.monotonic()
+        data = await self._request("POST", "/generate", payload, self.request_timeout_s)
+        return self._parse_generation(data, time.monotonic() - start)
+
+    def _parse_generation(self, data: Any, latency_s: float) -> Generation:
+        try:
+            output_ids = [int(t) for t in data["output_ids"]]
+            meta = data["meta_info"]
+            entries = meta.get("output_token_logprobs") or []
+            finish = meta["finish_reason"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EngineError(f"{self.engine_id} /generate: unexpected answer {str(data)[:300]}") from exc
+        reason = finish.get("type") if isinstance(finish, dict) else finish
+        if reason not in _FINISH_TYPES:
+            raise EngineError(f"{self.engine_id} /generate: unknown finish_reason {finish!r}")
+        if len(entries) != len(output_ids):
+            raise EngineError(f"{self.engine_id} /generate: {len(output_ids)} output ids but {len(entries)} "
+                              "output_token_logprobs")
+        logprobs: list[float] = []
+        for (lp, tok, *_), expected in zip(entries, output_ids, strict=True):
+            if int(tok) != expected or lp is None:
+                raise EngineError(f"{self.engine_id} /generate: logprob entry {[lp, tok]} does not match token "
+                                  f"{expected}")
+            logprobs.append(float(lp))
+        return Generation(output_ids=tuple(output_ids), output_logprobs=tuple(logprobs), finish_reason=reason,
+                          weight_version=str(meta.get("weight_version", "")), engine_id=self.engine_id,
+                          latency_s=latency_s)
+
+    async def score(self, input_ids: list[int], prompt_len: int) -> list[float]:
+        """Logprobs (nats) of `input_ids[prompt_len:]` given their prefixes (see the module docstring)."""
+        if not 1 <= prompt_len < len(input_ids):
+            raise ValueError(f"prompt_len must be in [1, len(input_ids)={len(input_ids)}), got {prompt_len}")
+        payload = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": prompt_len - 1,
+                   "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        data = await self._request("POST", "/generate", payload, self.request_timeout_s)
+        try:
+            entries = data["meta_info"]["input_token_logprobs"]
+        except (KeyError, TypeError) as exc:
+            raise EngineError(f"{self.engine_id} score: no input_token_logprobs in {str(data)[:300]}") from exc
+        targets = input_ids[prompt_len:]
+        if len(entries) != len(targets) + 1:
+            raise EngineError(f"{self.engine_id} score: {len(entries)} input logprobs for {len(targets)} + 1 tokens")
+        out: list[float] = []
+        for (lp, tok, *_), expected in zip(entries[1:], targets, strict=True):
+            if int(tok) != expected or lp is None:
+                raise EngineError(f"{self.engine_id} score: entry {[lp, tok]} does not match token {expected}")
+            out.append(float(lp))
+        return out
+
+    # ---- health and control ----------------------------------------------------------------------------------
+
+    async def health(self, timeout_s: float) -> bool:
+        """True if `/health_generate` answers 200 within `timeout_s`."""
+        try:
+            await self._request("GET", "/health_generate", None, timeout_s, expect_json=False)
+        except EngineError:
+            return False
+        return True
+
+    async def weight_version(self) -> str:
+        """`/model_info`'s weight_version (SGLang 0.5.10 answers 404 on `/get_weight_version`)."""
+        data = await self._request("GET", "/model_info", None, self.control_timeout_s)
+        if not isinstance(data, dict) or "weight_version" not in data:
+            raise EngineError(f"{self.engine_id} /model_info has no weight_version: {str(data)[:200]}")
+        return str(data["weight_version"])
+
+    async def model_info(self) -> dict[str, Any]:
+        """The `/model_info` object (model path, weight_version, architectures...)."""
+        return await self._request("GET", "/model_info", None, self.control_timeout_s)
+
+    async def server_info(self) -> dict[str, Any]:
+        """`/get_server_info` (server arguments and internal states)."""
+        return await self._request("GET", "/get_server_info", None, self.control_timeout_s)
+
+    async def load(self) -> list[dict[str, Any]]:
+        """`/get_load`: one entry per data-parallel rank (num_reqs, num_waiting_reqs, num_tokens)."""
+        return await self._request("GET", "/get_load", None, self.control_timeout_s)
+
+    async def pause(self, mode: str = "retract") -> None:
+        """`/pause_generation`. `retract` (default here) keeps requests and recomputes their KV cache on resume;
+        `in_place` keeps the KV cache; `abort` (SGLang's own default) aborts them."""
+        await self._request("POST", "/pause_generation", {"mode": mode}, self.control_timeout_s)
+
+    async def resume(self) -> None:
+        """`/continue_generation`."""
+        await self._request("POST", "/continue_generation", {}, self.control_timeout_s)
+
+    async def flush_cache(self) -> None:
+        """`/flush_cache` (SGLang answers 400 while requests are running)."""
+        await self._request("POST", "/flush_cache", None, self.control_timeout_s, expect_json=False)
+
+    async def abort(self, rid: str | None = None) -> None:
+        """`/abort_request` for one rid, or `abort_all` when rid is None."""
+        payload = {"abort_all": True} if rid is None else {"rid": rid}
+        await self._request("POST", "/abort_request", payload, self.control_timeout_s, expect_json=False)
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
+        """`/update_weight_version` (SGLang aborts running requests unless told otherwise)."""
+        await self._post_checked("/update_weight_version", {"new_version": new_version,
+                                                            "abort_all_requests": abort_all_requests})
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        """Load HF safetensors from `model_path` (`/update_weights_from_disk`)."""
+        await self._post_checked("/update_weights_from_disk", {"model_path": model_path,
+                                                               "weight_version": weight_version},
+                                 self.request_timeout_s)
+
+    async def init_weights_update_group(
+        self, master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+        backend: str,
+    ) -> None:
+        """Join a torch.distributed group with the trainer at rank 0 (`/init_weights_update_group`).
+
+        Returns when the engine has joined, so the trainer must join concurrently (this call blocks until then).
+        """
+        await self._post_checked("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend,
+        }, self.request_timeout_s)
+
+    async def update_weights_from_distributed(
+        self, names: list[str], dtypes: list[str], shapes: list[list[int]], group_name: str,
+        weight_version: str, flush_cache: bool = True, load_format: str | None = None,
+    ) -> None:
+        """Receive the named tensors from rank 0 (`/update_weights_from_distributed`).
+
+        `load_format` None: one broadcast per full HF tensor (SGLang's own path); the reference engine
+        also accepts "miles_lite_shard": one point-to-point buffer holding exactly this engine's shards.
+        """
+        body: dict[str, Any] = {
+            "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+            "weight_version": weight_version, "flush_cache": flush_cache,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        await self._post_checked("/update_weights_from_distributed", body, self.request_timeout_s)
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        """Leave the weight-update group (`/destroy_weights_update_group`)."""
+        await self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def update_weights_from_tensor(
+        self, serialized_named_tensors: list[str], load_format: str | None, weight_version: str,
+        flush_cache: bool = True,
+    ) -> None:
+        """`/update_weights_from_tensor`: one serialized payload per engine TP rank.
+
+        SGLang takes `MultiprocessingSerializer.serialize(named_tensors, output_str=True)` strings; the reference
+        engine takes `reference_model.serialize_named_tensors` strings.
+        """
+        await self._post_checked("/update_weights_from_tensor", {
+            "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
+            "weight_version": weight_version, "flush_cache": flush_cache,
+        }, self.request_timeout_s)
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
+        """The first `truncate_size` rows of a parameter (`/get_weights_by_name`)."""
+        return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size},
+                                   self.control_timeout_s)
+
+    async def close(self) -> None:
+        """Release the client's connections (does not stop the server)."""
+        if self._session is not None and self._session_loop is asyncio.get_running_loop():
+            await self._session.close()
+        self._session = None
+        self._session_loop = None

@@ -1,0 +1,106 @@
+"""`EngineLauncher`: start and stop engine i of the configured kind; the fleet calls it to replace dead engines.
+
+Both kinds are server processes speaking SGLang's HTTP API, launched through `EngineProcess` and reached
+through `HttpEngine`; they differ only in the command line:
+
+- `reference`: `python -m miles_lite.rollout.reference_engine`, on a socket the launcher binds (no port race),
+  `rollout.reference_args` as flags, and a distinct sampling seed per engine index;
+- `sglang`: `python -m sglang.launch_server` with `rollout.sglang_args` passed through, `--tp-size` from
+  `rollout.engine_tp`, and `--base-gpu-id index * engine_tp` unless `sglang_args` sets `base_gpu_id` (on a Ray
+  placement group each engine sees only its own GPUs: set `base_gpu_id: 0` there).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from miles_lite.config.schema import RolloutConfig
+from miles_lite.rollout.http_client import HttpEngine
+from miles_lite.rollout.process import CommandFactory, EngineProcess
+from miles_lite.rollout.reference_engine import build_reference_command
+from miles_lite.rollout.sglang_engine import build_sglang_command, check_sglang_command
+
+BACKENDS = ("reference", "sglang")
+
+
+@dataclass
+class LaunchedEngine:
+    """A started engine: its process (lifecycle) and its client (the RolloutEngine)."""
+
+    index: int
+    process: EngineProcess
+    client: HttpEngine
+
+
+class EngineLauncher:
+    """Builds, starts and stops engine servers for one rollout configuration."""
+
+    def __init__(self, rollout: RolloutConfig, model_path: str, log_dir: str, host: str = "127.0.0.1",
+                 python: str = sys.executable, env: Mapping[str, str] | None = None) -> None:
+        if rollout.backend not in BACKENDS:
+            raise ValueError(f"rollout.backend={rollout.backend!r} is not one of {BACKENDS}")
+        if not model_path or not os.path.isdir(model_path):
+            raise ValueError(f"engine model path {model_path!r} is not a directory; set model.hf_path or save the "
+                             "initial weights as an HF directory first")
+        self.rollout = rollout
+        self.model_path = model_path
+        self.log_dir = log_dir
+        self.host = host
+        self.python = python
+        self.env = dict(env) if env is not None else None
+        self._attempts: dict[int, int] = {}
+
+    def engine_id(self, index: int) -> str:
+        """The id of engine `index` (stable across replacements)."""
+        return f"{self.rollout.backend}-{index}"
+
+    def command_factory(self, index: int) -> CommandFactory:
+        """(port, inherited socket fd) -> argv of engine `index`; validates the configuration up front."""
+        if self.rollout.backend == "reference":
+            args = dict(self.rollout.reference_args)
+            args.setdefault("seed", index)
+            build_reference_command(self.model_path, 0, args, python=self.python)  # raises on bad keys now
+
+            def reference(port: int, fd: int | None) -> list[str]:
+                return build_reference_command(self.model_path, port, args, listen_fd=fd, host=self.host,
+                                               python=self.python)
+
+            return reference
+        args = dict(self.rollout.sglang_args)
+        args.setdefault("base_gpu_id", index * self.rollout.engine_tp)
+        check_sglang_command(build_sglang_command(self.model_path, 0, self.rollout.engine_tp, args,
+                                                  python=self.python))
+
+        def sglang(port: int, fd: int | None) -> list[str]:
+            return build_sglang_command(self.model_path, port, self.rollout.engine_tp, args, host=self.host,
+                                        python=self.python)
+
+        return sglang
+
+    def create(self, index: int) -> EngineProcess:
+        """A not-yet-started process for engine `index`, logging to `log_dir/<id>.<attempt>.log`."""
+        attempt = self._attempts.get(index, 0)
+        self._attempts[index] = attempt + 1
+        log_path = os.path.join(self.log_dir, f"{self.engine_id(index)}.{attempt}.log")
+        return EngineProcess(self.engine_id(index), self.command_factory(index), log_path, host=self.host,
+                             pass_socket=self.rollout.backend == "reference", env=self.env)
+
+    async def start(self, index: int) -> LaunchedEngine:
+        """Start engine `index` and wait until it generates; raises EngineStartError with the log tail."""
+        process = self.create(index)
+        process.start()
+        try:
+            await process.wait_ready_async(self.rollout.startup_timeout_s)
+        except BaseException:
+            await process.stop_async()
+            raise
+        client = HttpEngine(self.engine_id(index), process.url, request_timeout_s=self.rollout.request_timeout_s)
+        return LaunchedEngine(index, process, client)
+
+    async def stop(self, engine: LaunchedEngine, grace_s: float = 10.0) -> int | None:
+        """Close the client and stop the server's process group; returns its exit code."""
+        await engine.client.close()
+        return await engine.process.stop_async(grace_s)

@@ -1,0 +1,422 @@
+"""RolloutManager: sample groups of completions over the engine fleet, surviving engine faults.
+
+Each (prompt, sample) pair is a *slot* filled exactly once by one task. The task reserves the
+healthy engine with the fewest outstanding requests, sends the request, and on an error or a
+timeout re-sends it to another engine (at most `fault_tolerance.request_retries` times), so a dead
+engine costs latency, never a completion. A request that comes back aborted keeps its partial
+tokens; the slot later continues from prompt + partial tokens (possibly under newer weights, which
+the sample's `weight_version` records as "3+4").
+
+Lifecycle of one manager: IDLE -> RUNNING (one `generate_groups` call) -> IDLE, or
+RUNNING -> ABORTING -> IDLE when `abort()` stops the call for a weight update: the call then
+returns the groups already complete and keeps the others, partial outputs included, to finish
+first in the next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+import math
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.rollout.fleet import EngineFleet, EngineLease
+from miles_lite.rollout.prompt_spec import PromptLike, PromptSpec, as_prompt_spec, sampling_from_config
+from miles_lite.types import Generation, Group, Sample, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Joins the weight versions (and engine ids) that produced one completion's tokens.
+MIXED_SEPARATOR = "+"
+
+# How HttpEngine reports an answer "400 Bad Request"-like: the request, not the engine, is at fault.
+_BAD_REQUEST = re.compile(r"HTTP (?:400|404|405|413|422)\b")
+
+Scorer = Callable[[list[Group]], None]
+PromptSource = Callable[[int], Sequence[PromptLike]]
+
+
+class ManagerState(enum.Enum):
+    IDLE = "idle"
+    RUNNING = "running"
+    ABORTING = "aborting"
+
+
+class RolloutError(RuntimeError):
+    """A completion could not be produced within the retry budget."""
+
+
+@dataclass
+class RolloutStats:
+    """What one `generate_groups` call did. Times in seconds, tokens counted as generated ids."""
+
+    requests: int = 0
+    tokens_generated: int = 0
+    wall_s: float = 0.0
+    latencies_s: list[float] = field(default_factory=list)
+    retries: int = 0
+    engines_used: dict[str, int] = field(default_factory=dict)
+    sampling_rounds: int = 0
+    dropped_groups: int = 0
+    resumed_partials: int = 0
+    aborted: bool = False
+    carried_groups: int = 0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_generated / self.wall_s if self.wall_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """Scalar summary for metrics (latency as mean and max)."""
+        lat = self.latencies_s
+        return {
+            "requests": float(self.requests),
+            "tokens_generated": float(self.tokens_generated),
+            "tokens_per_s": self.tokens_per_s,
+            "wall_s": self.wall_s,
+            "latency_mean_s": sum(lat) / len(lat) if lat else 0.0,
+            "latency_max_s": max(lat, default=0.0),
+            "retries": float(self.retries),
+            "engines_used": float(len(self.engines_used)),
+            "sampling_rounds": float(self.sampling_rounds),
+            "dropped_groups": float(self.dropped_groups),
+            "resumed_partials": float(self.resumed_partials),
+            "aborted": float(self.aborted),
+            "carried_groups": float(self.carried_groups),
+        }
+
+
+@dataclass
+class _Slot:
+    """One completion being produced: tokens so far and where they came from."""
+
+    sample_index: int
+    seed: int | None
+    response_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)
+    engines: list[str] = field(default_factory=list)
+    failed_on: set[str] = field(default_factory=set)
+    failures: int = 0
+    finish_reason: str = ""
+    done: bool = False
+    in_request: bool = False
+
+    def append(self, gen: Generation) -> None:
+        self.response_ids.extend(gen.output_ids)
+        self.logprobs.extend(gen.output_logprobs)
+        self.versions.append(gen.weight_version)
+        self.engines.append(gen.engine_id)
+        self.finish_reason = gen.finish_reason
+
+
+@dataclass
+class _PendingGroup:
+    spec: PromptSpec
+    sampling: SamplingParams
+    slots: list[_Slot]
+
+    @property
+    def complete(self) -> bool:
+        return all(s.done for s in self.slots)
+
+
+def _joined(values: Sequence[str]) -> str:
+    return MIXED_SEPARATOR.join(dict.fromkeys(v for v in values if v))
+
+
+def is_mixed_version(sample: Sample) -> bool:
+    """Whether a completion's tokens came from more than one weight version (a resumed partial)."""
+    return MIXED_SEPARATOR in sample.weight_version
+
+
+def _slot_seed(base: int | None, prompt_index: int, sample_index: int) -> int | None:
+    # Distinct seeds per sample, else every sample of a seeded group would be identical.
+    if base is None:
+        return None
+    return (base * 1_000_003 + prompt_index * 10_007 + sample_index) % (2**31 - 1)
+
+
+class RolloutManager:
+    """Fans groups of samples over the fleet's healthy engines; see the module docstring."""
+
+    def __init__(
+        self,
+        fleet: EngineFleet,
+        rollout_cfg: RolloutConfig,
+        ft_cfg: FaultToleranceConfig,
+        *,
+        decode: Callable[[list[int]], str] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        seed: int | None = None,
+    ) -> None:
+        """`decode` turns response ids into text for rewards and the table (None: text stays "").
+
+        `stop_token_ids` (e.g. the tokenizer's EOS) and `seed` go into the default sampling params.
+        """
+        if ft_cfg.request_retries < 0:
+            raise ValueError(f"fault_tolerance.request_retries must be >= 0, got {ft_cfg.request_retries}")
+        if rollout_cfg.request_timeout_s <= 0:
+            raise ValueError(f"rollout.request_timeout_s must be > 0, got {rollout_cfg.request_timeout_s}")
+        if rollout_cfg.max_sampling_rounds < 1:
+            raise ValueError(f"rollout.max_sampling_rounds must be >= 1, got {rollout_cfg.max_sampling_rounds}")
+        self.fleet = fleet
+        self.cfg = rollout_cfg
+        self.ft = ft_cfg
+        self.decode = decode
+        self.default_sampling = sampling_from_config(rollout_cfg, stop_token_ids=stop_token_ids, seed=seed)
+        self.state = ManagerState.IDLE
+        self.last_stats = RolloutStats()
+        self._carry: list[_PendingGroup] = []
+        self._tasks: dict[asyncio.Task[None], _Slot] = {}
+        self._idle: asyncio.Event | None = None
+        self._calls = 0
+        self._request_ids = itertools.count()
+
+    @property
+    def pending_groups(self) -> int:
+        """Groups kept by an abort; the next `generate_groups` call finishes them first."""
+        return len(self._carry)
+
+    # ------------------------------------------------------------------ public API
+
+    async def generate_groups(
+        self,
+        prompts: Sequence[PromptLike],
+        group_size: int | None = None,
+        sampling: SamplingParams | None = None,
+        *,
+        scorer: Scorer | None = None,
+        more_prompts: PromptSource | None = None,
+    ) -> list[Group]:
+        """Sample `group_size` completions for each prompt; returns one complete `Group` per prompt.
+
+        Groups carried over from an aborted call come first, then the new prompts in order. With
+        `scorer`, every group is scored (it fills `sample.rewards`) before it is returned. With
+        `rollout.dynamic_sampling`, zero-std groups are dropped and `more_prompts(n)` is asked for
+        new prompts, for up to `rollout.max_sampling_rounds` rounds; at most as many groups as were
+        asked for are returned (fewer if the rounds run out). If `abort()` interrupts the call, only
+        the groups complete by then are returned. Stats of the call: `self.last_stats`.
+        """
+        if self.state is not ManagerState.IDLE:
+            raise RuntimeError(f"generate_groups called while the manager is {self.state.value}; one call at a time")
+        group_size = self.cfg.group_size if group_size is None else group_size
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size}")
+        sampling = sampling or self.default_sampling
+        if self.cfg.dynamic_sampling and (scorer is None or more_prompts is None):
+            raise ValueError("rollout.dynamic_sampling needs scorer= and more_prompts= (to score and refill groups)")
+        self.state = ManagerState.RUNNING
+        self._idle = asyncio.Event()
+        self._calls += 1
+        stats = self.last_stats = RolloutStats()
+        start = time.monotonic()
+        try:
+            batch = self._carry + self._new_groups(prompts, group_size, sampling)
+            self._carry = []
+            return await self._sample_rounds(batch, group_size, sampling, scorer, more_prompts, stats)
+        finally:
+            stats.wall_s = time.monotonic() - start
+            stats.carried_groups = len(self._carry)
+            self.state = ManagerState.IDLE
+            self._idle.set()
+
+    async def abort(self, timeout_s: float = 60.0) -> None:
+        """Stop the running `generate_groups` call (e.g. for a weight update) and wait until it returns.
+
+        In-flight requests are aborted on the engines; their partial tokens are kept and the slots
+        resume in the next call. A no-op when no call runs. Raises `RolloutError` if the call has
+        not returned within `timeout_s`.
+        """
+        if self.state is ManagerState.IDLE or self._idle is None:
+            return
+        self.state = ManagerState.ABORTING
+        self.last_stats.aborted = True
+        # Slots still waiting for an engine hold no request: stop them right away.
+        for task, slot in list(self._tasks.items()):
+            if not slot.in_request:
+                task.cancel()
+        deadline = time.monotonic() + timeout_s
+        while not self._idle.is_set():
+            busy = [r.engine for r in self.fleet.records if r.inflight > 0]
+            await asyncio.gather(*(self._abort_engine(e) for e in busy))
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RolloutError(f"rollout did not stop within {timeout_s:.1f}s of abort()")
+            # Re-send the abort while waiting: a request may reach its engine after the first one.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), min(1.0, left))
+
+    async def _abort_engine(self, engine: object) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(engine.abort(None), self.ft.health_timeout_s)  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- sampling rounds
+
+    def _new_groups(self, prompts: Sequence[PromptLike], group_size: int, sampling: SamplingParams
+                    ) -> list[_PendingGroup]:
+        groups = []
+        for item in prompts:
+            spec = as_prompt_spec(item)
+            slots = [_Slot(j, _slot_seed(sampling.seed, spec.prompt_index, j)) for j in range(group_size)]
+            groups.append(_PendingGroup(spec, sampling, slots))
+        return groups
+
+    async def _sample_rounds(
+        self, batch: list[_PendingGroup], group_size: int, sampling: SamplingParams,
+        scorer: Scorer | None, more_prompts: PromptSource | None, stats: RolloutStats,
+    ) -> list[Group]:
+        target = len(batch)
+        kept: list[Group] = []
+        seen = 0
+        while True:
+            stats.sampling_rounds += 1
+            await self._run_slots(batch, stats)
+            done = [g for g in batch if g.complete]
+            self._carry.extend(g for g in batch if not g.complete)
+            groups = [self._to_group(g) for g in done]
+            if scorer is not None and groups:
+                scorer(groups)
+            seen += len(groups)
+            if self.cfg.dynamic_sampling:
+                signal = [g for g in groups if not g.is_zero_signal]
+                stats.dropped_groups += len(groups) - len(signal)
+                kept.extend(signal)
+            else:
+                kept.extend(groups)
+            if (not self.cfg.dynamic_sampling or self.state is ManagerState.ABORTING or len(kept) >= target
+                    or stats.sampling_rounds >= self.cfg.max_sampling_rounds or more_prompts is None):
+                break
+            # Over-sample by the observed keep rate (at least 1/4) so one more round likely fills the batch.
+            keep_rate = max(len(kept) / seen if seen else 1.0, 0.25)
+            wanted = math.ceil((target - len(kept)) / keep_rate)
+            batch = self._new_groups(more_prompts(wanted), group_size, sampling)
+            if not batch:
+                break
+        return kept[:target] if self.cfg.dynamic_sampling else kept
+
+    async def _run_slots(self, groups: list[_PendingGroup], stats: RolloutStats) -> None:
+        tasks = {}
+        for group in groups:
+            for slot in group.slots:
+                if not slot.done:
+                    task = asyncio.ensure_future(self._fill_slot(group, slot, stats))
+                    tasks[task] = slot
+        self._tasks = tasks
+        try:
+            if not tasks:
+                return
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t for t in done if not t.cancelled() and t.exception() is not None]
+            if failed:
+                for task in pending:
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+                raise failed[0].exception()  # type: ignore[misc]
+        finally:
+            self._tasks = {}
+
+    # -------------------------------------------------------------------- one slot
+
+    async def _fill_slot(self, group: _PendingGroup, slot: _Slot, stats: RolloutStats) -> None:
+        spec = group.spec
+        while not slot.done and self.state is ManagerState.RUNNING:
+            remaining = group.sampling.max_new_tokens - len(slot.response_ids)
+            if remaining <= 0:  # a resumed partial that already used its whole budget
+                slot.finish_reason, slot.done = "length", True
+                return
+            if slot.finish_reason == "abort":
+                stats.resumed_partials += 1
+            lease = await self.fleet.acquire(frozenset(slot.failed_on), timeout_s=self.cfg.request_timeout_s)
+            slot.in_request = True
+            try:
+                if self.state is not ManagerState.RUNNING:
+                    await self.fleet.release(lease, ok=False)
+                    return
+                await self._request(spec, group.sampling, slot, lease, remaining, stats)
+            finally:
+                slot.in_request = False
+
+    async def _request(self, spec: PromptSpec, sampling: SamplingParams, slot: _Slot, lease: EngineLease,
+                       remaining: int, stats: RolloutStats) -> None:
+        """One request for `slot` on `lease`'s engine; updates the slot, the fleet and the stats."""
+        params = replace(sampling, max_new_tokens=remaining, seed=slot.seed)
+        # The counter keeps ids unique even when one prompt appears twice in a call.
+        rid = f"r{self._calls}-p{spec.prompt_index}-s{slot.sample_index}-{next(self._request_ids)}"
+        started = time.monotonic()
+        try:
+            gen = await asyncio.wait_for(
+                lease.engine.generate(list(spec.prompt_ids) + slot.response_ids, params, rid=rid),
+                self.cfg.request_timeout_s,
+            )
+            if len(gen.output_ids) != len(gen.output_logprobs):
+                raise ValueError(f"{len(gen.output_ids)} output ids but {len(gen.output_logprobs)} logprobs")
+            if gen.finish_reason == "abort" and not gen.output_ids and self.state is ManagerState.RUNNING:
+                raise RuntimeError("request aborted by the engine before producing any token")
+        except asyncio.CancelledError:
+            await asyncio.shield(self.fleet.release(lease, ok=False))
+            raise
+        except Exception as exc:  # connection refused/reset, HTTP error, timeout, malformed answer
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            if _BAD_REQUEST.search(str(exc)):
+                # The engine refused the request itself (4xx): every engine would; blame none, stop now.
+                await self.fleet.release(lease, ok=False)
+                raise RolloutError(f"prompt {spec.prompt_index} was rejected by {lease.engine_id} ({error}); "
+                                   "fix the request (prompt length, sampling params)") from exc
+            await self.fleet.release(lease, ok=False, error=error)
+            if isinstance(exc, TimeoutError):
+                asyncio.ensure_future(self._abort_rid(lease, rid))
+            self._record_failure(spec, slot, lease.engine_id, error, stats)
+            return
+        await self.fleet.release(lease, ok=True)
+        stats.requests += 1
+        stats.latencies_s.append(time.monotonic() - started)
+        stats.tokens_generated += len(gen.output_ids)
+        stats.engines_used[lease.engine_id] = stats.engines_used.get(lease.engine_id, 0) + 1
+        if gen.output_ids or gen.finish_reason != "abort":
+            # An abort that produced nothing leaves no trace (its version did not write any token).
+            slot.append(replace(gen, engine_id=gen.engine_id or lease.engine_id))
+        if gen.finish_reason != "abort":
+            slot.done = True
+
+    def _record_failure(self, spec: PromptSpec, slot: _Slot, engine_id: str, error: str, stats: RolloutStats) -> None:
+        slot.failures += 1
+        slot.failed_on.add(engine_id)
+        logger.warning("prompt %d sample %d failed on %s (%d/%d): %s", spec.prompt_index, slot.sample_index,
+                       engine_id, slot.failures, self.ft.request_retries, error)
+        if slot.failures > self.ft.request_retries:
+            raise RolloutError(
+                f"prompt {spec.prompt_index} sample {slot.sample_index} failed {slot.failures} times "
+                f"(fault_tolerance.request_retries={self.ft.request_retries}); last error on {engine_id}: {error}"
+            )
+        stats.retries += 1
+        self.fleet.record_retry()
+
+    async def _abort_rid(self, lease: EngineLease, rid: str) -> None:
+        # Best effort: free the engine from a request nobody waits for any more.
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(lease.engine.abort(rid), self.ft.health_timeout_s)
+
+    def _to_group(self, pending: _PendingGroup) -> Group:
+        spec = pending.spec
+        samples = []
+        for slot in pending.slots:
+            samples.append(Sample(
+                prompt_index=spec.prompt_index,
+                prompt_ids=list(spec.prompt_ids),
+                response_ids=list(slot.response_ids),
+                rollout_logprobs=list(slot.logprobs),
+                response_text=self.decode(list(slot.response_ids)) if self.decode else "",
+                finish_reason=slot.finish_reason,
+                engine_id=_joined(slot.engines),
+                weight_version=_joined(slot.versions),
+            ))
+        return Group(prompt_index=spec.prompt_index, prompt_text=spec.prompt_text, question=spec.question,
+                     answer=spec.answer, steps=spec.steps, samples=samples)

@@ -1,0 +1,226 @@
+"""One engine server as a child process: spawn, readiness, liveness and shutdown, with explicit states.
+
+    created -> starting -> ready -> stopping -> stopped
+                  |          |                   ^
+                  +----------+-----> failed -----+
+
+The child runs in its own session (`start_new_session=True`), so `stop()` signals its whole process group
+(SGLang's scheduler and detokenizer children included): SIGTERM, a grace period, then SIGKILL. Output goes
+to a log file whose tail is attached to every startup error.
+
+Ports without races: when the server can take an inherited socket (the reference engine's `--listen-fd`),
+the parent binds port 0 itself and passes the bound socket, so no other process can take the port in
+between. Servers that must bind by number (SGLang) get a port probed free just before spawning; if the
+child still dies with "address already in use" in its log, it is respawned on a fresh port, up to
+`port_retries` times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
+
+# (port, fd of an inherited bound socket or None) -> argv of the server.
+CommandFactory = Callable[[int, int | None], list[str]]
+
+_PORT_CLASH = ("address already in use", "errno 98", "eaddrinuse")
+
+
+class EngineState(enum.Enum):
+    CREATED = "created"
+    STARTING = "starting"
+    READY = "ready"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
+    FAILED = "failed"
+
+
+_TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
+    EngineState.CREATED: frozenset({EngineState.STARTING, EngineState.STOPPED}),
+    EngineState.STARTING: frozenset({EngineState.READY, EngineState.FAILED, EngineState.STOPPING}),
+    EngineState.READY: frozenset({EngineState.STOPPING, EngineState.FAILED}),
+    EngineState.FAILED: frozenset({EngineState.STOPPING, EngineState.STOPPED}),
+    EngineState.STOPPING: frozenset({EngineState.STOPPED}),
+    EngineState.STOPPED: frozenset(),
+}
+
+
+class EngineStartError(RuntimeError):
+    """The server exited or did not become healthy in time; the message carries its log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free a moment ago (probe by binding port 0)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class EngineProcess:
+    """A server child process with a state machine; `url` is its HTTP base address once started."""
+
+    def __init__(self, name: str, command: CommandFactory, log_path: str, host: str = "127.0.0.1",
+                 pass_socket: bool = False, env: Mapping[str, str] | None = None, port_retries: int = 3) -> None:
+        self.name = name
+        self._command = command
+        self.log_path = log_path
+        self.host = host
+        self._pass_socket = pass_socket
+        self._env = dict(env) if env is not None else None
+        self._port_retries = port_retries
+        self._proc: subprocess.Popen | None = None
+        self._state = EngineState.CREATED
+        self.port: int | None = None
+        self.failure: str | None = None
+
+    # ---- state -----------------------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        return self._state
+
+    def _to(self, new: EngineState) -> None:
+        if new not in _TRANSITIONS[self._state]:
+            raise RuntimeError(f"engine {self.name}: illegal transition {self._state.value} -> {new.value}")
+        self._state = new
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc is not None else None
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"engine {self.name} has no URL before start()")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.poll() if self._proc is not None else None
+
+    def alive(self) -> bool:
+        """True while the child runs; a READY engine whose child exited becomes FAILED."""
+        running = self._proc is not None and self._proc.poll() is None
+        if not running and self._state is EngineState.READY:
+            self.failure = f"exited with code {self.returncode}"
+            self._to(EngineState.FAILED)
+        return running
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last `lines` lines of the server log."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-lines:])
+        except FileNotFoundError:
+            return "<no log>"
+
+    # ---- start -----------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Spawn the server (non-blocking); then call `wait_ready`."""
+        self._to(EngineState.STARTING)
+        self._spawn()
+
+    def _spawn(self) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(self.log_path)), exist_ok=True)
+        sock: socket.socket | None = None
+        if self._pass_socket:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self.host, 0))
+            self.port = int(sock.getsockname()[1])
+        else:
+            self.port = free_port(self.host)
+        fd = sock.fileno() if sock is not None else None
+        argv = self._command(self.port, fd)
+        env = {**os.environ, **self._env} if self._env is not None else None
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(argv)}\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True, env=env, pass_fds=(fd,) if fd is not None else ())
+        if sock is not None:
+            sock.close()  # the child holds its own copy
+
+    def _health(self, timeout_s: float) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}/health_generate", timeout=timeout_s) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError, TimeoutError):
+            return False
+
+    def wait_ready(self, timeout_s: float, poll_interval_s: float = 0.5) -> None:
+        """Poll `/health_generate` until 200; raise EngineStartError (with the log tail) on exit or timeout."""
+        if self._state is not EngineState.STARTING:
+            raise RuntimeError(f"engine {self.name}: wait_ready in state {self._state.value}")
+        deadline = time.monotonic() + timeout_s
+        retries = self._port_retries
+        while True:
+            code = self.returncode
+            if code is not None:
+                tail = self.log_tail()
+                if retries > 0 and not self._pass_socket and any(m in tail.lower() for m in _PORT_CLASH):
+                    retries -= 1
+                    self._spawn()  # lost a race for the probed port: try a fresh one
+                    continue
+                self._fail(f"engine {self.name} exited with code {code} during startup; log {self.log_path}:\n{tail}")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self._fail(f"engine {self.name} not healthy after {timeout_s:.0f}s (pid {self.pid}); "
+                           f"log {self.log_path}:\n{self.log_tail()}")
+            if self._health(min(max(remaining, 0.1), 30.0)):
+                self._to(EngineState.READY)
+                return
+            time.sleep(min(poll_interval_s, max(deadline - time.monotonic(), 0.0)))
+
+    async def wait_ready_async(self, timeout_s: float, poll_interval_s: float = 0.5) -> None:
+        """`wait_ready` on a worker thread, for callers on an event loop."""
+        await asyncio.to_thread(self.wait_ready, timeout_s, poll_interval_s)
+
+    def _fail(self, message: str) -> None:
+        self.failure = message
+        self._to(EngineState.FAILED)
+        raise EngineStartError(message)
+
+    # ---- stop ------------------------------------------------------------------------------------------------
+
+    def stop(self, grace_s: float = 10.0) -> int | None:
+        """SIGTERM the process group, wait `grace_s`, then SIGKILL whatever is left; returns the exit code."""
+        if self._state is EngineState.STOPPED:
+            return self.returncode
+        if self._state is EngineState.CREATED:
+            self._to(EngineState.STOPPED)
+            return None
+        if self._state is not EngineState.STOPPING:
+            self._to(EngineState.STOPPING)
+        assert self._proc is not None
+        pgid = self._proc.pid  # session leader: its pid is the group id
+        _signal_group(pgid, signal.SIGTERM)
+        try:
+            self._proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        # Children that outlive the leader (or a leader that ignored SIGTERM) are killed.
+        _signal_group(pgid, signal.SIGKILL)
+        self._proc.wait()
+        self._to(EngineState.STOPPED)
+        return self._proc.returncode
+
+    async def stop_async(self, grace_s: float = 10.0) -> int | None:
+        """`stop` on a worker thread."""
+        return await asyncio.to_thread(self.stop, grace_s)
+
+
+def _signal_group(pgid: int, sig: signal.Signals) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass

@@ -1,0 +1,140 @@
+"""The CPU reference engine: an HF transformers model behind SGLang 0.5.10's HTTP API.
+
+Run as `python -m miles_lite.rollout.reference_engine --model-path DIR --port N` (or `miles-lite engine`).
+It serves token ids in, token ids + logprobs out, with continuous batching (`reference_scheduler.py`), weight
+updates from disk, from serialized tensors and over a torch.distributed group (`reference_server.py`).
+`reference_args` of the rollout config map to its flags (`max_batch_size` -> `--max-batch-size`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from aiohttp import web
+
+from miles_lite.rollout.reference_server import FAIL_MODES, ReferenceServer, ServerOptions
+
+log = logging.getLogger("miles_lite.reference_engine")
+
+# reference_args keys (rollout config) -> (flag, kind); kind "bool" is a bare flag.
+REFERENCE_ARGS: dict[str, tuple[str, str]] = {
+    "max_batch_size": ("--max-batch-size", "value"),
+    "threads": ("--threads", "value"),
+    "dtype": ("--dtype", "value"),
+    "seed": ("--seed", "value"),
+    "weight_version": ("--weight-version", "value"),
+    "drop_weight_updates": ("--drop-weight-updates", "bool"),
+    "fail_mode": ("--fail-mode", "value"),
+    "fail_after": ("--fail-after", "value"),
+    "return_original_logprob": ("--return-original-logprob", "bool"),
+    "group_timeout_s": ("--group-timeout-s", "value"),
+}
+
+
+def add_reference_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the reference engine's flags to `parser`."""
+    parser.add_argument("--model-path", required=True, help="HF model directory (config.json + *.safetensors)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--listen-fd", type=int, default=None,
+                        help="serve on this inherited, already bound socket instead of host:port")
+    parser.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16")
+    parser.add_argument("--max-batch-size", type=int, default=64, help="requests decoded together at most")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--seed", type=int, default=0, help="seed of requests without sampling_seed")
+    parser.add_argument("--weight-version", default="default")
+    parser.add_argument("--drop-weight-updates", action="store_true",
+                        help="debug: acknowledge weight updates but keep the old weights")
+    parser.add_argument("--fail-mode", default="none", choices=FAIL_MODES,
+                        help="fault injection after --fail-after generate requests: hang or answer 500")
+    parser.add_argument("--fail-after", type=int, default=0)
+    parser.add_argument("--return-original-logprob", action="store_true",
+                        help="report logprobs before temperature scaling (SGLANG_RETURN_ORIGINAL_LOGPROB=1)")
+    parser.add_argument("--group-timeout-s", type=float, default=600.0,
+                        help="timeout of the weight-update group rendezvous and collectives")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def reference_flags(reference_args: Mapping[str, Any]) -> list[str]:
+    """Flags for `rollout.reference_args`; raises ValueError naming an unknown key."""
+    flags: list[str] = []
+    for key, value in reference_args.items():
+        if key not in REFERENCE_ARGS:
+            raise ValueError(f"rollout.reference_args.{key} is not a reference engine option; "
+                             f"known: {sorted(REFERENCE_ARGS)}")
+        flag, kind = REFERENCE_ARGS[key]
+        if kind == "bool":
+            if not isinstance(value, bool):
+                raise ValueError(f"rollout.reference_args.{key} must be true or false, got {value!r}")
+            if value:
+                flags.append(flag)
+        elif value is not None:
+            flags += [flag, str(value)]
+    return flags
+
+
+def build_reference_command(model_path: str, port: int, reference_args: Mapping[str, Any],
+                            listen_fd: int | None = None, host: str = "127.0.0.1",
+                            python: str = sys.executable) -> list[str]:
+    """The command line of one reference engine server listening on `host:port` (or on `listen_fd`)."""
+    cmd = [python, "-m", "miles_lite.rollout.reference_engine", "--model-path", model_path,
+           "--host", host, "--port", str(port)]
+    if listen_fd is not None:
+        cmd += ["--listen-fd", str(listen_fd)]
+    return cmd + reference_flags(reference_args)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    """Load the model, serve until SIGTERM/SIGINT, then shut down cleanly."""
+    torch.set_num_threads(max(1, args.threads))
+    torch.manual_seed(args.seed)
+    server = ReferenceServer(ServerOptions(
+        model_path=args.model_path, dtype=args.dtype, max_batch_size=args.max_batch_size,
+        weight_version=args.weight_version, drop_weight_updates=args.drop_weight_updates,
+        fail_mode=args.fail_mode, fail_after=args.fail_after,
+        return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s,
+    ))
+    # Shutdown aborts every request first, so handlers finish quickly; 5 s bounds stragglers.
+    runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    await runner.setup()
+    if args.listen_fd is not None:
+        site: web.BaseSite = web.SockSite(runner, socket.socket(fileno=args.listen_fd))
+    else:
+        site = web.TCPSite(runner, args.host, args.port)
+    await site.start()
+    log.info("reference engine serving %s on %s (weight_version=%s)", args.model_path, site.name,
+             server.weight_version)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("reference engine shutting down")
+    await runner.cleanup()
+    log.info("reference engine stopped")
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Serve with parsed arguments; returns the process exit code."""
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(args))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m miles_lite.rollout.reference_engine`."""
+    parser = argparse.ArgumentParser(prog="miles_lite.rollout.reference_engine", description=__doc__)
+    add_reference_arguments(parser)
+    return run_from_args(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""The reference engine's HTTP server: SGLang 0.5.10's native API subset over aiohttp.
+
+Routes, payloads and answers follow SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`:
+failures of weight calls answer 400 with {"success": false, "message": ...}, bad requests answer 400 with
+{"error": {"message": ...}}. Test-only behaviour: `drop_weight_updates` acknowledges weight updates (and
+bumps the version) but keeps the old weights; `fail_mode` hang/error stops answering or answers 500 to
+`/generate` and `/health_generate` once `fail_after` generate requests have been served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from miles_lite.rollout.reference_model import ReferenceModel, deserialize_named_tensors
+from miles_lite.rollout.reference_sampling import RequestSampling
+from miles_lite.rollout.reference_scheduler import GenRequest, PauseMode, Scheduler
+from miles_lite.rollout.weight_group import broadcast_receive, init_custom_process_group
+from miles_lite.weight_sync.distributed import receive_shards
+from miles_lite.weight_sync.sglang_payloads import SHARD_LOAD_FORMAT
+
+log = logging.getLogger("miles_lite.reference_engine")
+
+FAIL_MODES = ("none", "hang", "error")
+
+
+@dataclass
+class ServerOptions:
+    """Everything the reference server is started with (see `reference_engine.add_reference_arguments`)."""
+
+    model_path: str
+    dtype: str = "float32"
+    max_batch_size: int = 64
+    weight_version: str = "default"
+    drop_weight_updates: bool = False
+    fail_mode: str = "none"
+    fail_after: int = 0
+    return_original_logprob: bool = False
+    group_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.fail_mode not in FAIL_MODES:
+            raise ValueError(f"--fail-mode {self.fail_mode!r} is not one of {FAIL_MODES}")
+        if self.fail_after < 0:
+            raise ValueError(f"--fail-after must be >= 0, got {self.fail_after}")
+
+
+def _error(message: str, status: int = 400) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+def _result(success: bool, message: str, **extra: Any) -> web.Response:
+    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if not request.can_read_body:
+        return dict(request.query)
+    data = await request.json()
+    if not isinstance(data, dict):
+        raise ValueError("the request body must be a JSON object")
+    return data
+
+
+class ReferenceServer:
+    """The aiohttp application around one `ReferenceModel` and its `Scheduler`."""
+
+    def __init__(self, opts: ServerOptions) -> None:
+        self.opts = opts
+        self.model = ReferenceModel(opts.model_path, opts.dtype)
+        self.tokenizer = _load_tokenizer(opts.model_path)
+        self.weight_version = opts.weight_version
+        self.scheduler = Scheduler(self.model, opts.max_batch_size, lambda: self.weight_version, self.tokenizer,
+                                   opts.return_original_logprob)
+        self.groups: dict[str, Any] = {}
+        self._generate_count = 0
+        self._hang = asyncio.Event()  # set only at shutdown: what a hung engine waits on
+        self.app = web.Application(client_max_size=1 << 30)
+        self.app.on_startup.append(self._on_startup)
+        self.app.on_shutdown.append(self._on_shutdown)
+        self.app.on_cleanup.append(self._on_cleanup)
+        routes = [
+            ("*", "/generate", self.generate), ("GET", "/health", self.health_generate),
+            ("GET", "/health_generate", self.health_generate), ("GET", "/model_info", self.model_info),
+            ("GET", "/get_model_info", self.model_info), ("GET", "/server_info", self.server_info),
+            ("GET", "/get_server_info", self.server_info), ("GET", "/get_load", self.get_load),
+            ("*", "/flush_cache", self.flush_cache), ("POST", "/pause_generation", self.pause_generation),
+            ("POST", "/continue_generation", self.continue_generation), ("POST", "/abort_request", self.abort_request),
+            ("POST", "/update_weight_version", self.update_weight_version),
+            ("POST", "/update_weights_from_disk", self.update_weights_from_disk),
+            ("POST", "/update_weights_from_tensor", self.update_weights_from_tensor),
+            ("POST", "/init_weights_update_group", self.init_weights_update_group),
+            ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
+            ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
+            ("*", "/get_weights_by_name", self.get_weights_by_name),
+        ]
+        for method, path, handler in routes:
+            self.app.router.add_route(method, path, handler)
+
+    async def _on_startup(self, _app: web.Application) -> None:
+        self.scheduler.start()
+
+    async def _on_shutdown(self, _app: web.Application) -> None:
+        # Let in-flight handlers answer before the server waits for them: hung ones and generations.
+        self._hang.set()
+        self.scheduler.abort(None, message="Server shutting down")
+
+    async def _on_cleanup(self, _app: web.Application) -> None:
+        await self.scheduler.close()
+        for group in self.groups.values():
+            _destroy(group)
+        self.groups.clear()
+
+    # ---- generation ------------------------------------------------------------------------------------------
+
+    async def _injected_failure(self) -> web.Response | None:
+        if self.opts.fail_mode == "none" or self._generate_count <= self.opts.fail_after:
+            return None
+        if self.opts.fail_mode == "error":
+            return _error(f"injected failure after {self.opts.fail_after} generate requests", status=500)
+        await self._hang.wait()  # hang: accept the connection, answer only when the server shuts down
+        return _error("server shutting down", status=503)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        """SGLang `/generate` with token ids: a single request (input_ids: list[int]) or a batch (list of lists)."""
+        try:
+            body = await _body(request)
+            batch = _split_batch(body)
+            reqs = [self._make_request(item) for item in batch]
+        except (ValueError, TypeError) as exc:
+            return _error(str(exc))
+        self._generate_count += 1
+        failure = await self._injected_failure()
+        if failure is not None:
+            return failure
+        try:
+            outs = await asyncio.gather(*(self.scheduler.submit(r) for r in reqs))
+        except ValueError as exc:
+            return _error(str(exc))
+        except RuntimeError as exc:
+            return _error(str(exc), status=500)
+        return web.json_response(outs if isinstance(body.get("input_ids", [None])[0], list) else outs[0])
+
+    def _make_request(self, item: dict[str, Any]) -> GenRequest:
+        if item.get("text") is not None or item.get("input_ids") is None:
+            raise ValueError("the reference engine takes token ids: send input_ids (text is not supported)")
+        input_ids = [int(t) for t in item["input_ids"]]
+        self.scheduler.validate_prompt(input_ids)
+        sampling = RequestSampling.from_json(item.get("sampling_params"), self.model.vocab_size)
+        if sampling.stop and self.tokenizer is None:
+            raise ValueError("sampling_params.stop needs a tokenizer, and the model directory has none; "
+                             "use stop_token_ids")
+        start = item.get("logprob_start_len")
+        start = -1 if start is None else int(start)
+        if start >= len(input_ids):
+            raise ValueError(f"logprob_start_len={start} must be < len(input_ids)={len(input_ids)}")
+        return GenRequest(rid=str(item.get("rid") or uuid.uuid4().hex), input_ids=input_ids, sampling=sampling,
+                          return_logprob=bool(item.get("return_logprob") or False), logprob_start_len=start,
+                          future=asyncio.get_running_loop().create_future())
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        """200 once a one-token greedy generation of [0] succeeds (runs even while paused)."""
+        failure = await self._injected_failure()
+        if failure is not None:
+            return web.Response(status=503)
+        probe = GenRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
+                           sampling=RequestSampling(max_new_tokens=1, temperature=0.0), return_logprob=False,
+                           logprob_start_len=-1, future=asyncio.get_running_loop().create_future(), probe=True)
+        try:
+            await self.scheduler.submit(probe)
+        except RuntimeError:
+            return web.Response(status=503)
+        return web.Response(status=200)
+
+    async def abort_request(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        self.scheduler.abort(None if body.get("abort_all") else str(body.get("rid") or ""))
+        return web.Response(status=200)
+
+    async def pause_generation(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        try:
+            mode = PauseMode(body.get("mode", "abort"))
+        except ValueError:
+            return _error(f"Invalid mode: {body.get('mode')!r}. Expected one of {[m.value for m in PauseMode]}.")
+        self.scheduler.pause(mode)
+        return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def continue_generation(self, request: web.Request) -> web.Response:
+        self.scheduler.resume()
+        return web.json_response({"message": "Generation continued successfully.", "status": "ok"})
+
+    # ---- information -----------------------------------------------------------------------------------------
+
+    async def model_info(self, request: web.Request) -> web.Response:
+        cfg = self.model.config
+        return web.json_response({
+            "model_path": self.opts.model_path, "tokenizer_path": self.opts.model_path if self.tokenizer else None,
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
+        })
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return web.json_response({
+            "model_path": self.opts.model_path, "tp_size": 1, "dp_size": 1, "weight_version": self.weight_version,
+            "max_running_requests": self.opts.max_batch_size, "dtype": self.opts.dtype,
+            "internal_states": [{"paused": self.scheduler.paused, **self.scheduler.load()}],
+            "version": "miles-lite-reference",
+        })
+
+    async def get_load(self, request: web.Request) -> web.Response:
+        return web.json_response([self.scheduler.load()])
+
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        # No prefix cache: every request is prefilled from scratch, so there is nothing stale to drop.
+        return web.Response(text="Cache flushed.\n", status=200)
+
+    async def get_weights_by_name(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        try:
+            values = await self.scheduler.run_on_model(self.model.get_weights_by_name, str(body.get("name")),
+                                                       int(body.get("truncate_size", 100)))
+        except ValueError as exc:
+            return _error(str(exc))
+        return web.json_response(values)
+
+    # ---- weights ---------------------------------------------------------------------------------------------
+
+    def _apply_version(self, body: dict[str, Any], message: str) -> str:
+        if body.get("weight_version") is not None:
+            self.weight_version = str(body["weight_version"])
+            message += f" Weight version updated to {self.weight_version}."
+        return message
+
+    async def _load(self, body: dict[str, Any], fn: Any, *args: Any) -> tuple[bool, str]:
+        if body.get("abort_all_requests"):
+            self.scheduler.abort(None)
+        if self.opts.drop_weight_updates:
+            log.warning("drop_weight_updates: acknowledging a weight update without loading it")
+            return True, self._apply_version(body, "Succeeded to update model weights.")
+        try:
+            count = await self.scheduler.run_on_model(fn, *args)
+        except (ValueError, FileNotFoundError, RuntimeError) as exc:
+            return False, f"Failed to update weights: {exc}"
+        return True, self._apply_version(body, f"Succeeded to update model weights ({count} tensors).")
+
+    async def update_weight_version(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if body.get("new_version") is None:
+            return _result(False, "new_version is required")
+        if body.get("abort_all_requests", True):
+            self.scheduler.abort(None)
+        self.weight_version = str(body["new_version"])
+        return _result(True, f"Weight version updated to {self.weight_version}", new_version=self.weight_version)
+
+    async def update_weights_from_disk(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        if body.get("load_format") not in (None, "auto", "safetensors"):
+            return _result(False, f"load_format {body['load_format']!r} is not supported; use None",
+                           num_paused_requests=0)
+        ok, msg = await self._load(body, self.model.load_from_disk, str(body.get("model_path")))
+        return _result(ok, msg, num_paused_requests=0)
+
+    async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
+        """Entries are base64(torch.save(list[(HF name, tensor)])), one per TP rank (exactly one here)."""
+        body = await _body(request)
+        payloads = body.get("serialized_named_tensors") or []
+        if len(payloads) != 1:
+            return _result(False, f"serialized_named_tensors needs 1 entry (TP size 1), got {len(payloads)}")
+        if body.get("load_format") is not None:
+            return _result(False, f"load_format {body['load_format']!r} is not supported; use None (HF names)")
+        try:
+            named = deserialize_named_tensors(payloads[0])
+        except Exception as exc:  # any decoding failure is the client's payload
+            return _result(False, f"cannot decode serialized_named_tensors[0]: {exc}")
+        ok, msg = await self._load(body, self.model.load_named_tensors, named)
+        return _result(ok, msg)
+
+    async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        name = str(body.get("group_name", "weight_update_group"))
+        if name in self.groups:
+            return _result(False, f"group {name!r} already exists; destroy it first")
+        try:
+            # The rendezvous blocks until the trainer joins: keep it off the event loop and the model thread.
+            self.groups[name] = await asyncio.to_thread(
+                init_custom_process_group, str(body.get("backend", "gloo")), str(body["master_address"]),
+                int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]), name,
+                self.opts.group_timeout_s)
+        except Exception as exc:  # any rendezvous failure is reported in the answer, as SGLang does
+            return _result(False, f"Failed to initialize custom process group: {exc!r}.")
+        return _result(True, "Succeeded to initialize custom process group.")
+
+    async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        name = str(body.get("group_name", "weight_update_group"))
+        if name not in self.groups:
+            return _result(False, f"Group {name} not in {sorted(self.groups)}. Call init_weights_update_group first.")
+        load_format = body.get("load_format")
+        if load_format not in (None, SHARD_LOAD_FORMAT):
+            return _result(False, f"load_format {load_format!r} is not supported; use None or {SHARD_LOAD_FORMAT!r}")
+        receive = broadcast_receive if load_format is None else receive_shards
+        try:
+            named = await self.scheduler.run_on_model(receive, self.groups[name], list(body["names"]),
+                                                      list(body["dtypes"]), list(body["shapes"]))
+        except (KeyError, ValueError, RuntimeError) as exc:
+            return _result(False, f"Failed to receive parameters: {exc}")
+        ok, msg = await self._load(body, self.model.load_named_tensors, named)
+        return _result(ok, msg)
+
+    async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        group = self.groups.pop(str(body.get("group_name", "weight_update_group")), None)
+        if group is None:
+            return _result(False, "The group to be destroyed does not exist.")
+        _destroy(group)
+        return _result(True, "Succeeded to destroy custom process group.")
+
+
+def _split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """One dict per request from a single or batched `/generate` body."""
+    ids = body.get("input_ids")
+    if not isinstance(ids, list) or not ids or not isinstance(ids[0], list):
+        return [body]
+    n = len(ids)
+
+    def pick(key: str, i: int) -> Any:
+        value = body.get(key)
+        if key == "sampling_params":
+            return value[i] if isinstance(value, list) else value
+        return value[i] if isinstance(value, list) and len(value) == n else value
+
+    keys = ("sampling_params", "rid", "return_logprob", "logprob_start_len")
+    return [{"input_ids": ids[i], **{k: pick(k, i) for k in keys}} for i in range(n)]
+
+
+def _destroy(group: Any) -> None:
+    import torch.distributed as dist
+
+    dist.destroy_process_group(group)
+
+
+def _load_tokenizer(model_path: str) -> Any | None:
+    """The model directory's tokenizer if it has one (needed only for stop strings)."""
+    import os
+
+    if not any(os.path.exists(os.path.join(model_path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_path)

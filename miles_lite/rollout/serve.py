@@ -1,0 +1,54 @@
+"""`miles-lite engine`: run one rollout engine server in the foreground.
+
+    miles-lite engine --model-path DIR --port 30000                       # CPU reference engine
+    miles-lite engine --backend sglang --model-path DIR --port 30000 --tp 1 \
+        --sglang-args '{"skip_tokenizer_init": true, "mem_fraction_static": 0.6}'
+
+The reference backend takes every flag of `python -m miles_lite.rollout.reference_engine`; the sglang backend
+replaces this process with `python -m sglang.launch_server` built from `--sglang-args` (a JSON object in
+`rollout.sglang_args` form), so signals reach SGLang directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from miles_lite.rollout.reference_engine import add_reference_arguments, run_from_args
+from miles_lite.rollout.sglang_engine import build_sglang_command, check_sglang_command
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the `engine` subcommand's flags to `parser`."""
+    parser.add_argument("--backend", choices=("reference", "sglang"), default="reference")
+    parser.add_argument("--tp", type=int, default=1, help="sglang: tensor-parallel size")
+    parser.add_argument("--sglang-args", default="{}", help="sglang: JSON object of launch_server flags")
+    add_reference_arguments(parser)
+
+
+def sglang_argv(args: argparse.Namespace) -> list[str]:
+    """The `sglang.launch_server` command for parsed `engine` arguments; raises ValueError on bad JSON."""
+    try:
+        extra = json.loads(args.sglang_args)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--sglang-args is not valid JSON: {exc}") from exc
+    if not isinstance(extra, dict):
+        raise ValueError("--sglang-args must be a JSON object, e.g. '{\"skip_tokenizer_init\": true}'")
+    cmd = build_sglang_command(args.model_path, args.port, args.tp, extra, host=args.host)
+    check_sglang_command(cmd)
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until stopped; returns the exit code (the sglang backend does not return: it execs SGLang)."""
+    if args.backend == "reference":
+        return run_from_args(args)
+    try:
+        cmd = sglang_argv(args)
+    except ValueError as exc:
+        print(f"miles-lite engine: {exc}", file=sys.stderr)
+        return 2
+    os.execv(cmd[0], cmd)
+    return 0  # not reached: execv replaces the process

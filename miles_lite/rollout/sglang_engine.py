@@ -1,0 +1,128 @@
+"""Stock SGLang servers: `rollout.sglang_args` -> a `python -m sglang.launch_server` command line.
+
+Arguments pass through instead of being re-wrapped: every key is a `launch_server` flag without its leading
+dashes (`mem_fraction_static` or `mem-fraction-static`). Mapping of values, following how SGLang 0.5.10's
+`srt/server_args.py` declares its flags:
+
+- True  -> bare flag (`--skip-tokenizer-init`: 108 flags there are `action="store_true"`);
+- False -> omitted, except flags declared with `argparse.BooleanOptionalAction`, which get `--no-<flag>`;
+- None or an empty list -> omitted (the flag keeps SGLang's default);
+- list/tuple -> the flag once, followed by every value (`nargs="+"`/`"*"`; SGLang has no `action="append"`);
+- dict -> one JSON string (flags such as `--preferred-sampling-params` are declared `type=json.loads`);
+- str/int/float -> `--flag value`.
+
+The launcher owns `--model-path`, `--host`, `--port` and `--tp-size`; setting them here is an error.
+When SGLang is importable, `check_sglang_command` parses the command with SGLang's own parser, so a typo
+fails before a GPU is touched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+# Flags declared with argparse.BooleanOptionalAction in SGLang 0.5.10's server_args.py.
+BOOLEAN_OPTIONAL_FLAGS = frozenset({"experts_shared_outer_loras"})
+
+# Flags the launcher sets itself -> the config field that controls them.
+RESERVED_FLAGS: dict[str, str] = {
+    "model_path": "model.hf_path (the launcher passes the model directory)",
+    "model": "model.hf_path (the launcher passes the model directory)",
+    "host": "the launcher's host",
+    "port": "the launcher (it allocates a free port per engine)",
+    "tp_size": "rollout.engine_tp",
+    "tp": "rollout.engine_tp",
+    "tensor_parallel_size": "rollout.engine_tp",
+}
+
+_KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
+
+
+def _scalar(key: str, value: Any) -> str:
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ValueError(f"rollout.sglang_args.{key}: list items must be strings or numbers, got {value!r}")
+    return str(value)
+
+
+def sglang_flag_args(sglang_args: Mapping[str, Any]) -> list[str]:
+    """Translate the pass-through mapping into `launch_server` flags (see the module docstring)."""
+    argv: list[str] = []
+    for raw_key, value in sglang_args.items():
+        key = str(raw_key)
+        if not _KEY.match(key):
+            raise ValueError(f"rollout.sglang_args key {key!r} must be a flag name without leading dashes, "
+                             "e.g. mem_fraction_static")
+        norm = key.replace("-", "_")
+        if norm in RESERVED_FLAGS:
+            raise ValueError(f"rollout.sglang_args.{key} is set by the launcher; use {RESERVED_FLAGS[norm]}")
+        flag = "--" + norm.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            if value:
+                argv.append(flag)
+            elif norm in BOOLEAN_OPTIONAL_FLAGS:
+                argv.append("--no-" + norm.replace("_", "-"))
+        elif isinstance(value, list | tuple):
+            if value:
+                argv += [flag, *(_scalar(key, v) for v in value)]
+        elif isinstance(value, Mapping):
+            argv += [flag, json.dumps(dict(value))]
+        elif isinstance(value, str | int | float):
+            argv += [flag, str(value)]
+        else:
+            raise ValueError(f"rollout.sglang_args.{key}: unsupported value {value!r} of type {type(value).__name__}")
+    return argv
+
+
+def build_sglang_command(model_path: str, port: int, tp: int, sglang_args: Mapping[str, Any],
+                         host: str = "127.0.0.1", python: str = sys.executable) -> list[str]:
+    """`python -m sglang.launch_server` for one engine of `tp` GPUs listening on `host:port`."""
+    if tp < 1:
+        raise ValueError(f"rollout.engine_tp must be >= 1, got {tp}")
+    if not model_path:
+        raise ValueError("model path is empty; set model.hf_path or save the initial weights first")
+    return [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
+            "--tp-size", str(tp), *sglang_flag_args(sglang_args)]
+
+
+def sglang_importable() -> bool:
+    """True when the `sglang` package can be imported here."""
+    return importlib.util.find_spec("sglang") is not None
+
+
+def sglang_available() -> bool:
+    """True when SGLang servers can run here: sglang importable and a CUDA device present."""
+    if not sglang_importable():
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def check_sglang_command(cmd: list[str]) -> None:
+    """Parse `cmd`'s flags with SGLang's own argument parser; raises ValueError on a flag it rejects.
+
+    Needs SGLang importable (it is a no-op otherwise, so CPU-only machines can still build commands).
+    """
+    if not sglang_importable():
+        return
+    from sglang.srt.server_args import ServerArgs
+
+    try:
+        start = cmd.index("sglang.launch_server") + 1
+    except ValueError as exc:
+        raise ValueError(f"not a sglang.launch_server command: {cmd[:4]}") from exc
+    parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
+    ServerArgs.add_cli_args(parser)
+    try:
+        _, unknown = parser.parse_known_args(cmd[start:])
+    except (argparse.ArgumentError, SystemExit) as exc:
+        raise ValueError(f"SGLang rejects the launch flags {cmd[start:]}: {exc}") from exc
+    if unknown:
+        raise ValueError(f"SGLang does not know the flags {unknown}; check rollout.sglang_args")

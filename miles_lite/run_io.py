@@ -1,0 +1,151 @@
+"""Everything a run writes and exports: metrics (Prometheus + metrics.jsonl + optional sinks), rollout
+tables, progress lines, evaluation tables, checkpoints and the final summary with its curves."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from miles_lite.config.schema import MilesConfig
+from miles_lite.data.source import PromptSource
+from miles_lite.evaluation import EvalResult
+from miles_lite.observability.exporter import start_exporter
+from miles_lite.observability.metrics import ENGINE_STATES, MetricsRegistry
+from miles_lite.observability.progress import RunProgress
+from miles_lite.observability.rollout_table import RolloutTableWriter
+from miles_lite.observability.sinks import build_sinks
+from miles_lite.types import Group
+from miles_lite.weight_sync.coordinator import SyncReport
+
+
+class PhaseTimer:
+    """Wall seconds per phase of one step, reported as `time/<phase>_seconds`."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def stats(self) -> dict[str, float]:
+        out = {f"time/{k}_seconds": v for k, v in self.seconds.items()}
+        out["time/step_seconds"] = sum(self.seconds.values())
+        return out
+
+
+class RunIO:
+    """Outputs of one run under `run_dir`; a context manager that starts and stops the exporter."""
+
+    def __init__(self, cfg: MilesConfig, run_dir: Path, run_name: str) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.metrics = MetricsRegistry(run_name, "driver")
+        self.exporter = start_exporter(self.metrics, cfg.observability)
+        if self.exporter is not None:
+            print(f"miles-lite: Prometheus metrics at {self.exporter.url}", flush=True)
+        self.sinks = build_sinks(cfg.observability, run_dir, run_name)
+        self.table = RolloutTableWriter(run_dir) if cfg.observability.rollout_table else None
+        self.progress = RunProgress(max(cfg.experiment.steps, 1), enabled=cfg.observability.progress)
+        self.last_sync: dict[str, float] = {}
+        self.evals: dict[str, dict[str, float]] = {}
+        self._restarts_seen = 0.0
+
+    def __enter__(self) -> RunIO:
+        self.progress.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.__exit__(*exc)
+        for sink in self.sinks:
+            sink.close()
+        if self.exporter is not None:
+            self.exporter.stop()
+
+    def timer(self) -> PhaseTimer:
+        return PhaseTimer()
+
+    def log(self, message: str) -> None:
+        self.progress.console.print(message, markup=False, highlight=False)
+
+    # ---- per-step ---------------------------------------------------------------------------------
+
+    def report_sync(self, report: SyncReport, seconds: float) -> None:
+        """Record one weight push (transport, bytes, seconds, probe diff) for metrics and the next step line."""
+        probe = report.verify.logp_diff_mean if report.verify is not None else None
+        transport = self.cfg.weight_sync.transport
+        self.metrics.sync_done(transport, seconds, int(report.push.bytes), int(report.push.version or 0)
+                               if str(report.push.version).isdigit() else 0, probe)
+        self.last_sync = {"sync/seconds": seconds, "sync/bytes": float(report.push.bytes),
+                          "sync/gb_per_s": report.push.gb_per_s, "sync/paused_seconds": report.paused_s}
+        if probe is not None:
+            self.last_sync["sync/probe_logp_diff_mean"] = probe
+            self.last_sync["sync/probe_logp_diff_max"] = report.verify.logp_diff_max
+
+    def publish_step(self, step: int, stats: dict[str, Any], groups: Sequence[Group],
+                     fleet_stats: Mapping[str, float]) -> None:
+        """Metrics, metrics.jsonl, the rollout table and the progress line of a finished step."""
+        stats = {**stats, **self.last_sync, **{f"fleet/{k}": v for k, v in fleet_stats.items()}}
+        self.metrics.publish_step(step, stats)
+        self.metrics.set_engine_states({state: int(fleet_stats.get(f"engines_{state}", 0))
+                                        for state in ENGINE_STATES})
+        restarts = float(fleet_stats.get("restarts", 0.0))
+        for _ in range(int(restarts - self._restarts_seen)):
+            self.metrics.engine_restarted()
+        self._restarts_seen = restarts
+        for sink in self.sinks:
+            sink.log(step, stats)
+        if self.table is not None:
+            self.table.write_groups(step, groups)
+        self.progress.step_done(step + 1, stats)
+
+    def report_eval(self, title: str, result: EvalResult) -> dict[str, float]:
+        self.log(result.table(title))
+        self.evals[title] = result.as_dict()
+        return result.as_dict()
+
+    # ---- checkpoints --------------------------------------------------------------------------------
+
+    def resume(self, system: Any, data: PromptSource) -> int:
+        """The step to start from: 0, or the step of the checkpoint `checkpoint.resume` selects."""
+        from miles_lite.checkpoint.run_state import resume_run
+
+        return resume_run(self.cfg, system, data, self.log)
+
+    def maybe_save_checkpoint(self, system: Any, data: PromptSource, steps_done: int) -> None:
+        interval = self.cfg.checkpoint.interval
+        if interval and steps_done % interval == 0:
+            self.save_checkpoint(system, data, steps_done)
+
+    def save_checkpoint(self, system: Any, data: PromptSource, steps_done: int, final: bool = False) -> None:
+        from miles_lite.checkpoint.run_state import save_run
+
+        save_run(self.cfg, system, data, steps_done, self.metrics, final=final)
+
+    # ---- the end ------------------------------------------------------------------------------------
+
+    def finish(self, summary: Any) -> None:
+        """Write summary.json and the reward/accuracy curves PNG."""
+        data = asdict(summary)
+        (self.run_dir / "summary.json").write_text(json.dumps(data, indent=2))
+        from miles_lite.observability.plots import reward_plot
+        from miles_lite.observability.sinks import read_metrics_file
+
+        png = reward_plot(read_metrics_file(self.run_dir))
+        if png is not None:
+            (self.run_dir / "curves.png").write_bytes(png)
+        before, after = summary.before.get("exact"), summary.after.get("exact")
+        if before is not None and after is not None:
+            self.log(f"exact accuracy on held-out problems: {before * 100:.1f}% after warm-up -> "
+                     f"{after * 100:.1f}% after RL ({(after - before) * 100:+.1f} points) in "
+                     f"{summary.wall_seconds:.0f} s")
+        self.log(f"run directory: {self.run_dir}")

@@ -1,0 +1,221 @@
+"""Assemble the roles of one run: model assets, trainer, rollout fleet, weight sync and observability.
+
+`System.start(cfg, run_dir)` brings everything up in order and `close()` tears it down in reverse;
+the driver only calls the methods here, so it reads like the step it runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from miles_lite.config.schema import MilesConfig
+from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems
+from miles_lite.data.gsm8k import MathProblem, load_gsm8k
+from miles_lite.data.prompts import render_prompt
+from miles_lite.data.tokenizer import load_or_build_tokenizer
+from miles_lite.rewards import get_reward_set, score
+from miles_lite.rollout.fleet import EngineFleet
+from miles_lite.rollout.fleet_launch import start_fleet
+from miles_lite.rollout.manager import RolloutManager
+from miles_lite.rollout.prompt_spec import PromptSpec, sampling_from_config
+from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
+from miles_lite.types import Group, TrainBatch
+from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
+from miles_lite.weight_sync.plan import EngineSpec
+from miles_lite.weight_sync.transport import EngineLoop, FleetEngine
+
+
+def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
+    """Resolve the model directory and tokenizer; a tiny random model is written under the run dir.
+
+    Returns the config with `model.hf_path` pointing at the directory both roles load, and the tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    from miles_lite.trainer.tiny_hf import make_tiny_hf_model
+
+    if cfg.model.hf_path:
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+        return cfg, tokenizer
+    cache = Path(cfg.experiment.output_dir) / ".cache" / "tokenizers"
+    tokenizer = load_or_build_tokenizer(cache, vocab_size=cfg.model.vocab_size, seed=0)
+    if len(tokenizer) > cfg.model.vocab_size:
+        raise ValueError(f"the offline tokenizer has {len(tokenizer)} tokens but model.vocab_size="
+                         f"{cfg.model.vocab_size}; raise model.vocab_size")
+    model_dir = run_dir / "initial_model"
+    if not (model_dir / "config.json").is_file():
+        make_tiny_hf_model(cfg.model.arch, cfg.model.shape, cfg.model.vocab_size, model_dir,
+                           seed=cfg.model.shape.init_seed)
+        tokenizer.save_pretrained(str(model_dir))
+    model = dataclasses.replace(cfg.model, hf_path=str(model_dir), tokenizer_path=str(model_dir))
+    return dataclasses.replace(cfg, model=model), tokenizer
+
+
+def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem]]:
+    """Training and held-out problems: GSM8K files, or seeded synthetic ones (disjoint seeds)."""
+    if cfg.data.source == "gsm8k":
+        train = load_gsm8k(str(cfg.data.train_path))
+        held_out = load_gsm8k(str(cfg.data.eval_path)) if cfg.data.eval_path else train[-cfg.experiment.eval_size:]
+        return train, held_out[: cfg.experiment.eval_size]
+    syn = cfg.data.synthetic
+
+    def spec(seed: int) -> ArithmeticSpec:
+        return ArithmeticSpec(min_steps=syn.min_steps, max_steps=syn.max_steps, min_operand=syn.min_operand,
+                              max_operand=syn.max_operand, ops=tuple(syn.ops), seed=seed)
+
+    train = generate_problems(syn.train_size, spec(syn.seed))
+    seen = {p.question for p in train}
+    held_out = [p for p in generate_problems(syn.eval_size * 3, spec(syn.seed + 7919)) if p.question not in seen]
+    return train, held_out[: syn.eval_size]
+
+
+class System:
+    """The live roles of a run. Build with `System.start`; always `close()` (or use `with`)."""
+
+    def __init__(self, cfg: MilesConfig, run_dir: Path, tokenizer: Any) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.tokenizer = tokenizer
+        self.reward_set = get_reward_set(cfg.rewards.set).with_weights(dict(cfg.rewards.weights))
+        eos = tokenizer.eos_token_id
+        self.stop_token_ids = [eos] if eos is not None else []
+        self.sampling = sampling_from_config(cfg.rollout, stop_token_ids=self.stop_token_ids,
+                                             seed=cfg.experiment.seed)
+        self.trainer: Any = None
+        self.loop_thread: EventLoopThread | None = None
+        self.fleet: EngineFleet | None = None
+        self.rollout: SyncRolloutManager | None = None
+        self.sync: WeightSyncCoordinator | None = None
+        self.version = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, cfg: MilesConfig, run_dir: Path) -> System:
+        """Prepare the model, then start the trainer, the engines and the weight-sync group."""
+        cfg, tokenizer = prepare_model(cfg, run_dir)
+        system = cls(cfg, run_dir, tokenizer)
+        try:
+            system._start_trainer()
+            system._start_rollout()
+            system._start_sync()
+        except BaseException:
+            system.close()
+            raise
+        return system
+
+    def _start_trainer(self) -> None:
+        world = self.cfg.trainer.tp * self.cfg.trainer.dp * self.cfg.trainer.pp
+        if self.cfg.cluster.mode == "ray" or world > 1:
+            from miles_lite.cluster.ray_trainer import RayTrainerGroup
+
+            self.trainer = RayTrainerGroup.start(self.cfg)
+        else:
+            from miles_lite.cluster.local_trainer import LocalTrainer
+
+            self.trainer = LocalTrainer(self.cfg)
+
+    def _start_rollout(self) -> None:
+        self.loop_thread = EventLoopThread().start()
+        log_dir = str(self.run_dir / "logs")
+        self.fleet = self.loop_thread.run(start_fleet(self.cfg.rollout, self.cfg.fault_tolerance,
+                                                      str(self.cfg.model.hf_path), log_dir))
+        tok = self.tokenizer
+        manager = RolloutManager(self.fleet, self.cfg.rollout, self.cfg.fault_tolerance,
+                                 decode=lambda ids: tok.decode(ids, skip_special_tokens=True),
+                                 stop_token_ids=self.stop_token_ids, seed=self.cfg.experiment.seed)
+        self.rollout = SyncRolloutManager(manager, self.loop_thread)
+
+    def _start_sync(self) -> None:
+        from miles_lite.weight_sync.factory import build_coordinator
+
+        assert self.loop_thread is not None
+        self.sync = build_coordinator(self.cfg, self.trainer, EngineLoop(self.loop_thread.loop), self.run_dir)
+
+    def close(self) -> None:
+        """Stop weight sync, the engines and the trainer, in that order; safe to call twice."""
+        if self.sync is not None:
+            self.sync.close()
+            self.sync = None
+        if self.fleet is not None and self.loop_thread is not None:
+            self.loop_thread.run(self.fleet.close())
+            self.fleet = None
+        if self.loop_thread is not None:
+            self.loop_thread.stop()
+            self.loop_thread = None
+        if self.trainer is not None:
+            self.trainer.close()
+            self.trainer = None
+
+    def __enter__(self) -> System:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the calls the driver makes ---------------------------------------------------------------
+
+    def render(self, question: str) -> str:
+        return render_prompt(self.tokenizer, question)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_specs(self, batch: Sequence[tuple[int, MathProblem]]) -> list[PromptSpec]:
+        specs = []
+        for index, p in batch:
+            text = self.render(p.question)
+            specs.append(PromptSpec(index, tuple(self.encode(text)), text, p.question, p.answer, p.steps))
+        return specs
+
+    def score(self, groups: Sequence[Group]) -> list[Group]:
+        """Fill every sample's `rewards` (each reward's raw value and the weighted `total`)."""
+        samples = [(g, s) for g in groups for s in g.samples]
+        scored = score(self.reward_set, [s.response_text for _, s in samples], [g.answer for g, _ in samples],
+                       [g.question for g, _ in samples], [g.steps for g, _ in samples])
+        for (_, sample), values in zip(samples, scored, strict=True):
+            sample.rewards = values
+        return list(groups)
+
+    def sft_batch(self, problems: Sequence[MathProblem]) -> TrainBatch:
+        """Tokenised (prompt, tag-format reference solution) pairs for the SFT warm-up."""
+        from miles_lite.data.prompts import format_solution
+
+        eos = self.tokenizer.eos_token or ""
+        tokens, plens = [], []
+        for p in problems:
+            prompt = self.encode(self.render(p.question))
+            target = self.encode(format_solution(p) + eos)
+            tokens.append(prompt + target)
+            plens.append(len(prompt))
+        return TrainBatch(tokens, plens, [[0.0] * (len(t) - n) for t, n in zip(tokens, plens, strict=True)],
+                          [0.0] * len(tokens))
+
+    def push_weights(self) -> tuple[SyncReport, float]:
+        """Push the trainer's weights as the next version to every engine that serves or waits to.
+
+        Returns the sync report and the wall seconds of the whole push.
+        """
+        assert self.sync is not None and self.fleet is not None and self.loop_thread is not None
+        from miles_lite.rollout.engine_state import EngineState
+
+        start = time.perf_counter()
+        self.version += 1
+        version = str(self.version)
+        records = [r for r in self.fleet.records if r.state in (EngineState.HEALTHY, EngineState.STALE)]
+        # Reference engines hold HF shapes (no vocab padding); SGLang pads its vocabulary to 64 rows.
+        pad = 1 if self.cfg.rollout.backend == "reference" else 64
+        targets = [FleetEngine(r.engine, EngineSpec(r.engine_id, self.cfg.rollout.engine_tp, pad)) for r in records]
+        self.fleet.set_current_version(version)
+        report = self.sync.push(targets, self.trainer.weight_shards, version)
+        for r in records:
+            self.fleet.mark_synced(r.engine_id, version)
+        return report, time.perf_counter() - start
+
+    def fleet_stats(self) -> dict[str, float]:
+        assert self.fleet is not None
+        return self.fleet.stats()

@@ -1,0 +1,9 @@
+"""Megatron-core trainer: HF conversion, packed log-probs, RL/SFT steps, weight shards for sync.
+
+Heavy modules (megatron, transformers) load on first use: import from the submodules, e.g.
+`from miles_lite.trainer.actor import TrainerActor`.
+"""
+
+from miles_lite.trainer.layout import HFPiece, LayoutKind, ParamLayout, merge_shards
+
+__all__ = ["HFPiece", "LayoutKind", "ParamLayout", "merge_shards"]

@@ -1,0 +1,362 @@
+"""`TrainerActor`: one Megatron trainer rank (TP x DP) — logprobs, RL/SFT steps, weights out and in.
+
+Lifecycle: INITIALIZING -> READY (all methods usable) -> CLOSED; a failure during set-up leaves
+FAILED. Every rank of the trainer runs the same calls in the same order with the same batch; data
+parallel ranks each take a token-balanced share of the batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from enum import StrEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles_lite.config.schema import MilesConfig
+from miles_lite.trainer import cpu_compat
+from miles_lite.trainer.checkpoint_state import capture_rng, restore_rng
+from miles_lite.trainer.forward import ModelHandle, response_logprobs
+from miles_lite.trainer.hf_convert import gather_hf_state
+from miles_lite.trainer.layout import ParamLayout
+from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
+from miles_lite.trainer.optim import build_optimizer, build_scheduler, current_lr, set_lr, wrap_ddp
+from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batches, split_for_data_parallel
+from miles_lite.trainer.parallel import ParallelInfo, init_parallel, shutdown_parallel
+from miles_lite.trainer.rl_loss import BatchTotals, reduce_stats, rl_micro_loss, sft_micro_loss
+from miles_lite.types import TrainBatch
+
+MODELS = ("policy", "reference", "teacher")
+
+
+class ActorState(StrEnum):
+    INITIALIZING = "initializing"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+class NonFiniteStepError(RuntimeError):
+    """Too many consecutive optimizer steps had a non-finite loss or gradient."""
+
+
+MicroLoss = Callable[[PackedMicroBatch], tuple[Tensor, dict[str, float], float]]
+
+
+class TrainerActor:
+    """One trainer rank: a Megatron `GPTModel` shard, its optimizer, and optional reference/teacher.
+
+    Args:
+        cfg: the whole configuration (`model`, `trainer`, `algo`, `experiment.teacher_path`).
+        rank / world_size: this process among the trainer's `trainer.tp * trainer.dp` ranks.
+        init_method: torch.distributed rendezvous URL (None: env:// from MASTER_ADDR/MASTER_PORT).
+        total_steps: optimizer steps the LR schedule spans (None: `experiment.steps`).
+    """
+
+    def __init__(self, cfg: MilesConfig, rank: int, world_size: int, *, init_method: str | None = None,
+                 total_steps: int | None = None) -> None:
+        self.state = ActorState.INITIALIZING
+        self.cfg = cfg
+        self.steps_done = 0
+        self.nonfinite_in_a_row = 0
+        self.nonfinite_total = 0
+        try:
+            self._setup(rank, world_size, init_method, total_steps)
+        except BaseException:
+            self.state = ActorState.FAILED
+            raise
+        self.state = ActorState.READY
+
+    def _setup(self, rank: int, world_size: int, init_method: str | None, total_steps: int | None) -> None:
+        from megatron.core.distributed import finalize_model_grads
+
+        from miles_lite.trainer.model import resolve_runtime
+
+        trainer = self.cfg.trainer
+        self.runtime = resolve_runtime(trainer)
+        self.par: ParallelInfo = init_parallel(trainer, rank, world_size, self.runtime.device, init_method)
+        with cpu_compat.device_mode():
+            spec, hf_state, self.hf_config = load_policy_source(self.cfg)
+            self.policy, self.layouts = build_handle(spec, hf_state, trainer, self.runtime, self.par)
+            del hf_state
+            self.ddp = wrap_ddp(self.policy.model, self.policy.model.config, trainer, self.runtime)
+            self._finalize_grads = finalize_model_grads
+            self.optimizer = build_optimizer(self.ddp, trainer, self.runtime)
+            self.scheduler = build_scheduler(self.optimizer, trainer, total_steps or self.cfg.experiment.steps)
+            self.reference: dict[str, Tensor] | None = None
+            if trainer.keep_reference or self.cfg.algo.kl_coef > 0:
+                # Host copy of the initial weights; swapped into the policy model when asked for.
+                self.reference = {n: p.detach().to("cpu", copy=True)
+                                  for n, p in self.policy.model.named_parameters()}
+            self.teacher: ModelHandle | None = None
+            teacher_src = load_teacher_source(self.cfg)
+            if teacher_src is not None:
+                t_spec, t_state = teacher_src
+                self.teacher, _ = build_handle(t_spec, t_state, trainer, self.runtime, self.par)
+                self.teacher.model.requires_grad_(False)
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    def _require_ready(self) -> None:
+        if self.state is not ActorState.READY:
+            raise RuntimeError(f"TrainerActor is {self.state.value}; only a ready actor can run this call")
+
+    def close(self) -> None:
+        """Leave megatron's groups, and the process group if this actor created it (idempotent)."""
+        if self.state is ActorState.CLOSED:
+            return
+        shutdown_parallel(self.par)
+        self.state = ActorState.CLOSED
+
+    # ---- batches --------------------------------------------------------------------------------
+
+    def _check_tokens(self, batch: TrainBatch) -> None:
+        vocab = self.policy.spec.vocab_size
+        for i, seq in enumerate(batch.tokens):
+            if seq and (min(seq) < 0 or max(seq) >= vocab):
+                raise ValueError(f"TrainBatch.tokens[{i}] has ids outside [0, {vocab}) (the model's vocab_size)")
+
+    def _micro_batches(self, batch: TrainBatch) -> list[PackedMicroBatch]:
+        """This data-parallel rank's share of `batch`, packed by `trainer.micro_batch_tokens`."""
+        lengths = [len(t) for t in batch.tokens]
+        mine = split_for_data_parallel(lengths, self.par.dp_size)[self.par.dp_rank]
+        plan = plan_micro_batches([lengths[i] for i in mine], self.cfg.trainer.micro_batch_tokens)
+        return [pack(batch.tokens, batch.prompt_lengths, [mine[j] for j in group]) for group in plan]
+
+    def _gather_dp(self, local: Any) -> list[Any]:
+        if self.par.dp_group is None:
+            return [local]
+        out: list[Any] = [None] * self.par.dp_size
+        dist.all_gather_object(out, local, group=self.par.dp_group)
+        return out
+
+    # ---- log-probs ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:
+        """Log-probs (nats) of every sequence's response tokens under `model`.
+
+        Args:
+            batch: sequences; only `tokens` and `prompt_lengths` are read.
+            model: "policy" (current weights), "reference" (initial weights; needs `algo.kl_coef > 0`
+                or `trainer.keep_reference`) or "teacher" (`experiment.teacher_path`; its softmax is
+                trimmed to the vocabulary it shares with the policy).
+
+        Returns:
+            One list of R_i floats per sequence, identical on every rank.
+        """
+        self._require_ready()
+        if model not in MODELS:
+            raise ValueError(f"model={model!r} is not one of {', '.join(MODELS)}")
+        self._check_tokens(batch)
+        handle, vocab = self.policy, None
+        swap: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if model == "reference":
+            if self.reference is None:
+                raise RuntimeError("no reference model: set trainer.keep_reference=true or algo.kl_coef > 0")
+            swap = self._swapped_weights(self.reference)
+        elif model == "teacher":
+            if self.teacher is None:
+                raise RuntimeError("no teacher model: set experiment.teacher_path to an HF checkpoint directory")
+            handle, vocab = self.teacher, min(self.teacher.spec.vocab_size, self.policy.spec.vocab_size)
+        local: dict[int, list[float]] = {}
+        with cpu_compat.device_mode(), swap:
+            handle.model.eval()
+            for mb in self._micro_batches(batch):
+                lp, _ = response_logprobs(handle, mb, self.cfg.trainer.logprob_chunk_tokens, False, vocab)
+                for i, part in zip(mb.seq_indices, lp.split(list(mb.response_lengths)), strict=True):
+                    local[i] = part.float().cpu().tolist()
+        merged: dict[int, list[float]] = {}
+        for part in self._gather_dp(local):
+            merged.update(part)
+        return [merged[i] for i in range(batch.num_sequences)]
+
+    @contextlib.contextmanager
+    def _swapped_weights(self, weights: Mapping[str, Tensor]) -> Iterator[None]:
+        params = dict(self.policy.model.named_parameters())
+        saved = {n: p.detach().to("cpu", copy=True) for n, p in params.items()}
+        try:
+            for n, p in params.items():
+                p.data.copy_(weights[n])
+            yield
+        finally:
+            for n, p in params.items():
+                p.data.copy_(saved[n])
+
+    # ---- optimizer steps ------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL optimizer step on `batch` (all micro-batches accumulated, then one update).
+
+        Reference / teacher log-probs are computed here when the loss needs them and the batch
+        lacks them. Returns float stats (identical on every rank): loss terms, policy and mismatch
+        metrics, entropy, grad_norm, lr, tokens, tokens_per_s, skipped, nonfinite_total.
+        """
+        self._require_ready()
+        self._check_tokens(batch)
+        algo = self.cfg.algo
+        ref = batch.ref_logprobs
+        if algo.kl_coef and ref is None:
+            ref = self.compute_logprobs(batch, "reference")
+        teacher = batch.teacher_logprobs
+        if algo.distill_coef and teacher is None:
+            teacher = self.compute_logprobs(batch, "teacher")
+        totals = BatchTotals.of(batch)
+        chunk = self.cfg.trainer.logprob_chunk_tokens
+
+        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
+            lp, ent = response_logprobs(self.policy, mb, chunk, with_entropy=True)
+            loss, stats = rl_micro_loss(lp, ent, mb, batch, algo, ref, teacher)
+            return loss, stats, totals.share(mb, algo.agg_mode)
+
+        stats = self._step(batch, micro_loss, lr=None)
+        return stats
+
+    def sft_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
+        """One supervised step: token-mean cross-entropy on the response tokens.
+
+        Args:
+            batch: `tokens` / `prompt_lengths` (rollout log-probs and advantages are ignored).
+            lr: learning rate for this step (None: the RL schedule's current LR); the RL schedule
+                is not advanced.
+        """
+        self._require_ready()
+        self._check_tokens(batch)
+        totals = BatchTotals.of(batch)
+        chunk = self.cfg.trainer.logprob_chunk_tokens
+
+        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
+            lp, _ = response_logprobs(self.policy, mb, chunk, with_entropy=False)
+            loss, stats = sft_micro_loss(lp, mb)
+            return loss, stats, totals.share(mb, "token_mean")
+
+        return self._step(batch, micro_loss, lr=lr)
+
+    def _all_finite(self, parts: list[tuple[float, dict[str, float]]]) -> bool:
+        """True when every rank's losses and gradients are finite (one all-reduce over the world)."""
+        ok = all(torch.isfinite(torch.tensor(s.get("loss/total", s.get("loss/sft", 0.0)))) for _, s in parts)
+        for p in self.policy.model.parameters():
+            grad = getattr(p, "main_grad", None)
+            grad = grad if grad is not None else p.grad
+            if grad is not None and not bool(torch.isfinite(grad).all()):
+                ok = False
+                break
+        flag = torch.tensor([0.0 if ok else 1.0], device=self.policy.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return flag.item() == 0.0
+
+    def _step(self, batch: TrainBatch, micro_loss: MicroLoss, lr: float | None) -> dict[str, float]:
+        t0 = time.perf_counter()
+        parts: list[tuple[float, dict[str, float]]] = []
+        with cpu_compat.device_mode():
+            self.policy.model.train()
+            self.ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            for mb in self._micro_batches(batch):
+                loss, stats, share = micro_loss(mb)
+                # DDP averages gradients over DP ranks; the shares already sum to 1 over all ranks.
+                (loss * (share * self.par.dp_size)).backward()
+                parts.append((share, stats))
+            self._finalize_grads([self.ddp])
+            all_parts = [p for rank_parts in self._gather_dp(parts) for p in rank_parts]
+            stats = reduce_stats(all_parts)
+            if not self._all_finite(parts):
+                self._skip_nonfinite()
+                stats.update(skipped=1.0, grad_norm=float("nan"))
+            else:
+                if lr is not None:
+                    set_lr(self.optimizer, lr)
+                _, grad_norm, _ = self.optimizer.step()
+                if lr is None:
+                    self.scheduler.step(increment=1)
+                self.steps_done += 1
+                self.nonfinite_in_a_row = 0
+                stats.update(skipped=0.0, grad_norm=float(grad_norm or 0.0))
+        elapsed = time.perf_counter() - t0
+        stats.update(
+            lr=current_lr(self.optimizer) if lr is None else lr,
+            tokens=float(batch.num_tokens),
+            response_tokens=float(sum(batch.response_lengths)),
+            tokens_per_s=batch.num_tokens / max(elapsed, 1e-9),
+            step_time_s=elapsed,
+            nonfinite_total=float(self.nonfinite_total),
+        )
+        return stats
+
+    def _skip_nonfinite(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.nonfinite_in_a_row += 1
+        self.nonfinite_total += 1
+        limit = self.cfg.trainer.max_nonfinite_skips
+        if self.nonfinite_in_a_row >= limit:
+            raise NonFiniteStepError(
+                f"{self.nonfinite_in_a_row} optimizer steps in a row had a non-finite loss or gradient "
+                f"(trainer.max_nonfinite_skips={limit}); the weights are untouched since the last finite step. "
+                "Check advantages/rewards for NaN, lower trainer.lr, or use trainer.precision=fp32"
+            )
+
+    # ---- weights out / in -----------------------------------------------------------------------
+
+    def named_shards(self) -> Iterator[tuple[str, Tensor, ParamLayout]]:
+        """This rank's parameter shards for weight sync: `(megatron_name, local tensor, layout)`.
+
+        Tensors are the live parameters (detached): consume them before the next step.
+        """
+        self._require_ready()
+        for name, param in self.policy.model.named_parameters():
+            yield name, param.detach(), self.layouts[name]
+
+    def export_hf_state_dict(self) -> dict[str, Tensor]:
+        """Full HF tensors (gathered over TP, on CPU) on global rank 0; an empty dict elsewhere.
+
+        Every rank must call it (it all-gathers). With tied embeddings there is no `lm_head.weight`.
+        """
+        self._require_ready()
+        with cpu_compat.device_mode():
+            state = gather_hf_state(self.policy.model, self.layouts, self.par.tp_group)
+        return state if self.par.rank == 0 else {}
+
+    def state_dict_for_checkpoint(self) -> dict[str, Any]:
+        """This rank's model shard, optimizer and LR-schedule state, RNG streams and counters.
+
+        Tensors are live references (the checkpointer snapshots them to host memory).
+        """
+        self._require_ready()
+        return {
+            "model": {n: p.detach() for n, p in self.policy.model.named_parameters()},
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": capture_rng(),
+            "counters": {"steps_done": self.steps_done, "nonfinite_in_a_row": self.nonfinite_in_a_row,
+                         "nonfinite_total": self.nonfinite_total},
+            "parallel": {"tp_rank": self.par.tp_rank, "tp_size": self.par.tp_size,
+                         "dp_rank": self.par.dp_rank, "dp_size": self.par.dp_size},
+        }
+
+    @torch.no_grad()
+    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
+        """Restore what `state_dict_for_checkpoint` returned on a rank with the same TP/DP coordinates."""
+        self._require_ready()
+        mine = {"tp_rank": self.par.tp_rank, "tp_size": self.par.tp_size}
+        saved = {k: state["parallel"][k] for k in mine}
+        if saved != mine:
+            raise ValueError(f"checkpoint shard is for {saved}, this rank is {mine}; resume with the same trainer.tp")
+        params = dict(self.policy.model.named_parameters())
+        missing = sorted(set(params) - set(state["model"]))
+        if missing:
+            raise KeyError(f"checkpoint lacks parameters {missing[:4]}")
+        for name, p in params.items():
+            p.copy_(state["model"][name])
+        with cpu_compat.device_mode():
+            self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        restore_rng(state["rng"])
+        counters = state["counters"]
+        self.steps_done = int(counters["steps_done"])
+        self.nonfinite_in_a_row = int(counters["nonfinite_in_a_row"])
+        self.nonfinite_total = int(counters["nonfinite_total"])

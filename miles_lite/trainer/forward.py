@@ -1,0 +1,108 @@
+"""One packed micro-batch through a `GPTModel`, to response-token log-probs and entropies."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from miles_lite.trainer.logprobs import chunked_logprobs
+from miles_lite.trainer.model import HFModelSpec, Runtime
+from miles_lite.trainer.packing import PackedMicroBatch
+
+
+@dataclass
+class ModelHandle:
+    """A Megatron model plus what a forward pass needs to know about it.
+
+    Attributes:
+        model: the unwrapped `GPTModel` (parameters may be wrapped by DDP elsewhere).
+        spec: its HF architecture numbers.
+        runtime: device / layer spec / precision.
+        padded_vocab: rows of the (padded) output layer, all TP ranks together.
+        tp_rank / tp_group: tensor-parallel coordinates (tp_group None when TP = 1).
+    """
+
+    model: Any
+    spec: HFModelSpec
+    runtime: Runtime
+    padded_vocab: int
+    tp_rank: int
+    tp_group: dist.ProcessGroup | None
+
+    @property
+    def vocab_start(self) -> int:
+        """Global id of this rank's first output-layer row."""
+        tp = dist.get_world_size(self.tp_group) if self.tp_group is not None else 1
+        return self.tp_rank * (self.padded_vocab // tp)
+
+    @property
+    def device(self) -> torch.device:
+        if self.runtime.device == "gpu":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+
+def _hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
+    """Final hidden states `[T, H]` of a packed row (after the final norm, before the output layer)."""
+    model = handle.model
+    dev = handle.device
+    tokens = mb.tokens.to(dev)
+    if handle.runtime.packed_thd:
+        from megatron.core.packed_seq_params import PackedSeqParams
+
+        cu = mb.cu_seqlens.to(dev)
+        max_len = max(mb.lengths)
+        kwargs: dict[str, Any] = dict(
+            position_ids=mb.position_ids.to(dev),
+            attention_mask=None,
+            packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                              max_seqlen_q=max_len, max_seqlen_kv=max_len),
+        )
+    else:
+        # Multimodal-RoPE position layout [3, b, T] with identical rows = 1-D RoPE at per-sequence positions.
+        kwargs = dict(position_ids=mb.position_ids.to(dev).unsqueeze(0).expand(3, -1, -1),
+                      attention_mask=mb.attention_mask().to(dev))
+    # GPTModel has no "hidden states only" call; with post_process off its forward stops right
+    # before the output layer, which we then apply chunk by chunk (see logprobs.py).
+    saved = model.post_process
+    model.post_process = False
+    try:
+        hidden = model(input_ids=tokens, **kwargs)
+    finally:
+        model.post_process = saved
+    return hidden[:, 0, :]  # [T, 1, H] -> [T, H]
+
+
+def response_logprobs(
+    handle: ModelHandle, mb: PackedMicroBatch, chunk_tokens: int, with_entropy: bool, real_vocab: int | None = None
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and entropies) of every response token of a packed micro-batch.
+
+    Args:
+        handle: the model to run.
+        mb: the packed micro-batch.
+        chunk_tokens: tokens whose vocabulary scores are materialised at once.
+        with_entropy: also compute the per-token entropy of the policy.
+        real_vocab: vocabulary columns in the softmax (default: the model's HF vocabulary).
+
+    Returns:
+        `(logp [R], entropy [R] or None)`, fp32 nats, R = sum of response lengths in sequence order;
+        differentiable when grad is enabled.
+    """
+    hidden = _hidden_states(handle, mb)
+    logit_pos, targets = mb.response_positions()
+    picked = hidden.index_select(0, logit_pos.to(hidden.device))
+    model = handle.model
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+
+    def project(h: Tensor) -> Tensor:
+        logits, _ = model.output_layer(h.unsqueeze(1), weight=weight)
+        return logits[:, 0, :]
+
+    vocab = handle.spec.vocab_size if real_vocab is None else real_vocab
+    return chunked_logprobs(picked, targets.to(hidden.device), project, handle.vocab_start, vocab,
+                            handle.tp_group, chunk_tokens, with_entropy)

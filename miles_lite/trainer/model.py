@@ -1,0 +1,266 @@
+"""Megatron-core `GPTModel` built from a Hugging Face config (Qwen2/Qwen2.5, Llama, Qwen3).
+
+The HF config is first read into `HFModelSpec` (the few numbers the two frameworks share); the
+Megatron `TransformerConfig` is derived from it plus the trainer's precision/device choices, and
+`trainer.transformer` entries pass through verbatim.
+
+Attention layout: on the local (CPU) spec, megatron's `DotProductAttention` rejects packed
+sequences (THD), so several sequences share one row with a block-diagonal causal mask, and RoPE
+takes per-sequence positions through megatron's multimodal-RoPE path with a single section
+(`mrope_section=[rot_dim/2, 0, 0]` with identical t/h/w positions is exactly 1-D RoPE). On the TE
+(GPU) spec, packed rows use THD with `cu_seqlens` and plain RoPE restarts per sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from miles_lite.config.schema import TrainerConfig
+
+ARCHS: tuple[str, ...] = ("qwen2", "llama", "qwen3")
+
+
+@dataclass(frozen=True)
+class HFModelSpec:
+    """The architecture numbers shared by an HF decoder config and Megatron's `TransformerConfig`.
+
+    `head_dim` may differ from `hidden_size / num_attention_heads` (Qwen3). `vocab_size` is the HF
+    (unpadded) vocabulary.
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rope_theta: float
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    qk_norm: bool
+
+    @property
+    def heads_per_group(self) -> int:
+        """Query heads sharing one KV head (GQA group size)."""
+        return self.num_attention_heads // self.num_kv_heads
+
+
+def _rope_theta(cfg: Mapping[str, Any]) -> float:
+    # transformers >= 5 nests RoPE settings in `rope_parameters`; older configs keep `rope_theta`.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    for block in (params, scaling):
+        kind = block.get("rope_type", block.get("type", "default"))
+        if kind not in ("default", None):
+            raise ValueError(
+                f"config.json rope type {kind!r} is not supported (only plain RoPE); "
+                "use a checkpoint without rope_scaling"
+            )
+    theta = cfg.get("rope_theta", params.get("rope_theta"))
+    if theta is None:
+        raise ValueError("config.json has neither rope_theta nor rope_parameters.rope_theta")
+    return float(theta)
+
+
+def spec_from_hf_config(config: Any) -> HFModelSpec:
+    """Read an HF decoder config: a `transformers.PretrainedConfig`, a dict, or a path to a
+    checkpoint directory / config.json. Raises ValueError naming the unsupported field."""
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        path = path / "config.json" if path.is_dir() else path
+        cfg: Mapping[str, Any] = json.loads(path.read_text())
+    elif isinstance(config, Mapping):
+        cfg = config
+    else:
+        cfg = config.to_dict()
+    model_type = cfg.get("model_type")
+    if model_type not in ARCHS:
+        raise ValueError(f"config.json model_type={model_type!r} is not supported; supported: {', '.join(ARCHS)}")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json hidden_act={cfg.get('hidden_act')!r}: only silu (SwiGLU) is supported")
+    if cfg.get("use_sliding_window"):
+        raise ValueError("config.json use_sliding_window=true is not supported; set it to false")
+    if cfg.get("mlp_bias"):
+        raise ValueError("config.json mlp_bias=true is not supported (Megatron is built with add_bias_linear=False)")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    if model_type == "qwen2":
+        qkv_bias = True
+    else:
+        # Llama/Qwen3 `attention_bias` also adds an o_proj bias, which add_bias_linear=False cannot hold.
+        if cfg.get("attention_bias"):
+            raise ValueError(f"config.json attention_bias=true is not supported for {model_type}")
+        qkv_bias = False
+    return HFModelSpec(
+        arch=str(model_type),
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=hidden,
+        ffn_hidden_size=int(cfg["intermediate_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or hidden // heads),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        rope_theta=_rope_theta(cfg),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        qk_norm=model_type == "qwen3",
+    )
+
+
+@dataclass(frozen=True)
+class Runtime:
+    """Resolved execution choices: `device` cpu|gpu, `layer_spec` local|te, `precision` fp32|bf16|fp8."""
+
+    device: str
+    layer_spec: str
+    precision: str
+    fp8_recipe: str
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        return torch.float32 if self.precision == "fp32" else torch.bfloat16
+
+    @property
+    def packed_thd(self) -> bool:
+        """True when packed micro-batches use THD + cu_seqlens (TE attention) instead of a 2-D mask."""
+        return self.layer_spec == "te"
+
+
+def resolve_runtime(trainer: TrainerConfig) -> Runtime:
+    """Resolve `auto` device/spec choices against this machine; raise on impossible combinations."""
+    has_cuda = torch.cuda.is_available()
+    device = trainer.device if trainer.device != "auto" else ("gpu" if has_cuda else "cpu")
+    if device == "gpu" and not has_cuda:
+        raise ValueError("trainer.device=gpu but CUDA is not available; set trainer.device=cpu (or auto)")
+    layer_spec = trainer.layer_spec if trainer.layer_spec != "auto" else ("te" if device == "gpu" else "local")
+    if layer_spec == "te" and device == "cpu":
+        raise ValueError("trainer.layer_spec=te needs a GPU; set trainer.layer_spec=local on CPU")
+    if trainer.precision not in ("fp32", "bf16", "fp8"):
+        raise ValueError(f"trainer.precision={trainer.precision!r} is not one of fp32, bf16, fp8")
+    if trainer.precision == "fp8" and layer_spec != "te":
+        raise ValueError("trainer.precision=fp8 needs trainer.layer_spec=te (TransformerEngine on a GPU)")
+    return Runtime(device, layer_spec, trainer.precision, trainer.fp8_recipe)
+
+
+def padded_vocab_size(vocab_size: int, tp: int, divisor: int) -> int:
+    """Smallest multiple of `tp * divisor` >= `vocab_size` (rows beyond `vocab_size` are padding)."""
+    if divisor < 1:
+        raise ValueError(f"trainer.vocab_divisor={divisor} must be >= 1")
+    multiple = tp * divisor
+    return -(-vocab_size // multiple) * multiple
+
+
+def _fp8_fields(runtime: Runtime) -> dict[str, Any]:
+    """TransformerConfig FP8 fields; megatron builds the TE recipe from them inside each block."""
+    if runtime.precision != "fp8":
+        return {}
+    from miles_lite.trainer.fp8 import check_te_recipe
+
+    check_te_recipe(runtime.fp8_recipe)
+    # Float8BlockScaling is E4M3-only; delayed/current scaling use E4M3 forward + E5M2 gradients.
+    fmt = "e4m3" if runtime.fp8_recipe == "blockwise" else "hybrid"
+    return {"fp8": fmt, "fp8_recipe": runtime.fp8_recipe}
+
+
+def _passthrough(overrides: Mapping[str, Any]) -> dict[str, Any]:
+    from megatron.core.transformer import TransformerConfig
+
+    valid = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = sorted(set(overrides) - valid)
+    if unknown:
+        sample = ", ".join(sorted(n for n in valid if n.startswith(("recompute", "attention", "apply")))[:8])
+        raise ValueError(
+            f"trainer.transformer has fields TransformerConfig does not know: {unknown}; "
+            f"valid fields include {sample}, ... (see megatron.core.transformer.TransformerConfig)"
+        )
+    return dict(overrides)
+
+
+def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig, runtime: Runtime) -> Any:
+    """Megatron `TransformerConfig` for `spec` under the trainer's TP/precision choices."""
+    from megatron.core.transformer import TransformerConfig
+
+    cpu = runtime.device == "cpu"
+    fields: dict[str, Any] = dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_kv_heads,
+        kv_channels=spec.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=spec.rms_norm_eps,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        qk_layernorm=spec.qk_norm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+        tensor_model_parallel_size=trainer.tp,
+        pipeline_model_parallel_size=trainer.pp,
+        params_dtype=runtime.params_dtype,
+        bf16=runtime.precision != "fp32",
+        # Weights always come from an HF state dict; megatron's own init would be overwritten.
+        perform_initialization=False,
+        use_cpu_initialization=cpu,
+        # The fused paths need CUDA kernels or torch.compile; plain torch ops are exact on CPU.
+        bias_activation_fusion=not cpu,
+        bias_dropout_fusion=not cpu,
+        masked_softmax_fusion=not cpu,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    if runtime.layer_spec == "local":
+        # Per-sequence RoPE positions for packed rows (see the module docstring).
+        fields["mrope_section"] = [spec.head_dim // 2, 0, 0]
+    fields.update(_fp8_fields(runtime))
+    fields.update(_passthrough(trainer.transformer))
+    return TransformerConfig(**fields)
+
+
+def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_vocab: int) -> torch.nn.Module:
+    """An (empty-weight) `GPTModel` for `spec`; load weights with `hf_convert.load_hf_into_model`."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    if runtime.layer_spec == "te":
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
+        pos_type = "rope"
+    else:
+        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        pos_type = "mrope"
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec,
+        vocab_size=padded_vocab,
+        max_sequence_length=spec.max_position_embeddings,
+        pre_process=True,
+        post_process=True,
+        parallel_output=True,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+        position_embedding_type=pos_type,
+        rotary_base=spec.rope_theta,
+    )
+    if runtime.device == "gpu":
+        model = model.cuda()
+    return model

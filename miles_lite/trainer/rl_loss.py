@@ -1,0 +1,148 @@
+"""Loss of one packed micro-batch: RL (policy + KL + entropy + distillation, IS-corrected) or SFT.
+
+The algorithm math lives in `miles_lite.algo`; this module lines a micro-batch's response tokens
+up into the padded `[B, T]` layout those functions take, and scales the micro-batch loss so that
+the sum over micro-batches and data-parallel ranks equals the loss of the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from miles_lite.algo import (
+    AggMode,
+    LossConfig,
+    expand_to_tokens,
+    importance_weights,
+    kl_penalty,
+    mismatch_metrics,
+    sft_loss,
+    total_loss,
+)
+from miles_lite.config.schema import AlgoConfig
+from miles_lite.trainer.packing import PackedMicroBatch, padded_floats, to_padded
+from miles_lite.types import TrainBatch
+
+
+def loss_config(algo: AlgoConfig) -> LossConfig:
+    """`algo.LossConfig` from the `algo` config group."""
+    return LossConfig(
+        policy_loss=algo.policy_loss, clip_low=algo.clip_low, clip_high=algo.clip_high,
+        dual_clip_c=algo.dual_clip_c, kl_coef=algo.kl_coef, kl_estimator=algo.kl_estimator,
+        entropy_coef=algo.entropy_coef, agg_mode=algo.agg_mode, agg_constant=algo.agg_constant,
+        distill_coef=algo.distill_coef,
+    )
+
+
+@dataclass(frozen=True)
+class BatchTotals:
+    """Denominators of the whole (all data-parallel ranks) batch, for micro-batch loss scaling."""
+
+    response_tokens: int
+    sequences: int  # sequences with at least one response token
+
+    @staticmethod
+    def of(batch: TrainBatch) -> BatchTotals:
+        lengths = batch.response_lengths
+        return BatchTotals(sum(lengths), sum(1 for n in lengths if n > 0))
+
+    def share(self, mb: PackedMicroBatch, agg_mode: str) -> float:
+        """Fraction of the batch loss this micro-batch's aggregated loss stands for.
+
+        token_mean averages over tokens, the other modes over sequences, so the weight is the
+        micro-batch's share of tokens or of sequences.
+        """
+        if agg_mode == AggMode.TOKEN_MEAN:
+            return sum(mb.response_lengths) / max(self.response_tokens, 1)
+        return sum(1 for n in mb.response_lengths if n > 0) / max(self.sequences, 1)
+
+
+def _rows(values: Sequence[Sequence[float]] | None, idx: Sequence[int]) -> list[Sequence[float]] | None:
+    return None if values is None else [values[i] for i in idx]
+
+
+def rl_micro_loss(
+    logp_flat: Tensor,
+    entropy_flat: Tensor | None,
+    mb: PackedMicroBatch,
+    batch: TrainBatch,
+    algo: AlgoConfig,
+    ref_logprobs: Sequence[Sequence[float]] | None,
+    teacher_logprobs: Sequence[Sequence[float]] | None,
+) -> tuple[Tensor, dict[str, float]]:
+    """RL loss of one micro-batch (aggregated over its own tokens) and its statistics.
+
+    Args:
+        logp_flat: `[R]` trainer log-probs of the micro-batch's response tokens (with grad).
+        entropy_flat: `[R]` policy entropy per token, or None.
+        mb: the micro-batch (its `seq_indices` index `batch`).
+        batch: the train batch (rollout log-probs and advantages).
+        algo: loss, KL, entropy, distillation and importance-sampling settings.
+        ref_logprobs / teacher_logprobs: per-sequence floats for the whole batch, or None.
+
+    The "old" policy is the trainer itself before this step (`logp.detach()`): one optimizer step
+    per batch means the PPO ratio starts at 1 and the rollout/trainer gap is handled by the
+    importance weights of `algo.is_*`.
+    """
+    idx = mb.seq_indices
+    logp, mask = to_padded(logp_flat, mb.response_lengths)
+    old = logp.detach()
+    rollout = padded_floats(_rows(batch.rollout_logprobs, idx) or []).to(logp.device)
+    adv = expand_to_tokens(torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32,
+                                        device=logp.device), mask)
+    level = algo.is_level if algo.is_level != "none" else "token"
+    lower = algo.is_lower if algo.is_mode == "mask" else None
+    is_w = None
+    if algo.is_level != "none":
+        is_w = importance_weights(old, rollout, mask, algo.is_level, algo.is_mode, upper=algo.is_upper,
+                                  lower=lower).weights
+    ref = _rows(ref_logprobs, idx)
+    teacher = _rows(teacher_logprobs, idx)
+    ref_t = padded_floats(ref).to(logp.device) if ref is not None else None
+    teacher_t = padded_floats(teacher).to(logp.device) if teacher is not None else None
+    entropy = to_padded(entropy_flat, mb.response_lengths)[0] if entropy_flat is not None else None
+    loss, stats = total_loss(
+        logp, old, adv, mask, loss_config(algo),
+        ref_logp=ref_t if algo.kl_coef else None,
+        entropy=entropy if algo.entropy_coef else None,
+        teacher_logp=teacher_t if algo.distill_coef else None,
+        is_weights=is_w,
+    )
+    stats.update(mismatch_metrics(old, rollout, mask, level, algo.is_mode, upper=algo.is_upper, lower=lower))
+    with torch.no_grad():
+        n = mask.sum().clamp_min(1.0)
+        if entropy is not None:
+            stats["entropy"] = float((entropy.detach() * mask).sum() / n)
+        if ref_t is not None:
+            stats["kl/ref_k3"] = float((kl_penalty(old, ref_t, "k3", mask=mask) * mask).sum() / n)
+        stats["advantage/mean"] = float((adv * mask).sum() / n)
+    return loss, stats
+
+
+def sft_micro_loss(logp_flat: Tensor, mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float]]:
+    """Cross-entropy (token mean of -logp) over the micro-batch's response tokens."""
+    logp, mask = to_padded(logp_flat, mb.response_lengths)
+    loss = sft_loss(logp, mask, AggMode.TOKEN_MEAN)
+    return loss, {"loss/sft": float(loss.detach())}
+
+
+def reduce_stats(weighted: Sequence[tuple[float, dict[str, float]]]) -> dict[str, float]:
+    """Combine per-micro-batch stats: `*_max` keys by max, `*_min` keys by min, others weighted by share."""
+    out: dict[str, float] = {}
+    total: dict[str, float] = {}
+    for weight, stats in weighted:
+        for key, value in stats.items():
+            if key.endswith("_max"):
+                out[key] = max(out.get(key, float("-inf")), value)
+            elif key.endswith("_min"):
+                out[key] = min(out.get(key, float("inf")), value)
+            else:
+                out[key] = out.get(key, 0.0) + weight * value
+                total[key] = total.get(key, 0.0) + weight
+    for key, weight in total.items():
+        out[key] = out[key] / weight if weight > 0 else 0.0
+    return out

@@ -1,0 +1,93 @@
+"""Tiny randomly initialised HF models (Qwen2, Llama, Qwen3) of a `TinyModelShape`.
+
+The embedded default run and the tests start from these: the trainer converts them like any
+real checkpoint, so a laptop run exercises exactly the code path of a Qwen2.5-0.5B run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from miles_lite.config.schema import TinyModelShape
+
+
+def tiny_hf_config(arch: str, shape: TinyModelShape, vocab_size: int, init_std: float | None = None) -> Any:
+    """The transformers config (`Qwen2Config` / `LlamaConfig` / `Qwen3Config`) for `shape`.
+
+    Raises ValueError when `shape` asks for something `arch` cannot express (the field and the fix).
+    """
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common: dict[str, Any] = dict(
+        vocab_size=vocab_size,
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.ffn_hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        max_position_embeddings=shape.max_position_embeddings,
+        rms_norm_eps=shape.rms_norm_eps,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        rope_theta=shape.rope_theta,
+        hidden_act="silu",
+    )
+    if init_std is not None:
+        common["initializer_range"] = init_std
+    if arch == "qwen2":
+        if not shape.qkv_bias or shape.qk_norm:
+            raise ValueError("model.arch=qwen2 has QKV bias and no QK-norm: set model.shape.qkv_bias=true, "
+                             "model.shape.qk_norm=false")
+        if shape.head_dim not in (None, shape.hidden_size // shape.num_attention_heads):
+            raise ValueError(
+                "model.arch=qwen2 derives head_dim from hidden_size / heads: set model.shape.head_dim=null"
+            )
+        return Qwen2Config(**common, use_sliding_window=False)
+    if shape.qkv_bias:
+        raise ValueError(f"model.arch={arch} has no QKV bias: set model.shape.qkv_bias=false")
+    if arch == "llama":
+        if shape.qk_norm:
+            raise ValueError("model.arch=llama has no QK-norm: set model.shape.qk_norm=false")
+        head_dim = shape.head_dim or shape.hidden_size // shape.num_attention_heads
+        return LlamaConfig(**common, head_dim=head_dim, attention_bias=False, mlp_bias=False)
+    if arch == "qwen3":
+        if not shape.qk_norm:
+            raise ValueError("model.arch=qwen3 always has QK-norm: set model.shape.qk_norm=true")
+        head_dim = shape.head_dim or shape.hidden_size // shape.num_attention_heads
+        return Qwen3Config(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False)
+    raise ValueError(f"model.arch={arch!r} is not one of qwen2, llama, qwen3")
+
+
+def build_tiny_hf_model(
+    arch: str, shape: TinyModelShape, vocab_size: int, seed: int, init_std: float | None = None
+) -> Any:
+    """A randomly initialised `*ForCausalLM` in fp32 (same seed -> same weights, on any process)."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_hf_config(arch, shape, vocab_size, init_std)
+    fork_devices: list[int] = []
+    with torch.random.fork_rng(devices=fork_devices):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+def make_tiny_hf_model(
+    arch: str, shape: TinyModelShape, vocab_size: int, out_dir: str | Path, seed: int, init_std: float | None = None
+) -> Path:
+    """Build a tiny random HF model and save it as an HF safetensors directory; returns `out_dir`.
+
+    Args:
+        arch: qwen2 | llama | qwen3.
+        shape: layer/width/head counts (`model.shape`).
+        vocab_size: vocabulary rows (unpadded).
+        out_dir: directory to write `config.json` + `model.safetensors` into.
+        seed: weight-init seed.
+        init_std: normal-init standard deviation (None: transformers' default 0.02).
+    """
+    model = build_tiny_hf_model(arch, shape, vocab_size, seed, init_std)
+    out = Path(out_dir)
+    model.save_pretrained(str(out), safe_serialization=True)
+    return out

@@ -1,0 +1,115 @@
+"""One weight push, start to end: pause -> flush -> push -> version check -> continue -> verify.
+
+A `threading.Lock` serialises pushes (two pushes never interleave, whichever threads call).
+States: IDLE -> PAUSING -> PUSHING -> CHECKING (versions) -> RESUMING -> CHECKING (probe, checksums,
+on running engines) -> IDLE; any failure ends in FAILED
+(engines are resumed even then, so they keep serving; the caller marks them stale and the next
+push, after `connect` on the new fleet, brings them current).
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from miles_lite.weight_sync.transport import (
+    EngineLoop,
+    FleetEngine,
+    PushReport,
+    ShardSource,
+    TransportState,
+    WeightSyncError,
+    WeightTransport,
+)
+from miles_lite.weight_sync.verify import PushVerifier, VerifyReport
+
+
+class SyncState(enum.Enum):
+    IDLE = "idle"
+    PAUSING = "pausing"
+    PUSHING = "pushing"
+    CHECKING = "checking"
+    RESUMING = "resuming"
+    FAILED = "failed"
+
+
+@dataclass
+class SyncReport:
+    """A push's transport report, verification (None when disabled) and the pause window in seconds."""
+
+    push: PushReport
+    verify: VerifyReport | None
+    paused_s: float
+
+
+class WeightSyncCoordinator:
+    """Runs pushes through one transport, reconnecting it whenever the fleet changes."""
+
+    def __init__(self, transport: WeightTransport, loop: EngineLoop, verifier: PushVerifier | None = None) -> None:
+        self.transport = transport
+        self.loop = loop
+        self.verifier = verifier
+        self.state = SyncState.IDLE
+        self._lock = threading.Lock()
+        self._fleet_ids: tuple[str, ...] = ()
+
+    def _each(self, fleet: Sequence[FleetEngine], method: str) -> dict[str, object]:
+        return self.loop.gather({f.engine_id: self.loop.submit(getattr(f.engine, method)()) for f in fleet})
+
+    def push(self, fleet: Sequence[FleetEngine], named_shards: ShardSource, version: str,
+             new_tensors: Mapping[str, torch.Tensor] | None = None,
+             old_tensors: Mapping[str, torch.Tensor] | None = None) -> SyncReport:
+        """Push `named_shards` as `version` to every engine of `fleet`; raises `WeightSyncError` naming engines."""
+        version = str(version)
+        with self._lock:
+            ids = tuple(f.engine_id for f in fleet)
+            if ids != self._fleet_ids or self.transport.state is not TransportState.CONNECTED:
+                self.transport.connect(fleet)
+                self._fleet_ids = ids
+            self.state = SyncState.PAUSING
+            if self.verifier is not None:
+                self.verifier.before_push(fleet)
+            start = time.perf_counter()
+            try:
+                self._each(fleet, "pause")
+                self._each(fleet, "flush_cache")
+                self.state = SyncState.PUSHING
+                push = self.transport.push(named_shards, version)
+                self.state = SyncState.CHECKING
+                versions = self.loop.gather({f.engine_id: self.loop.submit(f.engine.weight_version()) for f in fleet})
+                wrong = {eid: v for eid, v in versions.items() if str(v) != version}
+                if wrong:
+                    raise WeightSyncError(f"after pushing version {version}, engines report {wrong}")
+            except BaseException:
+                self.state = SyncState.FAILED
+                self._resume_quietly(fleet)
+                raise
+            self.state = SyncState.RESUMING
+            self._each(fleet, "resume")
+            paused_s = time.perf_counter() - start
+            verify = None
+            if self.verifier is not None:
+                # Scoring needs running engines; a failure here names the engines to mark stale.
+                self.state = SyncState.CHECKING
+                try:
+                    verify = self.verifier.verify(fleet, version, new_tensors, old_tensors)
+                except BaseException:
+                    self.state = SyncState.FAILED
+                    raise
+            self.state = SyncState.IDLE
+            return SyncReport(push, verify, paused_s)
+
+    def _resume_quietly(self, fleet: Sequence[FleetEngine]) -> None:
+        # Engines keep serving after a failed push; the push's own error is what the caller sees.
+        for f in fleet:
+            self.loop.submit(f.engine.resume()).exception(self.loop.timeout_s)
+
+    def close(self) -> None:
+        """Close the transport (after the current push, if any)."""
+        with self._lock:
+            self.transport.close()

@@ -1,0 +1,50 @@
+"""Build the configured weight-sync path (transport + verifier + coordinator) for a trainer role."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from miles_lite.config.schema import MilesConfig
+from miles_lite.weight_sync.buckets import bucket_bytes_limit
+from miles_lite.weight_sync.coordinator import WeightSyncCoordinator
+from miles_lite.weight_sync.layouts import specs_from_layouts
+from miles_lite.weight_sync.transport import EngineLoop, WeightTransport
+from miles_lite.weight_sync.verify import PushVerifier, make_probe
+
+
+def build_transport(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: Path) -> WeightTransport:
+    """The transport `weight_sync.transport` names, over the trainer's parameter layouts."""
+    import torch
+
+    ws = cfg.weight_sync
+    dtype = "float32" if cfg.trainer.precision == "fp32" else "bfloat16"
+    specs = specs_from_layouts(trainer.layouts(), dtype)
+    if ws.transport == "disk":
+        from miles_lite.weight_sync.disk import DiskTransport
+
+        root = Path(ws.disk_dir) if ws.disk_dir else run_dir / "weights"
+        return DiskTransport(specs, cfg.trainer.tp, root, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib))
+    if ws.transport == "distributed":
+        from miles_lite.weight_sync.distributed import DistributedTransport
+
+        gpu = torch.cuda.is_available() and cfg.trainer.device != "cpu"
+        return DistributedTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib),
+                                    mode=ws.mode, backend="nccl" if gpu else "gloo",
+                                    init_timeout_s=ws.init_timeout_s, device="cuda" if gpu else "cpu")
+    from miles_lite.weight_sync.ipc import IpcTransport
+
+    return IpcTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib))
+
+
+def build_coordinator(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: Path) -> WeightSyncCoordinator:
+    """Transport plus, when `weight_sync.verify`, a probe verifier scoring a fixed batch on both sides."""
+    ws = cfg.weight_sync
+    transport = build_transport(cfg, trainer, loop, run_dir)
+    verifier = None
+    if ws.verify:
+        from miles_lite.config.validate import model_dims
+
+        probe = make_probe(model_dims(cfg).vocab_size, ws.probe_sequences, ws.probe_tokens, seed=cfg.experiment.seed)
+        verifier = PushVerifier(loop, probe, trainer.probe_logprobs, max_probe_logp_diff=ws.max_probe_logp_diff)
+    return WeightSyncCoordinator(transport, loop, verifier)

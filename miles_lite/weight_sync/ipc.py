@@ -1,0 +1,147 @@
+"""CUDA IPC transport for colocated engines: SGLang's `update_weights_from_tensor`, `load_format="direct"`.
+
+Each engine TP rank gets its own payload (entry i of `serialized_named_tensors`), holding only its
+shards already fused the way SGLang's parameters are (`qkv_proj` = [q; k; v] of the rank,
+`gate_up_proj` = [gate; up], vocab rows padded), so `direct` copies them straight into the
+parameters (`model_runner._model_load_weights_direct`) without any slicing on the engine.
+Payloads are `base64(ForkingPickler(list[(name, tensor)]))`, SGLang's
+`MultiprocessingSerializer.serialize(..., output_str=True)`: CUDA tensors travel as IPC handles,
+so the tensors must stay alive until the engine has answered. GPU only.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Sequence
+from multiprocessing.reduction import ForkingPickler
+
+import torch
+
+from miles_lite.weight_sync.buckets import shard_buckets
+from miles_lite.weight_sync.plan import ParamSpec, RankPlan, apply_rank_plan, build_plan, fused_offset
+from miles_lite.weight_sync.transport import (
+    EngineLoop,
+    FleetEngine,
+    PushReport,
+    ShardSource,
+    TransportState,
+    WeightSyncError,
+    WeightTransport,
+    resolve_shards,
+)
+
+# HF tensor suffix -> SGLang fused parameter suffix (Qwen2/Llama stacked_params_mapping).
+_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
+          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
+
+
+def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
+    """SGLang's `MultiprocessingSerializer.serialize(named, output_str=True)`."""
+    buf = io.BytesIO()
+    ForkingPickler(buf).dump(list(named))
+    return base64.b64encode(buf.getvalue()).decode("utf-8")
+
+
+def sglang_param_name(hf_name: str) -> str:
+    """The SGLang parameter an HF tensor loads into (`...q_proj.weight` -> `...qkv_proj.weight`)."""
+    parts = hf_name.split(".")
+    if len(parts) >= 2 and parts[-2] in _FUSED:
+        parts[-2] = _FUSED[parts[-2]]
+    return ".".join(parts)
+
+
+def direct_named_tensors(rank_plan: RankPlan, specs: Sequence[ParamSpec], local: dict[str, torch.Tensor]
+                         ) -> list[tuple[str, torch.Tensor]]:
+    """Fuse one engine rank's HF-named local shards into SGLang parameters (names, shapes) for `direct`.
+
+    A fused parameter is emitted only when all its parts are in `local` (a bucket never splits one:
+    parts of a fused parameter must be bucketed together by the caller).
+    """
+    by_name = {s.name: s for s in specs}
+    fused: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    order: list[str] = []
+    for shard in rank_plan.shards:
+        if shard.name not in local:
+            continue
+        target = sglang_param_name(shard.name)
+        if target not in fused:
+            fused[target] = []
+            order.append(target)
+        fused[target].append((fused_offset(by_name[shard.name], rank_plan.tp), local[shard.name]))
+    out = []
+    for target in order:
+        parts = sorted(fused[target], key=lambda p: p[0])
+        out.append((target, parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts], dim=0)))
+    return out
+
+
+class IpcTransport(WeightTransport):
+    """Per-TP-rank CUDA tensors handed to colocated SGLang engines by IPC handle."""
+
+    name = "ipc"
+
+    def __init__(self, specs: Sequence[ParamSpec], trainer_tp: int, loop: EngineLoop, *, bucket_bytes: int,
+                 device: str | torch.device = "cuda") -> None:
+        super().__init__()
+        if not torch.cuda.is_available():
+            raise WeightSyncError("weight_sync.transport=ipc needs CUDA (colocated GPU engines); use 'distributed' "
+                                  "or 'disk' on CPU")
+        self.specs = tuple(specs)
+        self.trainer_tp = trainer_tp
+        self.loop = loop
+        self.bucket_bytes = bucket_bytes
+        self.device = torch.device(device)
+
+    def connect(self, fleet_engines: Sequence[FleetEngine]) -> None:
+        self._require(TransportState.NEW, TransportState.CONNECTED, TransportState.FAILED)
+        self._set_fleet(fleet_engines)
+        self.plan = build_plan(self.specs, self.trainer_tp, [f.spec for f in self.fleet])
+        self.state = TransportState.CONNECTED
+
+    def push(self, named_shards: ShardSource, version: str) -> PushReport:
+        """One `update_weights_from_tensor` per engine per bucket (fused parameters kept in one bucket)."""
+        self._require(TransportState.CONNECTED)
+        report = PushReport(str(version), self.name, tuple(f.engine_id for f in self.fleet))
+        shards = resolve_shards(named_shards, report)
+        buckets = _fused_whole(shard_buckets(self.plan, self.bucket_bytes))
+        report.buckets = len(buckets)
+        try:
+            for i, names in enumerate(buckets):
+                payloads: dict[str, list[str]] = {}
+                keep_alive: list[torch.Tensor] = []
+                with report.phase("convert"):
+                    for f, rank_plans in zip(self.fleet, self.plan.ranks, strict=True):
+                        per_rank = []
+                        for rp in rank_plans:
+                            named = direct_named_tensors(rp, self.specs,
+                                                         apply_rank_plan(rp, shards, names, self.device))
+                            keep_alive += [t for _, t in named]
+                            per_rank.append(serialize_named_tensors(named))
+                        payloads[f.engine_id] = per_rank
+                report.bytes += sum(t.numel() * t.element_size() for t in keep_alive)
+                with report.phase("load"):
+                    self.loop.gather({f.engine_id: self.loop.submit(f.engine.update_weights_from_tensor(
+                        payloads[f.engine_id], "direct", report.version, flush_cache=i == len(buckets) - 1))
+                        for f in self.fleet})
+                torch.cuda.synchronize(self.device)
+        except Exception:
+            self.state = TransportState.FAILED
+            raise
+        return report
+
+    def close(self) -> None:
+        self.state = TransportState.CLOSED
+
+
+def _fused_whole(buckets: Sequence) -> list[tuple[str, ...]]:
+    """Bucket names, with every fused parameter's parts moved into the bucket of its first part."""
+    out: list[list[str]] = []
+    home: dict[str, int] = {}
+    for bucket in buckets:
+        out.append([])
+        for name in bucket.names:
+            target = sglang_param_name(name)
+            idx = home.setdefault(target, len(out) - 1)
+            out[idx].append(name)
+    return [tuple(names) for names in out if names]

@@ -1,0 +1,48 @@
+"""Adapter: the trainer's `ParamLayout`s (one per Megatron parameter) -> the plan's `ParamSpec`s (one per HF tensor).
+
+The trainer shards handed to a transport are then `{megatron_name: local tensor}` per TP rank,
+since every spec's `source` is the Megatron parameter name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from miles_lite.trainer.layout import LayoutKind, ParamLayout
+from miles_lite.weight_sync.plan import GATE_UP_ROLES, QKV_ROLES, ParamSpec
+
+_KIND = {
+    LayoutKind.REPLICATED: "replicated",
+    LayoutKind.COLUMN_PARALLEL: "column",
+    LayoutKind.ROW_PARALLEL: "row",
+    LayoutKind.QKV_FUSED: "qkv",
+    LayoutKind.GATE_UP_FUSED: "gate_up",
+    LayoutKind.VOCAB_PADDED: "vocab",
+}
+
+
+def specs_from_layouts(layouts: Iterable[ParamLayout], dtype: str) -> list[ParamSpec]:
+    """One `ParamSpec` per HF tensor, in parameter order; `dtype` is what the engines receive.
+
+    An HF tensor reachable from two Megatron parameters (never in one model: the local and TE
+    specs name the same norm differently) is kept once, from its first parameter.
+    """
+    specs: list[ParamSpec] = []
+    seen: set[str] = set()
+    for layout in layouts:
+        kind = _KIND[layout.kind]
+        roles: tuple[str, ...] = ("",) * len(layout.hf_names)
+        if kind == "qkv":
+            roles = QKV_ROLES
+        elif kind == "gate_up":
+            roles = GATE_UP_ROLES
+        for hf_name, shape, role in zip(layout.hf_names, layout.hf_shapes, roles, strict=True):
+            if hf_name in seen:
+                continue
+            seen.add(hf_name)
+            specs.append(ParamSpec(
+                name=hf_name, shape=shape, dtype=dtype, kind=kind, source=layout.megatron_name, role=role,
+                num_heads=layout.num_heads or 0, num_kv_heads=layout.num_kv_heads or 0,
+                head_dim=layout.head_dim or 0, trainer_padded_vocab=layout.padded_vocab_size or 0,
+            ))
+    return specs

@@ -1,0 +1,165 @@
+"""Checks that a push really changed what every engine serves.
+
+Two independent checks, both comparing against the *new* expected values and, where the push
+changed them, against the *old* ones, so that an engine which acknowledged the push but kept its
+old weights (an OOM swallowed with a 200, a dropped update) is named:
+
+- probe: a fixed batch of token sequences scored by each engine (`engine.score`) and by the trainer
+  (`trainer_logprobs`); per-token |logp diff| mean/max is reported and the mean is guarded by
+  `weight_sync.max_probe_logp_diff`. The engine's pre-push scores are kept: if the post-push scores
+  still equal them while the trainer's new logprobs differ from them, the engine is stale.
+- checksum: a few parameters read back with `get_weights_by_name` (first rows) and compared with
+  the trainer's full HF tensors (new, and old when given).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, WeightSyncError
+
+# Trainer logprobs of the probe: sequences -> per sequence, logprobs of tokens [prompt_len:] (nats).
+TrainerScorer = Callable[["ProbeBatch"], list[list[float]]]
+
+
+@dataclass(frozen=True)
+class ProbeBatch:
+    """Fixed token sequences; tokens from `prompt_lens[i]` on are scored."""
+
+    sequences: tuple[tuple[int, ...], ...]
+    prompt_lens: tuple[int, ...]
+
+
+def make_probe(vocab_size: int, sequences: int, tokens: int, seed: int = 0) -> ProbeBatch:
+    """`sequences` random sequences of `tokens` ids in [0, vocab_size), each scored after its first token."""
+    if vocab_size < 2 or sequences < 1 or tokens < 2:
+        raise ValueError(f"probe needs vocab_size>=2, weight_sync.probe_sequences>=1, weight_sync.probe_tokens>=2; "
+                         f"got {vocab_size}, {sequences}, {tokens}")
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab_size, (sequences, tokens), generator=g)
+    return ProbeBatch(tuple(tuple(int(t) for t in row) for row in ids), (1,) * sequences)
+
+
+@dataclass
+class EngineCheck:
+    """Per-engine results of one verification."""
+
+    logp_diff_mean: float = 0.0
+    logp_diff_max: float = 0.0
+    checksum_max_abs: float = 0.0
+
+
+@dataclass
+class VerifyReport:
+    version: str
+    engines: dict[str, EngineCheck] = field(default_factory=dict)
+
+    @property
+    def logp_diff_mean(self) -> float:
+        return max((c.logp_diff_mean for c in self.engines.values()), default=0.0)
+
+    @property
+    def logp_diff_max(self) -> float:
+        return max((c.logp_diff_max for c in self.engines.values()), default=0.0)
+
+
+def _flat(values: Sequence[Sequence[float]]) -> torch.Tensor:
+    return torch.tensor([v for row in values for v in row], dtype=torch.float64)
+
+
+class PushVerifier:
+    """Probe + checksum verification around pushes (see the module docstring)."""
+
+    def __init__(self, loop: EngineLoop, probe: ProbeBatch, trainer_logprobs: TrainerScorer, *,
+                 max_probe_logp_diff: float, checksum_names: Sequence[str] = (), checksum_rows: int = 4,
+                 checksum_atol: float = 1e-6) -> None:
+        if max_probe_logp_diff <= 0:
+            raise ValueError(f"weight_sync.max_probe_logp_diff={max_probe_logp_diff} must be > 0")
+        self.loop = loop
+        self.probe = probe
+        self.trainer_logprobs = trainer_logprobs
+        self.max_diff = max_probe_logp_diff
+        self.checksum_names = tuple(checksum_names)
+        self.checksum_rows = checksum_rows
+        self.checksum_atol = checksum_atol
+        self._before: dict[str, torch.Tensor] = {}
+
+    def _score_all(self, fleet: Sequence[FleetEngine]) -> dict[str, torch.Tensor]:
+        async def score(engine: FleetEngine) -> torch.Tensor:
+            rows = [await engine.engine.score(list(seq), plen)
+                    for seq, plen in zip(self.probe.sequences, self.probe.prompt_lens, strict=True)]
+            return _flat(rows)
+
+        futures = {f.engine_id: self.loop.submit(score(f)) for f in fleet}
+        return self.loop.gather(futures)
+
+    def before_push(self, fleet: Sequence[FleetEngine]) -> None:
+        """Record each engine's probe scores under the weights it serves now."""
+        self._before = self._score_all(fleet)
+
+    def verify(self, fleet: Sequence[FleetEngine], version: str,
+               new_tensors: Mapping[str, torch.Tensor] | None = None,
+               old_tensors: Mapping[str, torch.Tensor] | None = None) -> VerifyReport:
+        """Raise `WeightSyncError` naming every engine that does not serve the new weights.
+
+        `new_tensors` / `old_tensors`: full HF tensors (at least `checksum_names`) after / before the push.
+        """
+        report = VerifyReport(str(version))
+        want = _flat(self.trainer_logprobs(self.probe))
+        got = self._score_all(fleet)
+        problems: list[str] = []
+        for f in fleet:
+            eid = f.engine_id
+            scores = got[eid]
+            if scores.shape != want.shape:
+                problems.append(f"engine {eid}: probe returned {scores.numel()} logprobs, trainer {want.numel()}")
+                continue
+            diff = (scores - want).abs()
+            check = EngineCheck(float(diff.mean()), float(diff.max()))
+            report.engines[eid] = check
+            before = self._before.get(eid)
+            changed = before is not None and float((before - want).abs().mean()) > self.max_diff
+            if changed and torch.equal(scores, before):
+                problems.append(f"engine {eid}: acknowledged version {version} but its probe logprobs are unchanged "
+                                f"(it kept the old weights)")
+            elif check.logp_diff_mean > self.max_diff:
+                problems.append(f"engine {eid}: probe |logp diff| mean {check.logp_diff_mean:.3g} > "
+                                f"weight_sync.max_probe_logp_diff={self.max_diff:g}")
+        if new_tensors is not None and self.checksum_names:
+            problems += self._checksums(fleet, version, new_tensors, old_tensors, report)
+        if problems:
+            raise WeightSyncError("weight push verification failed: " + "; ".join(problems))
+        return report
+
+    def _checksums(self, fleet: Sequence[FleetEngine], version: str, new: Mapping[str, torch.Tensor],
+                   old: Mapping[str, torch.Tensor] | None, report: VerifyReport) -> list[str]:
+        rows = self.checksum_rows
+
+        async def read(engine: FleetEngine) -> dict[str, torch.Tensor]:
+            return {n: torch.tensor(await engine.engine.get_weights_by_name(n, rows), dtype=torch.float64)
+                    for n in self.checksum_names}
+
+        values = self.loop.gather({f.engine_id: self.loop.submit(read(f)) for f in fleet})
+        problems = []
+        for f in fleet:
+            eid = f.engine_id
+            for name in self.checksum_names:
+                seen = values[eid][name]
+                expect = new[name][:rows].to(torch.float64)
+                if seen.shape != expect.shape:
+                    problems.append(f"engine {eid}: {name} rows have shape {tuple(seen.shape)}, "
+                                    f"expected {tuple(expect.shape)}")
+                    continue
+                err = float((seen - expect).abs().max())
+                report.engines.setdefault(eid, EngineCheck()).checksum_max_abs = max(
+                    report.engines[eid].checksum_max_abs, err)
+                if err <= self.checksum_atol:
+                    continue
+                stale = old is not None and name in old and torch.allclose(
+                    seen, old[name][:rows].to(torch.float64), rtol=0, atol=self.checksum_atol)
+                reason = "still holds the old values" if stale else f"differs from the trainer by {err:.3g}"
+                problems.append(f"engine {eid}: {name} {reason} after version {version}")
+        return problems

@@ -1,0 +1,111 @@
+"""An in-process engine implementing the RolloutEngine protocol, for unit tests of scheduling logic.
+
+Tokens are deterministic: token i of a request is `(seed + len(input_ids) + i) % 97`, with logprob
+-(token % 5) / 10, and generation takes `delay_s` per token so requests overlap and can be aborted.
+Modes: "ok", "error" (answers an EngineError), "dead" (connection refused), "hang" (never answers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from miles_lite.rollout.engine import EngineError
+from miles_lite.types import Generation, SamplingParams
+
+
+class FakeEngine:
+    def __init__(self, engine_id: str, *, version: str = "0", delay_s: float = 0.0, mode: str = "ok",
+                 max_tokens: int | None = None) -> None:
+        self.engine_id = engine_id
+        self.url = f"fake://{engine_id}"
+        self.version = version
+        self.delay_s = delay_s
+        self.mode = mode
+        self.healthy = True
+        # Stop after this many tokens with finish "stop" (None: run to max_new_tokens).
+        self.max_tokens = max_tokens
+        self.calls: list[tuple[str | None, list[int], SamplingParams]] = []
+        self.completed: list[str | None] = []
+        self.aborts: list[str | None] = []
+        self.paused = False
+        self.closed = False
+        self._abort_all = 0
+        self._abort_rids: set[str] = set()
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> Generation:
+        self.calls.append((rid, list(input_ids), sampling))
+        if self.mode == "dead":
+            raise ConnectionRefusedError(f"{self.url}: connection refused")
+        if self.mode == "error":
+            raise EngineError(f"{self.url}/generate answered 500: injected error")
+        if self.mode == "hang":
+            await asyncio.Event().wait()
+        epoch = self._abort_all
+        seed = sampling.seed or 0
+        limit = sampling.max_new_tokens if self.max_tokens is None else min(self.max_tokens, sampling.max_new_tokens)
+        ids: list[int] = []
+        for i in range(limit):
+            if self.delay_s:
+                await asyncio.sleep(self.delay_s)  # simulated decode time of one token
+            if self._abort_all != epoch or rid in self._abort_rids:
+                return self._gen(ids, "abort")
+            ids.append((seed + len(input_ids) + i) % 97)
+        self.completed.append(rid)
+        reason = "length" if len(ids) == sampling.max_new_tokens else "stop"
+        return self._gen(ids, reason)
+
+    def _gen(self, ids: list[int], reason: str) -> Generation:
+        return Generation(tuple(ids), tuple(-(t % 5) / 10 for t in ids), reason, self.version, self.engine_id)
+
+    async def score(self, input_ids: list[int], prompt_len: int) -> list[float]:
+        return [-(t % 5) / 10 for t in input_ids[prompt_len:]]
+
+    async def health(self, timeout_s: float) -> bool:
+        if self.mode == "dead":
+            raise ConnectionRefusedError(f"{self.url}: connection refused")
+        if self.mode == "hang":
+            await asyncio.Event().wait()
+        return self.healthy
+
+    async def weight_version(self) -> str:
+        return self.version
+
+    async def pause(self) -> None:
+        self.paused = True
+
+    async def resume(self) -> None:
+        self.paused = False
+
+    async def flush_cache(self) -> None:
+        return None
+
+    async def abort(self, rid: str | None = None) -> None:
+        self.aborts.append(rid)
+        if rid is None:
+            self._abort_all += 1
+        else:
+            self._abort_rids.add(rid)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        self.version = weight_version
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, group_name: str, backend: str) -> None:
+        raise EngineError("the fake engine has no distributed weight updates")
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                              group_name: str, weight_version: str, flush_cache: bool = True) -> None:
+        raise EngineError("the fake engine has no distributed weight updates")
+
+    async def destroy_weights_update_group(self, group_name: str) -> None:
+        return None
+
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None,
+                                         weight_version: str, flush_cache: bool = True) -> None:
+        self.version = weight_version
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
+        return []
+
+    async def close(self) -> None:
+        self.closed = True

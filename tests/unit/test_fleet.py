@@ -1,0 +1,212 @@
+"""EngineFleet: the lifecycle table, health checks, replacement, stale admission, request accounting."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from fake_rollout_engine import FakeEngine
+
+from miles_lite.config.schema import FaultToleranceConfig
+from miles_lite.rollout.engine import RolloutEngine
+from miles_lite.rollout.fleet import (
+    TRANSITIONS,
+    EngineFleet,
+    EngineHandle,
+    EngineState,
+    FleetExhausted,
+    IllegalTransition,
+)
+
+S = EngineState
+
+
+def _ft(**kw: float) -> FaultToleranceConfig:
+    base = dict(health_interval_s=0.05, health_timeout_s=0.2, failure_threshold=2, max_engine_restarts=2,
+                request_retries=3)
+    base.update(kw)
+    return FaultToleranceConfig(**base)  # type: ignore[arg-type]
+
+
+class Launcher:
+    """Starts FakeEngines named slot.incarnation and remembers which handles were stopped."""
+
+    def __init__(self, mode: str = "ok", version: str = "0") -> None:
+        self.mode = mode
+        self.version = version
+        self.launched: list[FakeEngine] = []
+        self.stopped: list[str] = []
+
+    async def __call__(self, index: int, incarnation: int) -> EngineHandle:
+        if self.mode == "raise":
+            raise OSError("no free port")
+        engine = FakeEngine(f"e{index}.{incarnation}", version=self.version, mode=self.mode)
+        self.launched.append(engine)
+        return EngineHandle(engine, stop=lambda: self.stopped.append(engine.engine_id))
+
+
+def test_transition_table_is_the_documented_lifecycle():
+    assert TRANSITIONS[S.STARTING] == {S.HEALTHY, S.DEAD}
+    assert TRANSITIONS[S.HEALTHY] == {S.DEAD}
+    assert TRANSITIONS[S.DEAD] == {S.REPLACING}
+    assert TRANSITIONS[S.REPLACING] == {S.STALE, S.DEAD}
+    assert TRANSITIONS[S.STALE] == {S.HEALTHY, S.DEAD}
+    assert set(TRANSITIONS) == set(S)
+
+
+def test_fake_engine_satisfies_the_protocol():
+    assert isinstance(FakeEngine("x"), RolloutEngine)
+
+
+def test_illegal_transition_raises_with_allowed_targets():
+    async def main() -> None:
+        fleet = EngineFleet(_ft())
+        rec = await fleet.add_engine(EngineHandle(FakeEngine("a")))
+        assert rec.state is S.HEALTHY and rec.version == "0"
+        with pytest.raises(IllegalTransition, match=r"healthy -> stale is not allowed.*\['dead'\]"):
+            fleet._set_state(rec, S.STALE, "test")
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_failed_health_checks_kill_replace_and_admit_after_sync():
+    async def main() -> None:
+        launcher = Launcher()
+        fleet = EngineFleet(_ft(), launcher, current_version="0")
+        a, b = await fleet.launch(2)
+        assert [r.state for r in fleet.records] == [S.HEALTHY, S.HEALTHY]
+        fleet.set_current_version("3")  # a training step happened; both engines then got version 3
+        assert fleet.mark_synced(a.engine, "3") and fleet.mark_synced("e1.0", "3")
+        assert fleet.engines_needing_weights() == []
+
+        a.engine.healthy = False  # type: ignore[attr-defined]
+        await fleet.check_health()
+        assert a.state is S.HEALTHY, "one failed check is below failure_threshold=2"
+        await fleet.check_health()
+        assert a.state is S.DEAD
+        assert await fleet.wait_for(lambda: a.state is S.STALE, 5.0)
+        assert launcher.stopped == ["e0.0"], "the dead engine's server is stopped before its replacement"
+        assert a.engine_id == "e0.1" and a.incarnation == 1
+        assert fleet.healthy_engines() == [b.engine]
+        assert fleet.engines_needing_weights() == [a.engine]
+
+        assert not fleet.mark_synced(a, "2"), "an older version must not admit a stale engine"
+        assert a.state is S.STALE
+        assert fleet.mark_synced(a, "3")
+        assert a.state is S.HEALTHY and len(fleet.healthy_engines()) == 2
+        path = [(t.old, t.new) for t in fleet.transitions if t.slot == 0]
+        assert path == [(S.STARTING, S.HEALTHY), (S.HEALTHY, S.DEAD), (S.DEAD, S.REPLACING),
+                        (S.REPLACING, S.STALE), (S.STALE, S.HEALTHY)]
+        stats = fleet.stats()
+        assert stats["restarts"] == 1 and stats["engines_healthy"] == 2 and stats["failed_health_checks"] == 2
+        await fleet.close()
+        assert sorted(launcher.stopped) == ["e0.0", "e0.1", "e1.0"]
+
+    asyncio.run(main())
+
+
+def test_background_health_task_detects_a_hung_engine():
+    async def main() -> None:
+        fleet = EngineFleet(_ft(), Launcher())
+        (rec,) = await fleet.launch(1)
+        fleet.start_health_checks()
+        rec.engine.mode = "hang"  # type: ignore[attr-defined]
+        assert await fleet.wait_for(lambda: rec.state is S.STALE, 5.0)
+        assert fleet.stats()["failed_health_checks"] >= 2
+        await fleet.close()
+        assert fleet._health_task is None
+
+    asyncio.run(main())
+
+
+def test_restart_budget_exhausted_leaves_engine_dead_and_acquire_fails_fast():
+    async def main() -> None:
+        launcher = Launcher(mode="raise")
+        fleet = EngineFleet(_ft(max_engine_restarts=2), launcher)
+        rec = await fleet.add_engine(EngineHandle(FakeEngine("a"), stop=lambda: launcher.stopped.append("a")))
+        lease = await fleet.acquire()
+        await fleet.release(lease, ok=False, error="ConnectionResetError")
+        assert rec.state is S.HEALTHY
+        lease = await fleet.acquire()
+        await fleet.release(lease, ok=False, error="ConnectionResetError")
+        assert rec.state is S.DEAD
+        assert await fleet.wait_for(lambda: not fleet.can_recover(), 5.0)
+        assert fleet.restarts == 2 and rec.state is S.DEAD
+        assert "launch failed" in rec.last_error
+        with pytest.raises(FleetExhausted, match="none can recover"):
+            await fleet.acquire(timeout_s=5.0)
+        assert fleet.stats()["failed_requests"] == 2
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_replacement_that_fails_its_first_check_is_retried():
+    async def main() -> None:
+        launcher = Launcher(mode="dead")
+        fleet = EngineFleet(_ft(max_engine_restarts=3), launcher, auto_replace=False)
+        rec = await fleet.add_engine(EngineHandle(FakeEngine("a", mode="dead")))
+        assert rec.state is S.DEAD, "an engine failing its first health check never serves"
+        await fleet.replace_dead()
+        assert rec.state is S.DEAD and fleet.restarts == 3 and len(launcher.launched) == 3
+        assert not fleet.can_recover()
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_acquire_picks_least_outstanding_and_respects_capacity_and_exclusion():
+    async def main() -> None:
+        fleet = EngineFleet(_ft(), max_inflight_per_engine=2)
+        a = await fleet.add_engine(EngineHandle(FakeEngine("a")))
+        b = await fleet.add_engine(EngineHandle(FakeEngine("b")))
+        l1 = await fleet.acquire()
+        l2 = await fleet.acquire()
+        assert {l1.engine_id, l2.engine_id} == {"a", "b"}
+        l3 = await fleet.acquire(exclude=frozenset({"a"}))
+        assert l3.engine_id == "b" and b.inflight == 2
+        # b is full: wait for it rather than go back to the excluded engine...
+        with pytest.raises(FleetExhausted):
+            await fleet.acquire(exclude=frozenset({"a"}), timeout_s=0.05)
+        # ...which is used only when no other engine is healthy.
+        l4 = await fleet.acquire(exclude=frozenset({"a", "b"}))
+        assert l4.engine_id == "a" and a.inflight == 2
+        waiter = asyncio.ensure_future(fleet.acquire(timeout_s=5.0))
+        await asyncio.sleep(0.05)  # give the waiter a chance to run; it must block on capacity
+        assert not waiter.done()
+        await fleet.release(l3, ok=True)
+        lease = await asyncio.wait_for(waiter, 5.0)
+        assert lease.engine_id == "b"
+        with pytest.raises(FleetExhausted, match="within 0.1s"):
+            await fleet.acquire(timeout_s=0.1)
+        for held in (l1, l2, l4, lease):
+            await fleet.release(held, ok=True)
+        assert fleet.stats()["inflight_requests"] == 0
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_release_from_a_replaced_incarnation_does_not_corrupt_accounting():
+    async def main() -> None:
+        fleet = EngineFleet(_ft(failure_threshold=1), Launcher())
+        (rec,) = await fleet.launch(1)
+        old = await fleet.acquire()
+        rec.engine.healthy = False  # type: ignore[attr-defined]
+        await fleet.check_health()
+        assert await fleet.wait_for(lambda: rec.state is S.STALE, 5.0)
+        await fleet.release(old, ok=False, error="ConnectionResetError")
+        assert rec.inflight == 0 and rec.state is S.STALE
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_bad_config_is_rejected_with_the_field_name():
+    with pytest.raises(ValueError, match="failure_threshold"):
+        EngineFleet(_ft(failure_threshold=0))
+    with pytest.raises(ValueError, match="max_inflight_per_engine"):
+        EngineFleet(_ft(), max_inflight_per_engine=0)
+    with pytest.raises(ValueError, match="needs a launcher"):
+        asyncio.run(EngineFleet(_ft()).launch(1))

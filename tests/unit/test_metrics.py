@@ -1,0 +1,219 @@
+"""MetricsRegistry mapping of the driver's stats dict, event methods, and the HTTP exporter."""
+
+from __future__ import annotations
+
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from miles_lite.config.schema import ObservabilityConfig
+from miles_lite.observability import (
+    ENGINE_STATES,
+    PHASES,
+    ExporterState,
+    MetricsExporter,
+    MetricsRegistry,
+    nvml_collector,
+    start_exporter,
+)
+from miles_lite.observability.metrics import _SCALAR_KEYS
+
+
+def samples(registry: MetricsRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """{(sample name, sorted labels): value} parsed back from the text exposition."""
+    out = {}
+    for family in text_string_to_metric_families(registry.exposition().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def lab(**extra: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted({"run": "r1", "role": "driver", **extra}.items()))
+
+
+def test_every_scalar_key_reaches_its_metric() -> None:
+    reg = MetricsRegistry("r1", "driver")
+    stats = {key: float(i + 1) for i, key in enumerate(_SCALAR_KEYS)}
+    reg.publish_step(7, stats)
+    got = samples(reg)
+    expected = {
+        "rollout/tokens_per_second": ("miles_lite_rollout_tokens_per_second", lab()),
+        "rollout/generated_tokens": ("miles_lite_rollout_generated_tokens_total", lab()),
+        "rollout/retried_requests": ("miles_lite_rollout_retried_requests_total", lab()),
+        "rollout/dynamic_sampling_rounds": ("miles_lite_dynamic_sampling_rounds", lab()),
+        "reward/mean": ("miles_lite_reward_mean", lab()),
+        "reward/std": ("miles_lite_reward_std", lab()),
+        "reward/exact_accuracy": ("miles_lite_exact_accuracy_ratio", lab()),
+        "algo/zero_signal_share": ("miles_lite_zero_signal_groups_ratio", lab()),
+        "train/kl": ("miles_lite_kl_nats", lab()),
+        "train/entropy": ("miles_lite_entropy_nats", lab()),
+        "train/grad_norm": ("miles_lite_grad_norm", lab()),
+        "loss/total": ("miles_lite_loss", lab()),
+        "train/nonfinite_skipped": ("miles_lite_nonfinite_skipped_steps_total", lab()),
+        "mismatch/logp_abs_diff_mean": ("miles_lite_logp_diff_mean_nats", lab()),
+        "mismatch/logp_abs_diff_max": ("miles_lite_logp_diff_max_nats", lab()),
+        "mismatch/is_raw_mean": ("miles_lite_is_ratio_mean", lab(kind="raw")),
+        "mismatch/is_applied_mean": ("miles_lite_is_ratio_mean", lab(kind="applied")),
+        "mismatch/masked_fraction": ("miles_lite_is_masked_tokens_ratio", lab()),
+        "weight_version": ("miles_lite_weight_version", lab()),
+        **{f"time/{p}_seconds": ("miles_lite_step_phase_seconds", lab(phase=p)) for p in PHASES},
+    }
+    assert set(expected) == set(_SCALAR_KEYS)
+    for key, sample in expected.items():
+        assert got[sample] == stats[key], key
+    assert got[("miles_lite_step", lab())] == 7
+
+
+def test_counters_accumulate_and_gauges_overwrite() -> None:
+    reg = MetricsRegistry("r1", "driver")
+    reg.publish_step(1, {"rollout/generated_tokens": 100, "reward/mean": 1.5})
+    reg.publish_step(2, {"rollout/generated_tokens": 50, "reward/mean": 0.5})
+    got = samples(reg)
+    assert got[("miles_lite_rollout_generated_tokens_total", lab())] == 150
+    assert got[("miles_lite_reward_mean", lab())] == 0.5
+    assert got[("miles_lite_step", lab())] == 2
+
+
+def test_list_keys_feed_histograms() -> None:
+    reg = MetricsRegistry("r1", "driver")
+    reg.publish_step(1, {"rollout/request_latency_seconds": [0.02, 0.3, 4.0],
+                         "reward/values/exact_check": [0.0, 1.0, 1.0, 0.0],
+                         "reward/values/total": [0.5, 4.75, 5.25, -0.5]})
+    got = samples(reg)
+    assert got[("miles_lite_rollout_request_latency_seconds_count", lab())] == 3
+    assert got[("miles_lite_rollout_request_latency_seconds_sum", lab())] == pytest.approx(4.32)
+    assert got[("miles_lite_reward_value_count", lab(reward="exact_check"))] == 4
+    assert got[("miles_lite_reward_value_sum", lab(reward="total"))] == pytest.approx(10.0)
+    # A negative reward lands in the first bucket; `_sum` stays exported (needed for means).
+    assert got[("miles_lite_reward_value_bucket", lab(reward="total", le="0.0"))] == 1
+
+
+def test_unknown_keys_are_ignored_and_bad_values_name_the_key() -> None:
+    reg = MetricsRegistry("r1", "driver")
+    reg.publish_step(1, {"policy/clip_frac_low": 0.1, "note": "anything"})
+    with pytest.raises(TypeError, match="reward/mean"):
+        reg.publish_step(2, {"reward/mean": "high"})
+    with pytest.raises(TypeError, match="rollout/request_latency_seconds"):
+        reg.publish_step(2, {"rollout/request_latency_seconds": 0.5})
+    with pytest.raises(ValueError, match="rollout/generated_tokens"):
+        reg.publish_step(2, {"rollout/generated_tokens": -3})
+    with pytest.raises(ValueError, match="reward function name"):
+        reg.publish_step(2, {"reward/values/": [1.0]})
+    with pytest.raises(ValueError, match="step"):
+        reg.publish_step(-1, {})
+
+
+def test_constructor_validates_run_and_role() -> None:
+    with pytest.raises(ValueError, match="role"):
+        MetricsRegistry("r1", "learner")
+    with pytest.raises(ValueError, match="run"):
+        MetricsRegistry("", "driver")
+
+
+def test_events() -> None:
+    reg = MetricsRegistry("r1", "rollout")
+    rl = {"run": "r1", "role": "rollout"}
+
+    def key(name: str, **extra: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return name, tuple(sorted({**rl, **extra}.items()))
+
+    reg.set_engine_states({"healthy": 3, "dead": 1})
+    reg.engine_restarted()
+    reg.request_retried(2)
+    reg.observe_request(0.2)
+    reg.sync_done("disk", 1.5, 1000, version=4, probe_logp_diff=2e-4)
+    reg.sync_done("disk", 0.5, 500, version=5)
+    reg.checkpoint_blocked(0.3)
+    reg.checkpoint_committed(2.0, 4096)
+    got = samples(reg)
+    assert {s: got[key("miles_lite_engines", state=s)] for s in ENGINE_STATES} == {
+        "starting": 0, "healthy": 3, "dead": 1, "replacing": 0, "stale": 0}
+    assert got[key("miles_lite_engine_restarts_total")] == 1
+    assert got[key("miles_lite_rollout_retried_requests_total")] == 2
+    assert got[key("miles_lite_rollout_request_latency_seconds_count")] == 1
+    assert got[key("miles_lite_weight_sync_seconds", transport="disk")] == 0.5
+    assert got[key("miles_lite_weight_sync_bytes_total", transport="disk")] == 1500
+    assert got[key("miles_lite_weight_syncs_total", transport="disk")] == 2
+    assert got[key("miles_lite_weight_version")] == 5
+    assert got[key("miles_lite_probe_logp_diff_nats")] == 2e-4
+    assert got[key("miles_lite_checkpoint_blocked_seconds")] == 0.3
+    assert got[key("miles_lite_checkpoint_flush_seconds")] == 2.0
+    assert got[key("miles_lite_checkpoint_bytes")] == 4096
+    assert got[key("miles_lite_checkpoints_total")] == 1
+    with pytest.raises(ValueError, match="zombie"):
+        reg.set_engine_states({"zombie": 1})
+    with pytest.raises(ValueError, match="transport"):
+        reg.sync_done("carrier-pigeon", 1.0, 1, 1)
+
+
+def test_names_units_labels_and_no_global_registry() -> None:
+    a, b = MetricsRegistry("run-a", "trainer"), MetricsRegistry("run-b", "driver")
+    a.publish_step(1, {"reward/mean": 1.0})
+    assert b"run-a" not in b.exposition()
+    for family in text_string_to_metric_families(a.exposition().decode()):
+        assert family.name.startswith("miles_lite_")
+        assert family.documentation
+        for s in family.samples:
+            assert s.labels["run"] == "run-a" and s.labels["role"] == "trainer"
+    names = a.metric_names()
+    for unit_name in ("miles_lite_weight_sync_seconds", "miles_lite_weight_sync_bytes_total",
+                      "miles_lite_rollout_tokens_per_second", "miles_lite_checkpoint_bytes",
+                      "miles_lite_logp_diff_mean_nats", "miles_lite_exact_accuracy_ratio"):
+        assert unit_name in names
+
+
+def test_gpu_metrics_are_absent_without_nvml() -> None:
+    try:
+        import pynvml  # noqa: F401
+    except ImportError:
+        assert nvml_collector("r1", "trainer") is None
+        reg = MetricsRegistry("r1", "trainer")
+        assert b"miles_lite_gpu_" not in reg.exposition()
+    else:
+        pytest.skip("pynvml is installed; the GPU test in tests/gpu covers the collector")
+
+
+def test_exporter_serves_and_stops() -> None:
+    reg = MetricsRegistry("served", "driver")
+    reg.publish_step(3, {"reward/mean": 2.0})
+    exporter = MetricsExporter(reg, "127.0.0.1", 0)
+    assert exporter.state is ExporterState.NEW
+    port = exporter.start()
+    assert port > 0 and exporter.state is ExporterState.RUNNING
+    with urllib.request.urlopen(exporter.url, timeout=5) as resp:
+        body = resp.read().decode()
+    assert 'miles_lite_reward_mean{role="driver",run="served"} 2.0' in body
+    with pytest.raises(RuntimeError, match="running"):
+        exporter.start()
+    exporter.stop()
+    assert exporter.state is ExporterState.STOPPED
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2)
+    with pytest.raises(RuntimeError, match="stopped"):
+        exporter.start()
+
+
+def test_exporter_port_errors() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match="metrics_port"):
+            MetricsExporter(MetricsRegistry("r", "driver"), "127.0.0.1", port).start()
+    with pytest.raises(ValueError, match="metrics_port"):
+        MetricsExporter(MetricsRegistry("r", "driver"), "127.0.0.1", 70000)
+
+
+def test_start_exporter_follows_config() -> None:
+    reg = MetricsRegistry("r", "driver")
+    assert start_exporter(reg, ObservabilityConfig(metrics_enabled=False)) is None
+    exporter = start_exporter(reg, ObservabilityConfig(metrics_port=0, metrics_host="127.0.0.1"))
+    assert exporter is not None
+    try:
+        assert exporter.state is ExporterState.RUNNING and exporter.port > 0
+    finally:
+        exporter.stop()

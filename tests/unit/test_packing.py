@@ -1,0 +1,79 @@
+"""Packing ragged sequences into micro-batches: budgets, DP balance, masks and response positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from miles_lite.trainer.packing import pack, padded_floats, plan_micro_batches, split_for_data_parallel, to_padded
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 120))
+def test_plan_covers_every_sequence_once_within_budget(lengths: list[int], budget: int) -> None:
+    plan = plan_micro_batches(lengths, budget)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    for mb in plan:
+        # Only a single over-long sequence may exceed the budget.
+        assert sum(lengths[i] for i in mb) <= budget or len(mb) == 1
+        assert mb == sorted(mb)
+
+
+def test_plan_is_tight_for_a_perfect_fit() -> None:
+    assert len(plan_micro_batches([5, 5, 5, 5], 10)) == 2
+    assert plan_micro_batches([3, 8, 2], 10) == [[1, 2], [0]]
+
+
+def test_plan_rejects_a_non_positive_budget() -> None:
+    with pytest.raises(ValueError, match="micro_batch_tokens"):
+        plan_micro_batches([1], 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=0, max_size=25), st.integers(1, 4))
+def test_dp_split_is_a_balanced_partition(lengths: list[int], dp: int) -> None:
+    shares = split_for_data_parallel(lengths, dp)
+    assert len(shares) == dp
+    assert sorted(i for s in shares for i in s) == list(range(len(lengths)))
+    loads = [sum(lengths[i] for i in s) for s in shares]
+    if lengths:
+        # Longest-first greedy: no rank exceeds the lightest by more than the longest sequence.
+        assert max(loads) - min(loads) <= max(lengths)
+
+
+def test_pack_mask_positions_and_targets() -> None:
+    tokens = [[10, 11, 12, 13], [20, 21, 22], [30, 31]]
+    mb = pack(tokens, [2, 1, 1], [0, 2])
+    assert mb.tokens.tolist() == [[10, 11, 12, 13, 30, 31]]
+    assert mb.position_ids.tolist() == [[0, 1, 2, 3, 0, 1]]
+    assert mb.cu_seqlens.tolist() == [0, 4, 6]
+    assert mb.response_lengths == (2, 1)
+    logit_pos, targets = mb.response_positions()
+    assert logit_pos.tolist() == [1, 2, 4] and targets.tolist() == [12, 13, 31]
+    mask = mb.attention_mask()[0, 0]
+    allowed = ~mask
+    assert allowed[5, 4] and allowed[3, 0] and allowed[0, 0]
+    assert not allowed[4, 3]  # second sequence cannot see the first
+    assert not allowed[0, 1]  # causal
+    assert int(allowed.sum()) == 4 * 5 // 2 + 2 * 3 // 2
+
+
+def test_pack_rejects_an_empty_prompt() -> None:
+    with pytest.raises(ValueError, match="prompt_lengths=0"):
+        pack([[1, 2, 3]], [0], [0])
+
+
+def test_to_padded_round_trips_and_keeps_gradients() -> None:
+    values = torch.arange(6, dtype=torch.float32, requires_grad=True)
+    padded, mask = to_padded(values, [3, 0, 2, 1])
+    assert padded.shape == (4, 3)
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 0], [1, 1, 0], [1, 0, 0]]
+    assert padded[mask > 0].tolist() == [0, 1, 2, 3, 4, 5]
+    (padded * mask).sum().backward()
+    assert values.grad is not None and values.grad.tolist() == [1.0] * 6
+
+
+def test_padded_floats() -> None:
+    assert padded_floats([[1.0, 2.0], [], [3.0]]).tolist() == [[1.0, 2.0], [0.0, 0.0], [3.0, 0.0]]

@@ -1,0 +1,81 @@
+"""Rollout table: rows from scored groups, one parquet file per step, read back as one dataset."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pyarrow.dataset as ds
+import pytest
+
+from miles_lite.observability import RolloutRow, RolloutTableWriter, read_rollouts, rows_from_groups
+from miles_lite.observability.rollout_table import SCHEMA
+from miles_lite.types import Group, Sample
+
+
+def group(index: int, totals: list[float], version: str = "3") -> Group:
+    g = Group(prompt_index=index, prompt_text=f"Q{index}: 2+2?", question="2+2?", answer=4.0, steps=())
+    for j, total in enumerate(totals):
+        g.samples.append(Sample(
+            prompt_index=index, prompt_ids=[1, 2, 3], response_ids=list(range(j + 1)),
+            rollout_logprobs=[-0.5] * j + [-1.5], response_text=f"answer {j}", finish_reason="stop" if j else "length",
+            engine_id=f"engine-{j % 2}", weight_version=version,
+            rewards={"exact_check": float(total > 1), "tag_check": 0.25, "total": total}))
+    return g
+
+
+def test_rows_from_groups_flatten_every_sample() -> None:
+    rows = rows_from_groups(5, [group(0, [0.0, 2.5]), group(1, [5.25])])
+    assert [(r.prompt_index, r.sample_index, r.total) for r in rows] == [(0, 0, 0.0), (0, 1, 2.5), (1, 0, 5.25)]
+    second = rows[1]
+    assert second.step == 5 and second.length == 2 and second.mean_logprob == pytest.approx(-1.0)
+    assert second.rewards == {"exact_check": 1.0, "tag_check": 0.25}  # "total" is its own column
+    assert second.engine == "engine-1" and second.weight_version == "3" and second.prompt == "Q0: 2+2?"
+
+
+def test_steps_append_and_read_back_as_one_dataset(tmp_path: Path) -> None:
+    writer = RolloutTableWriter(tmp_path)
+    p1 = writer.write_groups(1, [group(0, [0.0, 1.0])])
+    p2 = writer.write_groups(2, [group(0, [2.0]), group(1, [3.0, 4.0, 5.0])])
+    assert p1 is not None and p2 is not None and p1.name == "step_000001.parquet"
+    table = read_rollouts(tmp_path)
+    assert table.schema.equals(SCHEMA)
+    assert table["step"].to_pylist() == [1, 1, 2, 2, 2, 2]
+    assert table["total"].to_pylist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert dict(table["rewards"][2].as_py()) == {"exact_check": 1.0, "tag_check": 0.25}
+    # Plain pyarrow reads the directory as one dataset too.
+    assert ds.dataset(tmp_path / "rollouts", format="parquet").count_rows() == 6
+    assert not list((tmp_path / "rollouts").glob("*.tmp"))
+
+
+def test_rewriting_a_step_replaces_it(tmp_path: Path) -> None:
+    writer = RolloutTableWriter(tmp_path)
+    writer.write_groups(1, [group(0, [0.0, 1.0])])
+    writer.write_groups(1, [group(0, [9.0])])
+    assert read_rollouts(tmp_path)["total"].to_pylist() == [9.0]
+
+
+def test_empty_and_mismatched_input(tmp_path: Path) -> None:
+    writer = RolloutTableWriter(tmp_path)
+    assert writer.write_step(1, []) is None
+    assert read_rollouts(tmp_path).num_rows == 0
+    assert read_rollouts(tmp_path / "missing", columns=["step"]).column_names == ["step"]
+    row = RolloutRow(step=2, prompt_index=0, sample_index=0, prompt="p", completion="c", total=1.0,
+                     finish_reason="stop", length=1, mean_logprob=-0.1, engine="e", weight_version="1")
+    with pytest.raises(ValueError, match="step"):
+        writer.write_step(3, [row])
+
+
+def test_empty_completion_has_nan_mean_logprob() -> None:
+    g = Group(prompt_index=0, prompt_text="p", question="q", answer=1.0, steps=())
+    g.samples.append(Sample(prompt_index=0, prompt_ids=[1], response_ids=[], rollout_logprobs=[]))
+    (row,) = rows_from_groups(1, [g])
+    assert row.length == 0 and math.isnan(row.mean_logprob) and row.total == 0.0
+
+
+def test_rows_built_by_the_rollout_package_write_through(tmp_path: Path) -> None:
+    rollout_rows = pytest.importorskip("miles_lite.rollout.rollout_table")
+    rows = rollout_rows.rows_from_groups(4, [group(0, [1.0, 2.0])])
+    RolloutTableWriter(tmp_path).write_step(4, rows)
+    table = read_rollouts(tmp_path)
+    assert table["sample_index"].to_pylist() == [0, 1] and table["total"].to_pylist() == [1.0, 2.0]

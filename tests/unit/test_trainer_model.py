@@ -1,0 +1,92 @@
+"""HF config -> model spec, vocabulary padding, runtime resolution and TransformerConfig pass-through."""
+
+from __future__ import annotations
+
+import pytest
+
+from miles_lite.config.schema import TinyModelShape, TrainerConfig
+from miles_lite.trainer.model import padded_vocab_size, resolve_runtime, spec_from_hf_config
+from miles_lite.trainer.tiny_hf import tiny_hf_config
+
+QWEN25_05B = {
+    "model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "rope_theta": 1000000.0,
+    "rms_norm_eps": 1e-6, "tie_word_embeddings": True, "max_position_embeddings": 32768, "hidden_act": "silu",
+    "use_sliding_window": False, "rope_scaling": None,
+}
+
+
+def test_qwen25_config_json() -> None:
+    spec = spec_from_hf_config(QWEN25_05B)
+    assert (spec.head_dim, spec.num_kv_heads, spec.heads_per_group) == (64, 2, 7)
+    assert spec.qkv_bias and not spec.qk_norm and spec.tie_word_embeddings
+    assert spec.rope_theta == 1e6
+    # Qwen's own padding: 151,936 -> 152,064 rows at tp * 128 = 256.
+    assert padded_vocab_size(spec.vocab_size, 2, 128) == 152064
+
+
+def test_transformers_configs_of_each_arch() -> None:
+    qwen3 = spec_from_hf_config(tiny_hf_config("qwen3", TinyModelShape(qkv_bias=False, qk_norm=True, head_dim=32),
+                                               512))
+    assert (qwen3.head_dim, qwen3.hidden_size // qwen3.num_attention_heads) == (32, 16)
+    assert qwen3.qk_norm and not qwen3.qkv_bias
+    llama = spec_from_hf_config(tiny_hf_config("llama", TinyModelShape(qkv_bias=False, tie_word_embeddings=False),
+                                               256))
+    assert not llama.qkv_bias and not llama.tie_word_embeddings and llama.rope_theta == 10000.0
+
+
+@pytest.mark.parametrize(
+    ("patch", "message"),
+    [
+        ({"model_type": "gpt2"}, "model_type"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"use_sliding_window": True}, "use_sliding_window"),
+    ],
+)
+def test_unsupported_configs_name_the_field(patch: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        spec_from_hf_config({**QWEN25_05B, **patch})
+
+
+def test_tiny_shape_must_fit_the_arch() -> None:
+    with pytest.raises(ValueError, match="model.shape.qkv_bias=true"):
+        tiny_hf_config("qwen2", TinyModelShape(qkv_bias=False), 64)
+    with pytest.raises(ValueError, match="model.shape.qk_norm=true"):
+        tiny_hf_config("qwen3", TinyModelShape(qkv_bias=False), 64)
+    with pytest.raises(ValueError, match="model.shape.qkv_bias=false"):
+        tiny_hf_config("llama", TinyModelShape(qkv_bias=True), 64)
+
+
+def test_runtime_resolution_on_this_machine() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU resolution")
+    rt = resolve_runtime(TrainerConfig())
+    assert (rt.device, rt.layer_spec, rt.precision, rt.packed_thd) == ("cpu", "local", "fp32", False)
+    with pytest.raises(ValueError, match="trainer.device=gpu"):
+        resolve_runtime(TrainerConfig(device="gpu"))
+    with pytest.raises(ValueError, match="layer_spec=te needs a GPU"):
+        resolve_runtime(TrainerConfig(layer_spec="te"))
+    with pytest.raises(ValueError, match="precision=fp8"):
+        resolve_runtime(TrainerConfig(precision="fp8"))
+
+
+def test_transformer_passthrough_sets_and_rejects_fields() -> None:
+    from miles_lite.trainer.model import build_transformer_config
+
+    spec = spec_from_hf_config(QWEN25_05B)
+    trainer = TrainerConfig(transformer={"recompute_granularity": "selective"})
+    config = build_transformer_config(spec, trainer, resolve_runtime(TrainerConfig(device="cpu")))
+    assert config.recompute_granularity == "selective"
+    assert config.num_query_groups == 2 and config.kv_channels == 64 and config.add_qkv_bias
+    with pytest.raises(ValueError, match=r"trainer.transformer.*\['recompute_granularty'\].*valid fields include"):
+        build_transformer_config(spec, TrainerConfig(transformer={"recompute_granularty": "full"}),
+                                 resolve_runtime(TrainerConfig(device="cpu")))
+
+
+def test_padded_vocab_rejects_bad_divisor() -> None:
+    with pytest.raises(ValueError, match="vocab_divisor"):
+        padded_vocab_size(100, 1, 0)
+    assert padded_vocab_size(500, 1, 128) == 512 and padded_vocab_size(512, 4, 1) == 512
