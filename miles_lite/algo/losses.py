@@ -15,16 +15,15 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from enum import StrEnum
-from typing import TypeVar
 
 import torch
 from torch import Tensor
 
+from miles_lite.algo.choices import parse_choice
+
 # exp(20) ~ 4.9e8: far beyond any clip range, yet finite in float32/bfloat16, so a garbage logprob
 # can never turn a ratio into inf (and inf * 0 into NaN).
 _LOG_RATIO_CLAMP = 20.0
-
-_E = TypeVar("_E", bound=StrEnum)
 
 
 class AggMode(StrEnum):
@@ -55,13 +54,6 @@ class PolicyLossType(StrEnum):
     PPO = "ppo"
     GSPO = "gspo"
 
-
-def _parse(enum_cls: type[_E], value: _E | str, name: str) -> _E:
-    try:
-        return enum_cls(value)
-    except ValueError:
-        choices = [e.value for e in enum_cls]
-        raise ValueError(f"{name}={value!r} is not supported; choose one of {choices}") from None
 
 
 def _check_token_shapes(mask: Tensor, **tensors: Tensor | None) -> None:
@@ -104,7 +96,7 @@ def aggregate(
     Returns:
         0-d tensor; 0 when the mask is empty.
     """
-    agg = _parse(AggMode, mode, "agg_mode")
+    agg = parse_choice(AggMode, mode, "agg_mode")
     _check_token_shapes(mask, values=values)
     m = mask.to(values.dtype)
     masked = _zero_outside(values, m) * m
@@ -211,7 +203,7 @@ def policy_loss(
         ``(loss, stats)``: 0-d loss (advantage units) and :class:`PolicyLossStats`. Log-ratios are
         clamped to ``[-20, 20]`` before ``exp`` so the loss stays finite.
     """
-    kind = _parse(RatioType, ratio_type, "ratio_type")
+    kind = parse_choice(RatioType, ratio_type, "ratio_type")
     _check_token_shapes(mask, logp=logp, old_logp=old_logp, advantages=advantages, is_weights=is_weights)
     _check_clip_args(clip_low, clip_high, dual_clip_c)
 
@@ -281,7 +273,7 @@ def kl_penalty(
     Returns:
         ``[B, T]`` per-token KL estimate; reduce it with :func:`aggregate`.
     """
-    est = _parse(KLEstimator, estimator, "kl_estimator")
+    est = parse_choice(KLEstimator, estimator, "kl_estimator")
     _check_token_shapes(torch.ones_like(logp) if mask is None else mask, logp=logp, ref_logp=ref_logp)
     if mask is not None:
         logp, ref_logp = _zero_outside(logp, mask), _zero_outside(ref_logp, mask)
@@ -376,9 +368,9 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         # Normalise strings to enums once, so a typo fails at config time rather than mid-step.
-        object.__setattr__(self, "policy_loss", _parse(PolicyLossType, self.policy_loss, "policy_loss"))
-        object.__setattr__(self, "kl_estimator", _parse(KLEstimator, self.kl_estimator, "kl_estimator"))
-        object.__setattr__(self, "agg_mode", _parse(AggMode, self.agg_mode, "agg_mode"))
+        object.__setattr__(self, "policy_loss", parse_choice(PolicyLossType, self.policy_loss, "policy_loss"))
+        object.__setattr__(self, "kl_estimator", parse_choice(KLEstimator, self.kl_estimator, "kl_estimator"))
+        object.__setattr__(self, "agg_mode", parse_choice(AggMode, self.agg_mode, "agg_mode"))
         _check_clip_args(self.clip_low, self.clip_high, self.dual_clip_c)
         for name in ("kl_coef", "distill_coef"):
             if getattr(self, name) < 0:

@@ -18,16 +18,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TypeVar
 
 import torch
 from torch import Tensor
 
+from miles_lite.algo.choices import parse_choice
+
 # Cap on a log-weight before exp: exp(20) ~ 4.9e8 is far beyond any threshold, and a sequence
 # product over thousands of tokens would otherwise overflow to inf even in float32.
 _LOG_WEIGHT_CLAMP = 20.0
-
-_E = TypeVar("_E", bound=StrEnum)
 
 
 class ISLevel(StrEnum):
@@ -59,13 +58,6 @@ class ISResult:
     weights: Tensor
     stats: dict[str, float]
 
-
-def _parse(enum_cls: type[_E], value: _E | str, name: str) -> _E:
-    try:
-        return enum_cls(value)
-    except ValueError:
-        choices = [e.value for e in enum_cls]
-        raise ValueError(f"{name}={value!r} is not supported; choose one of {choices}") from None
 
 
 def _masked_diff(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -153,8 +145,8 @@ def importance_weights(
         :class:`ISResult`. With identical log-probs every masked weight is exactly 1 and nothing is
         clipped or masked.
     """
-    lvl = _parse(ISLevel, level, "level")
-    md = _parse(ISMode, mode, "mode")
+    lvl = parse_choice(ISLevel, level, "level")
+    md = parse_choice(ISMode, mode, "mode")
     if upper < 1.0:
         raise ValueError(f"upper must be >= 1 (a ratio of 1 means no mismatch and must be kept); got {upper}")
     if md is ISMode.TRUNCATE and lower is not None:

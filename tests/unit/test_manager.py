@@ -11,10 +11,10 @@ from fake_rollout_engine import FakeEngine
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.data.gsm8k import MathProblem
+from miles_lite.observability.rollout_table import rows_from_groups
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, EngineState, FleetExhausted
 from miles_lite.rollout.manager import RolloutError, RolloutManager, is_mixed_version
 from miles_lite.rollout.prompt_spec import PromptSpec, as_prompt_spec
-from miles_lite.rollout.rollout_table import rows_from_groups
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 from miles_lite.types import Group, Sample, SamplingParams
 
@@ -260,6 +260,6 @@ def test_rollout_rows_fit_the_parquet_writer(tmp_path):
         Sample(0, [1], [2, 3], [-0.5, -1.5], "c", "stop", "a+b", "0+1", {"x": 1.0, "total": 2.0})])
     rows = rows_from_groups(3, [group])
     assert all(hasattr(rows[0], name) for name in SCHEMA.names)
-    RolloutTableWriter(tmp_path).write_step(3, rows)  # type: ignore[arg-type]
+    RolloutTableWriter(tmp_path).write_step(3, rows)
     table = read_rollouts(tmp_path).to_pylist()
     assert table[0]["weight_version"] == "0+1" and table[0]["mean_logprob"] == -1.0 and table[0]["total"] == 2.0

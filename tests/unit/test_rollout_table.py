@@ -71,11 +71,3 @@ def test_empty_completion_has_nan_mean_logprob() -> None:
     g.samples.append(Sample(prompt_index=0, prompt_ids=[1], response_ids=[], rollout_logprobs=[]))
     (row,) = rows_from_groups(1, [g])
     assert row.length == 0 and math.isnan(row.mean_logprob) and row.total == 0.0
-
-
-def test_rows_built_by_the_rollout_package_write_through(tmp_path: Path) -> None:
-    rollout_rows = pytest.importorskip("miles_lite.rollout.rollout_table")
-    rows = rollout_rows.rows_from_groups(4, [group(0, [1.0, 2.0])])
-    RolloutTableWriter(tmp_path).write_step(4, rows)
-    table = read_rollouts(tmp_path)
-    assert table["sample_index"].to_pylist() == [0, 1] and table["total"].to_pylist() == [1.0, 2.0]
