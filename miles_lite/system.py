@@ -19,7 +19,7 @@ from miles_lite.data.prompts import render_prompt
 from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.rewards import get_reward_set, score
 from miles_lite.rollout.fleet import EngineFleet
-from miles_lite.rollout.fleet_launch import start_fleet
+from miles_lite.rollout.fleet_launch import attach_fleet, start_fleet
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.prompt_spec import PromptSpec, sampling_from_config
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
@@ -122,8 +122,12 @@ class System:
     def _start_rollout(self) -> None:
         self.loop_thread = EventLoopThread().start()
         log_dir = str(self.run_dir / "logs")
-        self.fleet = self.loop_thread.run(start_fleet(self.cfg.rollout, self.cfg.fault_tolerance,
-                                                      str(self.cfg.model.hf_path), log_dir))
+        rollout, ft = self.cfg.rollout, self.cfg.fault_tolerance
+        if rollout.engine_urls:
+            # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
+            self.fleet = self.loop_thread.run(attach_fleet(rollout, ft, list(rollout.engine_urls)))
+        else:
+            self.fleet = self.loop_thread.run(start_fleet(rollout, ft, str(self.cfg.model.hf_path), log_dir))
         tok = self.tokenizer
         manager = RolloutManager(self.fleet, self.cfg.rollout, self.cfg.fault_tolerance,
                                  decode=lambda ids: tok.decode(ids, skip_special_tokens=True),

@@ -86,7 +86,7 @@ fi
 
 echo "building kube-apiserver $K8S_VERSION (several minutes on 2 cores)" >&2
 nice -n "$NICE" go build -p "${MILES_LITE_BUILD_JOBS:-2}" \
-  -ldflags "-s -w -X k8s.io/component-base/version.gitVersion=v$K8S_VERSION" \
+  -ldflags "-s -w -X k8s.io/kubernetes/vendor/k8s.io/component-base/version.gitVersion=v$K8S_VERSION" \
   -o "$BIN.tmp" k8s.io/kubernetes/cmd/kube-apiserver
 mv -f "$BIN.tmp" "$BIN"
 "$BIN" --version >&2

@@ -6,6 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/install-services.sh
+# A real kube-apiserver for the operator tests: built once from Debian's source package, then cached.
+bash scripts/build-kube-apiserver.sh >/dev/null
 .venv/bin/ruff check .
 set +e
 .venv/bin/python -m pytest "$@"

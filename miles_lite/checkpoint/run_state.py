@@ -91,7 +91,7 @@ def save_run(cfg: MilesConfig, system: Any, data: Any, steps_done: int, metrics:
         if own or final:
             stats = ckpt.finalize() or stats
             if metrics is not None and stats.flush_s is not None:
-                metrics.checkpoint_committed(stats.flush_s, int(stats.total_bytes or stats.bytes))
+                metrics.checkpoint_committed(stats.flush_s, int(stats.total_bytes or stats.bytes), stats.step)
     finally:
         if own:
             ckpt.close()

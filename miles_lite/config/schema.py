@@ -284,6 +284,13 @@ class ClusterConfig:
     engine_gpus: float = 0.0
     cpus_per_engine: float = 1.0
     placement_timeout_s: float = 120.0
+    # Custom Ray resource every trainer bundle / engine bundle also asks one unit of, pinning each role
+    # to the nodes started for it (slurm/train.sh registers miles_trainer and miles_rollout: one unit per
+    # GPU of a node, or per CPU on a GPU-less node); None: any node with the CPUs/GPUs.
+    trainer_resource: str | None = None
+    rollout_resource: str | None = None
+    # Seconds for every trainer rank (a Ray actor) to import, join the process group and build its model.
+    trainer_start_timeout_s: float = 600.0
 
 
 @dataclass

@@ -178,6 +178,7 @@ class MetricsRegistry:
         self.ckpt_flush = gauge("checkpoint_flush_seconds", "Background flush time of the last checkpoint")
         self.ckpt_bytes = gauge("checkpoint_bytes", "Size of the last committed checkpoint")
         self.ckpts = counter("checkpoints", "Checkpoints committed")
+        self.ckpt_step = gauge("checkpoint_step", "Step of the newest committed checkpoint")
         self.engines = gauge("engines", "Rollout engines per lifecycle state", "state")
         self.engine_restarts = counter("engine_restarts", "Rollout engines replaced after a failure")
         self._extra: list[Collector] = []
@@ -265,8 +266,10 @@ class MetricsRegistry:
         """The host snapshot of a checkpoint held training for `seconds`."""
         self.ckpt_blocked.labels(self.run, self.role).set(seconds)
 
-    def checkpoint_committed(self, flush_seconds: float, nbytes: int) -> None:
-        """A checkpoint's background flush finished and was committed (`nbytes` on disk)."""
+    def checkpoint_committed(self, flush_seconds: float, nbytes: int, step: int | None = None) -> None:
+        """A checkpoint's background flush finished and was committed (`nbytes` on disk, of `step`)."""
+        if step is not None:
+            self.ckpt_step.labels(self.run, self.role).set(step)
         self.ckpt_flush.labels(self.run, self.role).set(flush_seconds)
         self.ckpt_bytes.labels(self.run, self.role).set(nbytes)
         self.ckpts.labels(self.run, self.role).inc()

@@ -53,3 +53,25 @@ async def start_fleet(
     if health_checks:
         fleet.start_health_checks()
     return fleet
+
+
+async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: list[str], *,
+                       health_checks: bool = True) -> EngineFleet:
+    """A fleet of engines started elsewhere (`rollout.engine_urls`, e.g. pods of the Kubernetes operator).
+
+    The fleet does not own these servers: it health-checks them and stops routing to dead ones, but
+    replacing them is the job of whoever started them (the operator recreates failed engine pods).
+    """
+    from miles_lite.rollout.http_client import HttpEngine
+
+    fleet = EngineFleet(ft, None, max_inflight_per_engine=rollout.max_inflight_per_engine)
+    try:
+        for i, url in enumerate(urls):
+            engine = HttpEngine(f"engine-{i}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s)
+            await fleet.add_engine(EngineHandle(engine))
+    except BaseException:
+        await fleet.close()
+        raise
+    if health_checks:
+        fleet.start_health_checks()
+    return fleet

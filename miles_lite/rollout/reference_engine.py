@@ -39,9 +39,10 @@ REFERENCE_ARGS: dict[str, tuple[str, str]] = {
 }
 
 
-def add_reference_arguments(parser: argparse.ArgumentParser) -> None:
+def add_reference_arguments(parser: argparse.ArgumentParser, model_required: bool = True) -> None:
     """Add the reference engine's flags to `parser`."""
-    parser.add_argument("--model-path", required=True, help="HF model directory (config.json + *.safetensors)")
+    parser.add_argument("--model-path", required=model_required,
+                        help="HF model directory (config.json + *.safetensors)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--listen-fd", type=int, default=None,

@@ -25,7 +25,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("reference", "sglang"), default="reference")
     parser.add_argument("--tp", type=int, default=1, help="sglang: tensor-parallel size")
     parser.add_argument("--sglang-args", default="{}", help="sglang: JSON object of launch_server flags")
-    add_reference_arguments(parser)
+    add_reference_arguments(parser, model_required=False)
+    parser.add_argument("--model-dir", default="outputs/engine-model",
+                        help="without --model-path: where the job's model is prepared from the overrides")
+    parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                        help="without --model-path: Hydra overrides naming the job's model (the same ones the "
+                             "trainer gets), so a tiny random model is rebuilt identically here")
 
 
 def sglang_argv(args: argparse.Namespace) -> list[str]:
@@ -41,8 +46,22 @@ def sglang_argv(args: argparse.Namespace) -> list[str]:
     return cmd
 
 
+def prepare_job_model(overrides: list[str], model_dir: str) -> str:
+    """The model directory the job's configuration names; a tiny random model is built (seeded, so
+    identical to the trainer's) under `model_dir` when `model.hf_path` is unset."""
+    from pathlib import Path
+
+    from miles_lite.config import load_config
+    from miles_lite.system import prepare_model
+
+    cfg, _ = prepare_model(load_config(list(overrides)), Path(model_dir))
+    return str(cfg.model.hf_path)
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped; returns the exit code (the sglang backend does not return: it execs SGLang)."""
+    if args.model_path is None:
+        args.model_path = prepare_job_model(args.overrides, args.model_dir)
     if args.backend == "reference":
         return run_from_args(args)
     try:

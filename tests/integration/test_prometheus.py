@@ -74,7 +74,7 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScrapedRun
                 registry.sync_done("distributed", float(item.stats["time/sync_seconds"]), item.sync_bytes,
                                    item.step, probe_logp_diff=1e-5 * item.step)
                 registry.checkpoint_blocked(float(item.stats["time/checkpoint_seconds"]))
-                registry.checkpoint_committed(0.01 * item.step, item.checkpoint_bytes)
+                registry.checkpoint_committed(0.01 * item.step, item.checkpoint_bytes, item.step)
                 if item.step == 2:
                     # One engine dies and is replaced: the fleet events the dashboard shows.
                     registry.set_engine_states({"healthy": 1, "dead": 1})

@@ -128,7 +128,7 @@ def test_events() -> None:
     reg.sync_done("disk", 1.5, 1000, version=4, probe_logp_diff=2e-4)
     reg.sync_done("disk", 0.5, 500, version=5)
     reg.checkpoint_blocked(0.3)
-    reg.checkpoint_committed(2.0, 4096)
+    reg.checkpoint_committed(2.0, 4096, step=7)
     got = samples(reg)
     assert {s: got[key("miles_lite_engines", state=s)] for s in ENGINE_STATES} == {
         "starting": 0, "healthy": 3, "dead": 1, "replacing": 0, "stale": 0}
@@ -141,6 +141,7 @@ def test_events() -> None:
     assert got[key("miles_lite_weight_version")] == 5
     assert got[key("miles_lite_probe_logp_diff_nats")] == 2e-4
     assert got[key("miles_lite_checkpoint_blocked_seconds")] == 0.3
+    assert got[key("miles_lite_checkpoint_step")] == 7
     assert got[key("miles_lite_checkpoint_flush_seconds")] == 2.0
     assert got[key("miles_lite_checkpoint_bytes")] == 4096
     assert got[key("miles_lite_checkpoints_total")] == 1

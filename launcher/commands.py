@@ -1,0 +1,168 @@
+"""What the pods of a MilesJob run: the resolved Hydra overrides and the container command lines.
+
+Pure functions of a `JobSpec`. The overrides are written to the job's ConfigMap (one per line) and
+read back by the containers, so the ConfigMap is the single record of what a run was told.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from typing import Any
+
+from launcher.spec import JobSpec, SpecError
+
+CONFIG_MOUNT = "/etc/miles-lite"
+OVERRIDES_FILE = "overrides"
+RAY_PORT = 6379
+# Seconds a worker trainer pod polls the Ray head before giving up.
+RAY_JOIN_TIMEOUT_S = 600
+
+# Hydra keys the operator sets from the MilesJob spec; a user override of one is a conflict.
+MANAGED_KEYS = (
+    "model.hf_path", "rollout.backend", "rollout.engines", "rollout.engine_urls", "rollout.engine_tp",
+    "checkpoint.dir", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.resume",
+    "fault_tolerance.max_engine_restarts", "observability.metrics_port", "observability.metrics_host",
+    "cluster", "cluster.mode", "cluster.ray_address",
+)
+# SGLang flags the renderer owns (the pod's address and the weights location).
+MANAGED_SGLANG_ARGS = ("model_path", "host", "port")
+
+
+def trainer_name(job: JobSpec) -> str:
+    """Name of the trainer Job and of its headless Service (the pods' DNS subdomain)."""
+    return f"{job.name}-trainer"
+
+
+def rollout_name(job: JobSpec) -> str:
+    """Name of the rollout headless Service; engine pods are `<this>-<index>`."""
+    return f"{job.name}-rollout"
+
+
+def engine_pod_name(job: JobSpec, index: int) -> str:
+    """Pod name (and hostname) of engine `index` (0-based)."""
+    return f"{rollout_name(job)}-{index}"
+
+
+def trainer_head_host(job: JobSpec) -> str:
+    """DNS name of trainer pod 0 (the driver and, for several replicas, the Ray head)."""
+    return f"{trainer_name(job)}-0.{trainer_name(job)}.{job.namespace}.svc"
+
+
+def engine_urls(job: JobSpec) -> list[str]:
+    """Base URLs of the engines, through the rollout Service's per-pod DNS records."""
+    svc = rollout_name(job)
+    return [f"http://{engine_pod_name(job, i)}.{svc}.{job.namespace}.svc:{job.rollout.port}"
+            for i in range(job.rollout.engines)]
+
+
+def engine_tp(job: JobSpec) -> int:
+    """Tensor-parallel size of each engine: sglangArgs.tp_size, else its GPU count (1 for CPU engines)."""
+    tp = job.rollout.sglang_args.get("tp_size")
+    if job.rollout.backend == "sglang" and tp is not None:
+        return int(tp)
+    return max(job.rollout.gpus_per_engine, 1) if job.rollout.backend == "sglang" else 1
+
+
+def _override_key(override: str) -> str:
+    return override.lstrip("+~").split("=", 1)[0].strip()
+
+
+def resolved_overrides(job: JobSpec) -> list[str]:
+    """The user's overrides followed by the ones the deployment dictates; raises SpecError on a conflict."""
+    problems = []
+    for i, o in enumerate(job.overrides):
+        key = _override_key(o)
+        if key in MANAGED_KEYS:
+            problems.append(f"spec.overrides[{i}]: {key} is set by the operator from the MilesJob spec; "
+                            "remove it and use the matching spec field")
+    if problems:
+        raise SpecError(problems)
+    urls = ",".join(f"'{u}'" for u in engine_urls(job))
+    managed = []
+    if job.model.hf_path:
+        managed.append(f"model.hf_path={job.model.hf_path}")
+    managed += [
+        f"rollout.backend={job.rollout.backend}",
+        f"rollout.engines={job.rollout.engines}",
+        f"rollout.engine_urls=[{urls}]",
+        f"rollout.engine_tp={engine_tp(job)}",
+        f"checkpoint.dir={job.checkpoint.mount_path}/checkpoints",
+        f"checkpoint.interval={job.checkpoint.interval}",
+        f"checkpoint.keep_last={job.checkpoint.keep_last}",
+        # Every (re)start resumes from the newest complete checkpoint, so a restarted trainer continues.
+        "checkpoint.resume=auto",
+        f"fault_tolerance.max_engine_restarts={job.fault_tolerance.max_engine_restarts}",
+        f"observability.metrics_port={job.metrics_port}",
+        "observability.metrics_host=0.0.0.0",
+    ]
+    if job.trainer.replicas > 1:
+        # Trainer pods form one Ray cluster headed by pod 0; the engines are external.
+        managed += ["cluster=ray", "cluster.ray_address=auto"]
+    else:
+        managed += ["cluster=local"]
+    return [*job.overrides, *managed]
+
+
+def sglang_flags(args: dict[str, Any]) -> list[str]:
+    """`sglangArgs` -> launch_server flags.
+
+    {mem_fraction_static: 0.6, enable_x: true, off: false} -> [--enable-x, --mem-fraction-static, 0.6].
+    """
+    flags: list[str] = []
+    for key, value in sorted(args.items()):
+        if key in MANAGED_SGLANG_ARGS:
+            raise SpecError([f"spec.rollout.sglangArgs.{key}: set by the operator from spec.model.hfPath and "
+                             "spec.rollout.port; remove it"])
+        flag = "--" + key.replace("_", "-")
+        if value is None or value is False:
+            continue
+        if value is True:
+            flags.append(flag)
+        elif isinstance(value, list):
+            flags += [flag, *(str(v) for v in value)]
+        elif isinstance(value, dict):
+            flags += [flag, json.dumps(value, sort_keys=True)]
+        else:
+            flags += [flag, str(value)]
+    return flags
+
+
+def engine_command(job: JobSpec) -> list[str]:
+    """Container command of a rollout engine pod: SGLang's server, or the CPU reference engine."""
+    if job.rollout.backend == "sglang":
+        args = dict(job.rollout.sglang_args)
+        args.setdefault("tp_size", engine_tp(job))
+        return ["python", "-m", "sglang.launch_server", "--model-path", str(job.model.hf_path),
+                "--host", "0.0.0.0", "--port", str(job.rollout.port), *sglang_flags(args)]
+    # The reference engine composes the job's config (same tiny model and seed) from the same overrides.
+    script = (
+        f"mapfile -t OVERRIDES < {CONFIG_MOUNT}/{OVERRIDES_FILE}\n"
+        f'exec miles-lite engine --host 0.0.0.0 --port {job.rollout.port} "${{OVERRIDES[@]}}"\n'
+    )
+    return ["bash", "-euc", script]
+
+
+def trainer_command(job: JobSpec) -> list[str]:
+    """Container command of trainer pod `$JOB_COMPLETION_INDEX`: pod 0 runs the driver, others join its Ray cluster."""
+    gpus = job.trainer.gpus_per_replica
+    lines = [f"mapfile -t OVERRIDES < {CONFIG_MOUNT}/{OVERRIDES_FILE}"]
+    if job.trainer.replicas == 1:
+        lines.append('exec miles-lite train "${OVERRIDES[@]}"')
+        return ["bash", "-euc", "\n".join(lines) + "\n"]
+    head = shlex.quote(f"{trainer_head_host(job)}:{RAY_PORT}")
+    lines += [
+        'if [ "${JOB_COMPLETION_INDEX:-0}" = "0" ]; then',
+        f"  ray start --head --port={RAY_PORT} --num-gpus={gpus} --disable-usage-stats",
+        '  exec miles-lite train "${OVERRIDES[@]}"',
+        "fi",
+        # Join only once the head answers, within a deadline.
+        f"deadline=$((SECONDS + {RAY_JOIN_TIMEOUT_S}))",
+        f"until ray health-check --address={head} >/dev/null 2>&1; do",
+        f'  if [ "$SECONDS" -ge "$deadline" ]; then echo "ray head {head} not up after {RAY_JOIN_TIMEOUT_S}s" >&2; '
+        "exit 1; fi",
+        "  sleep 2",
+        "done",
+        f"exec ray start --address={head} --num-gpus={gpus} --disable-usage-stats --block",
+    ]
+    return ["bash", "-euc", "\n".join(lines) + "\n"]

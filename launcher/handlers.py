@@ -1,0 +1,110 @@
+"""kopf wiring: which events run which reconciler step. No module-level state: `build_registry` makes a fresh
+registry bound to one Reconciler, so tests and the entry point each run their own operator.
+
+- create / resume / spec update -> `Reconciler.apply_all` (idempotent create-or-patch of every rendered object)
+- a timer every `OperatorConfig.interval_s` -> `Reconciler.reconcile` (heal failed pods and trainer, status)
+Per-job locks keep the two from interleaving on one MilesJob (kopf runs timers beside change handlers).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import UTC, datetime
+from typing import Any
+
+import kopf
+
+from launcher import status as st
+from launcher.reconcile import Reconciler
+from launcher.spec import GROUP, PLURAL, VERSION, SpecError
+
+
+def utc_now() -> str:
+    """The current time in RFC 3339 (seconds, UTC), as Kubernetes writes timestamps."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+class _JobLocks:
+    """One lock per MilesJob uid."""
+
+    def __init__(self) -> None:
+        self._guard = threading.Lock()
+        self._locks: dict[str, threading.Lock] = {}
+
+    def get(self, uid: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(uid, threading.Lock())
+
+    def forget(self, uid: str) -> None:
+        with self._guard:
+            self._locks.pop(uid, None)
+
+
+def build_settings() -> kopf.OperatorSettings:
+    """kopf settings: state in annotations (the API server prunes unknown status fields), no peering objects."""
+    settings = kopf.OperatorSettings()
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{GROUP}/operator"
+    settings.peering.standalone = True
+    settings.posting.level = logging.WARNING
+    settings.watching.server_timeout = 300
+    return settings
+
+
+def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
+    """A kopf registry whose handlers drive `reconciler` for every MilesJob."""
+    registry = kopf.OperatorRegistry()
+    locks = _JobLocks()
+    resource = (GROUP, VERSION, PLURAL)
+
+    @kopf.on.login(registry=registry)
+    def login_fn(**_: Any) -> kopf.ConnectionInfo:
+        # kopf watches with the credentials the reconciler writes with (a fresh registry has no
+        # default login handlers). The token is read on each login, so rotated tokens are picked up.
+        cfg = reconciler.api.configuration
+        header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization") or ""
+        scheme, _, token = header.rpartition(" ")
+        return kopf.ConnectionInfo(
+            server=cfg.host, ca_path=cfg.ssl_ca_cert, insecure=not cfg.verify_ssl,
+            scheme=scheme or None, token=token or None,
+            certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
+        )
+
+    @kopf.on.resume(*resource, registry=registry)
+    @kopf.on.create(*resource, registry=registry)
+    @kopf.on.update(*resource, field="spec", registry=registry)
+    def apply_fn(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
+        phase = (body.get("status") or {}).get("phase")
+        if phase in st.TERMINAL:
+            return
+        with locks.get(body["metadata"]["uid"]):
+            try:
+                actions = reconciler.apply_all(body)
+            except SpecError as err:
+                # Not retried: only a new spec can fix it (the timer reports it as phase Failed).
+                logger.error("%s", err)
+                patch.status["phase"] = st.transition(phase, st.FAILED)
+                patch.status["message"] = str(err)
+                return
+        logger.info("applied: %s", "; ".join(actions))
+        if phase is None:
+            patch.status["phase"] = st.PENDING
+            patch.status["startTime"] = utc_now()
+
+    @kopf.timer(*resource, interval=reconciler.config.interval_s, initial_delay=reconciler.config.interval_s,
+                registry=registry)
+    def reconcile_fn(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        with locks.get(body["metadata"]["uid"]):
+            changes = reconciler.reconcile(body, utc_now())
+        for key, value in changes.items():
+            patch.status[key] = value
+
+    @kopf.on.delete(*resource, registry=registry, optional=True)
+    def forget_fn(body: kopf.Body, **_: Any) -> None:
+        # Children go with the MilesJob through their ownerReferences.
+        locks.forget(body["metadata"]["uid"])
+
+    return registry

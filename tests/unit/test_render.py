@@ -1,0 +1,216 @@
+"""The pure MilesJob renderer: objects, commands, gangs, validation and determinism."""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from launcher import commands
+from launcher.crd_schema import apply_defaults, load_crd, openapi_schema
+from launcher.render import CONFIG_HASH_ANNOTATION, HASH_ANNOTATION, render
+from launcher.spec import SpecError, parse_job
+
+K8S = Path(__file__).resolve().parents[2] / "k8s"
+
+
+def example(name: str, **spec_updates: object) -> dict:
+    body = yaml.safe_load((K8S / "examples" / name).read_text())
+    body["metadata"].update(namespace="research", uid="uid-123", generation=1)
+    body["spec"].update(copy.deepcopy(spec_updates))
+    return body
+
+
+def by_kind(objs: list[dict], kind: str) -> list[dict]:
+    return [o for o in objs if o["kind"] == kind]
+
+
+def test_tiny_cpu_renders_every_object_with_owner_and_labels():
+    objs = render(example("tiny-cpu.yaml"))
+    assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
+        ("ConfigMap", "tiny-cpu-config"), ("Service", "tiny-cpu-trainer"), ("Service", "tiny-cpu-rollout"),
+        ("Job", "tiny-cpu-trainer"), ("Pod", "tiny-cpu-rollout-0"), ("Pod", "tiny-cpu-rollout-1"),
+    ]
+    for o in objs:
+        assert o["metadata"]["namespace"] == "research"
+        (ref,) = o["metadata"]["ownerReferences"]
+        assert ref == {"apiVersion": "mileslite.dev/v1alpha1", "kind": "MilesJob", "name": "tiny-cpu",
+                       "uid": "uid-123", "controller": True, "blockOwnerDeletion": True}
+        assert o["metadata"]["labels"]["mileslite.dev/job"] == "tiny-cpu"
+        assert len(o["metadata"]["annotations"][HASH_ANNOTATION]) == 16
+
+
+def test_overrides_user_first_then_deployment_facts():
+    (cm,) = by_kind(render(example("tiny-cpu.yaml")), "ConfigMap")
+    lines = cm["data"]["overrides"].splitlines()
+    assert lines[:3] == ["experiment=tiny_cpu", "trainer=cpu", "experiment.steps=20"]
+    urls = ("rollout.engine_urls=['http://tiny-cpu-rollout-0.tiny-cpu-rollout.research.svc:30000',"
+            "'http://tiny-cpu-rollout-1.tiny-cpu-rollout.research.svc:30000']")
+    for expected in ("rollout.backend=reference", "rollout.engines=2", urls, "rollout.engine_tp=1",
+                     "checkpoint.dir=/checkpoints/checkpoints", "checkpoint.interval=10", "checkpoint.resume=auto",
+                     "fault_tolerance.max_engine_restarts=3", "observability.metrics_port=9400",
+                     "observability.metrics_host=0.0.0.0", "cluster=local"):
+        assert expected in lines, expected
+    assert not any(line.startswith("model.hf_path") for line in lines)
+
+
+def test_trainer_job_is_indexed_and_fails_fast():
+    objs = render(example("tiny-cpu.yaml"))
+    (job,) = by_kind(objs, "Job")
+    spec = job["spec"]
+    assert (spec["completionMode"], spec["completions"], spec["parallelism"], spec["backoffLimit"]) == \
+        ("Indexed", 1, 1, 0)
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == "tiny-cpu-trainer" and pod["restartPolicy"] == "Never"
+    (c,) = pod["containers"]
+    assert c["command"][:2] == ["bash", "-euc"]
+    assert "mapfile -t OVERRIDES < /etc/miles-lite/overrides" in c["command"][2]
+    assert 'exec miles-lite train "${OVERRIDES[@]}"' in c["command"][2]
+    assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    assert mounts == {"config": "/etc/miles-lite", "checkpoints": "/checkpoints"}
+    (cm,) = by_kind(objs, "ConfigMap")
+    overrides_hash = hashlib.sha256(cm["data"]["overrides"].encode()).hexdigest()[:16]
+    assert spec["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] == overrides_hash
+
+
+def test_reference_engine_pods_have_stable_dns_and_probe():
+    pods = by_kind(render(example("tiny-cpu.yaml")), "Pod")
+    for i, pod in enumerate(pods):
+        spec = pod["spec"]
+        assert (spec["hostname"], spec["subdomain"]) == (f"tiny-cpu-rollout-{i}", "tiny-cpu-rollout")
+        assert spec["restartPolicy"] == "Never"
+        assert pod["metadata"]["labels"]["mileslite.dev/engine-index"] == str(i)
+        (c,) = spec["containers"]
+        assert "exec miles-lite engine --host 0.0.0.0 --port 30000" in c["command"][2]
+        assert c["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+        assert "nvidia.com/gpu" not in str(c.get("resources"))
+
+
+def test_gsm8k_gpu_sglang_engines_gpus_and_volcano_gangs():
+    objs = render(example("gsm8k-gpu.yaml"))
+    groups = {o["metadata"]["name"]: o for o in by_kind(objs, "PodGroup")}
+    assert groups["gsm8k-qwen05b-trainer"]["apiVersion"] == "scheduling.volcano.sh/v1beta1"
+    assert groups["gsm8k-qwen05b-trainer"]["spec"] == {"minMember": 1, "queue": "default",
+                                                       "minResources": {"nvidia.com/gpu": "2"}}
+    assert groups["gsm8k-qwen05b-rollout"]["spec"]["minMember"] == 2
+    pod = by_kind(objs, "Pod")[0]
+    assert pod["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "gsm8k-qwen05b-rollout"
+    assert pod["spec"]["schedulerName"] == "volcano"
+    c = pod["spec"]["containers"][0]
+    assert c["command"] == [
+        "python", "-m", "sglang.launch_server", "--model-path", "/models/Qwen2.5-0.5B-Instruct",
+        "--host", "0.0.0.0", "--port", "30000", "--attention-backend", "triton", "--mem-fraction-static", "0.6",
+        "--sampling-backend", "pytorch", "--skip-tokenizer-init", "--tp-size", "1",
+    ]
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in c["volumeMounts"]
+    assert pod["spec"]["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    (job,) = by_kind(objs, "Job")
+    tpl = job["spec"]["template"]
+    assert tpl["metadata"]["annotations"]["scheduling.k8s.io/group-name"] == "gsm8k-qwen05b-trainer"
+    assert tpl["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    ckpt = next(v for v in tpl["spec"]["volumes"] if v["name"] == "checkpoints")
+    assert ckpt == {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "miles-checkpoints"}}
+    (cm,) = by_kind(objs, "ConfigMap")
+    assert "model.hf_path=/models/Qwen2.5-0.5B-Instruct" in cm["data"]["overrides"].splitlines()
+
+
+def test_coscheduling_and_kueue_membership():
+    objs = render(example("gsm8k-gpu.yaml", gang={"scheduler": "coscheduling", "timeoutSeconds": 120}))
+    groups = by_kind(objs, "PodGroup")
+    assert {g["apiVersion"] for g in groups} == {"scheduling.x-k8s.io/v1alpha1"}
+    assert all(g["spec"]["scheduleTimeoutSeconds"] == 120 for g in groups)
+    pod = by_kind(objs, "Pod")[0]
+    assert pod["metadata"]["labels"]["scheduling.x-k8s.io/pod-group"] == "gsm8k-qwen05b-rollout"
+    assert pod["spec"]["schedulerName"] == "scheduler-plugins-scheduler"
+
+    objs = render(example("gsm8k-gpu.yaml", gang={"scheduler": "kueue", "queue": "team-a"}))
+    assert by_kind(objs, "PodGroup") == []
+    (job,) = by_kind(objs, "Job")
+    assert job["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "team-a"
+    assert "kueue.x-k8s.io/pod-group-name" not in job["spec"]["template"]["metadata"]["labels"]
+    pod = by_kind(objs, "Pod")[1]
+    assert pod["metadata"]["labels"]["kueue.x-k8s.io/pod-group-name"] == "gsm8k-qwen05b-rollout"
+    assert pod["metadata"]["annotations"]["kueue.x-k8s.io/pod-group-total-count"] == "2"
+    assert "schedulerName" not in pod["spec"]
+
+
+def test_multi_replica_trainer_forms_a_ray_cluster():
+    objs = render(example("tiny-cpu.yaml", trainer={"replicas": 3}))
+    (job,) = by_kind(objs, "Job")
+    assert job["spec"]["completions"] == job["spec"]["parallelism"] == 3
+    script = job["spec"]["template"]["spec"]["containers"][0]["command"][2]
+    assert "ray start --head --port=6379" in script
+    assert "ray start --address=tiny-cpu-trainer-0.tiny-cpu-trainer.research.svc:6379" in script
+    assert "ray health-check" in script and "deadline" in script
+    trainer_svc = next(o for o in by_kind(objs, "Service") if o["metadata"]["name"] == "tiny-cpu-trainer")
+    assert {p["name"] for p in trainer_svc["spec"]["ports"]} == {"metrics", "ray"}
+    assert trainer_svc["spec"]["clusterIP"] == "None"
+    (cm,) = by_kind(objs, "ConfigMap")
+    assert {"cluster=ray", "cluster.ray_address=auto"} <= set(cm["data"]["overrides"].splitlines())
+
+
+def test_render_is_deterministic_and_hashes_follow_the_spec():
+    a, b = render(example("tiny-cpu.yaml")), render(example("tiny-cpu.yaml"))
+    assert a == b
+    changed = render(example("tiny-cpu.yaml", overrides=["experiment=tiny_cpu", "experiment.steps=40"]))
+    h = {o["metadata"]["name"]: o["metadata"]["annotations"][HASH_ANNOTATION] for o in a}
+    h2 = {o["metadata"]["name"]: o["metadata"]["annotations"][HASH_ANNOTATION] for o in changed}
+    assert h["tiny-cpu-config"] != h2["tiny-cpu-config"]
+    jobs = [by_kind(x, "Job")[0]["metadata"]["annotations"][HASH_ANNOTATION] for x in (a, changed)]
+    assert jobs[0] != jobs[1]
+    svcs = [[s["metadata"]["annotations"][HASH_ANNOTATION] for s in by_kind(x, "Service")] for x in (a, changed)]
+    assert svcs[0] == svcs[1]
+
+
+def test_every_semantic_problem_is_reported_at_once():
+    body = example("gsm8k-gpu.yaml")
+    body["metadata"]["name"] = "Bad_Name"
+    body["spec"]["model"] = {}
+    body["spec"]["rollout"]["gpusPerEngine"] = 0
+    body["spec"]["gang"] = {"scheduler": "kueue"}
+    body["spec"]["metrics"] = {"port": 30000}
+    with pytest.raises(SpecError) as err:
+        render(body)
+    fields = [p.split(":")[0] for p in err.value.problems]
+    assert fields == ["metadata.name", "spec.rollout.gpusPerEngine", "spec.model.hfPath", "spec.gang.queue",
+                      "spec.metrics.port"]
+
+
+def test_operator_owned_overrides_and_flags_are_refused():
+    with pytest.raises(SpecError, match=r"spec.overrides\[1\]: checkpoint.dir is set by the operator"):
+        render(example("tiny-cpu.yaml", overrides=["algo=gspo", "checkpoint.dir=/tmp/x"]))
+    with pytest.raises(SpecError, match=r"spec.overrides\[0\]: cluster is set"):
+        render(example("tiny-cpu.yaml", overrides=["+cluster=ray"]))
+    with pytest.raises(SpecError, match="sglangArgs.port"):
+        render(example("gsm8k-gpu.yaml", rollout={"engines": 1, "sglangArgs": {"port": 1234}}))
+
+
+def test_sglang_flags_conversion():
+    flags = commands.sglang_flags({"enable_x": True, "disable_y": False, "cuda_graph_bs": [1, 2],
+                                   "json_model_override_args": {"a": 1}, "skip": None, "tp_size": 2})
+    assert flags == ["--cuda-graph-bs", "1", "2", "--enable-x", "--json-model-override-args", '{"a": 1}',
+                     "--tp-size", "2"]
+
+
+def test_engine_tp_from_sglang_args_reaches_the_trainer_config():
+    body = example("gsm8k-gpu.yaml", rollout={"engines": 1, "gpusPerEngine": 2, "sglangArgs": {"tp_size": 2}})
+    (cm,) = by_kind(render(body), "ConfigMap")
+    assert "rollout.engine_tp=2" in cm["data"]["overrides"].splitlines()
+
+
+def test_crd_defaults_equal_renderer_defaults():
+    """A job the API server defaulted renders exactly like the same job before defaulting."""
+    schema = openapi_schema(load_crd(K8S / "crd.yaml"))
+    minimal = {"apiVersion": "mileslite.dev/v1alpha1", "kind": "MilesJob",
+               "metadata": {"name": "m", "namespace": "n", "uid": "u"},
+               "spec": {"image": "img", "rollout": {"backend": "reference", "gpusPerEngine": 0}}}
+    defaulted = apply_defaults(schema, minimal)
+    assert defaulted["spec"]["trainer"]["replicas"] == 1 and defaulted["spec"]["gang"]["scheduler"] == "none"
+    assert parse_job(defaulted) == parse_job(minimal)
+    assert render(defaulted)[1:] == render(minimal)[1:]  # the ConfigMap records the spec as submitted
