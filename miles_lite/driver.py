@@ -1,6 +1,19 @@
 """The RL loop. Each step reads like the design: prompts -> groups -> rewards -> advantages -> train ->
 checkpoint -> weight push -> metrics. Everything else lives in the modules it calls.
 
+Rollouts go through a `RolloutPipeline` (the manager's calls run on the rollout event-loop thread):
+
+- `rollout.async_steps=0`: each step generates its groups on the weights the trainer has now.
+- `rollout.async_steps=1` (one-step-off): right after step N's groups are collected, step N+1's
+  generation starts and runs while the trainer trains step N. Before the push that follows step N the
+  pipeline pauses: a generation already done is simply kept; a running one is aborted at a token
+  boundary, its complete groups kept and its unfinished completions resumed on the new weights after
+  the push (the manager tags them with both versions, e.g. "3+4"). Step N+1 therefore trains on
+  groups whose oldest tokens are one version old. Groups whose oldest token is more than
+  `rollout.max_staleness` versions behind the trainer are dropped and counted (`rollout/stale_dropped`,
+  next to `rollout/mixed_version_samples` and `rollout/staleness_*`). A checkpoint records the prompt
+  cursor from before the in-flight generation's prompts, so a resumed run draws them again.
+
 On SIGUSR1 or SIGTERM (Slurm's pre-emption warning, `kubectl delete`) the driver finishes the
 current step, saves a checkpoint and returns normally, so the process exits 0 and a requeued job
 resumes with `checkpoint.resume=auto`.
@@ -9,7 +22,6 @@ resumes with `checkpoint.resume=auto`.
 from __future__ import annotations
 
 import json
-import signal
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,36 +30,12 @@ from typing import Any
 from miles_lite.config import MilesConfig, to_yaml
 from miles_lite.data.source import PromptSource
 from miles_lite.evaluation import EvalResult, evaluate
-from miles_lite.rl_batch import build_train_batch, reward_stats, rollout_stats
+from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rollout_stats
+from miles_lite.rollout.pipeline import RolloutPipeline
 from miles_lite.run_io import RunIO
+from miles_lite.stop import StopRequest
 from miles_lite.system import System, load_problems
 from miles_lite.warmup import presample_filter, run_warmup
-
-
-class StopRequest:
-    """Set by SIGUSR1/SIGTERM; the loop checks it between steps (a step is never cut in half)."""
-
-    def __init__(self) -> None:
-        self.signal: int | None = None
-        self._previous: dict[int, Any] = {}
-
-    def install(self) -> StopRequest:
-        for sig in (signal.SIGUSR1, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.signal = signum
-        print(f"miles-lite: received {signal.Signals(signum).name}; stopping after this step with a checkpoint",
-              flush=True)
-
-    @property
-    def requested(self) -> bool:
-        return self.signal is not None
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
 
 @dataclass
@@ -66,13 +54,17 @@ def run_name(cfg: MilesConfig) -> str:
     return cfg.experiment.run_name or f"{cfg.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def train(cfg: MilesConfig) -> RunSummary:
-    """Run RL training end to end as configured; returns the run's summary."""
+def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
+    """Run RL training end to end as configured; returns the run's summary.
+
+    `stop`: an installed `StopRequest` (the CLI installs it before the heavy imports, so an early
+    pre-emption signal is not lost); None installs one here.
+    """
     start = time.perf_counter()
     run_dir = Path(cfg.experiment.output_dir) / run_name(cfg)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    stop = StopRequest().install()
+    stop = stop or StopRequest().install()
     train_problems, held_out = load_problems(cfg)
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
     try:
@@ -84,12 +76,18 @@ def train(cfg: MilesConfig) -> RunSummary:
                 io.report_sync(*system.push_weights())
                 summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
                 presample_filter(system, data, train_problems, io)
-            for step in range(first_step, cfg.experiment.steps):
-                rl_step(system, data, io, step)
-                summary.steps_done = step + 1
-                if stop.requested:
-                    summary.stopped_by_signal = True
-                    break
+            rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size)
+            try:
+                for step in range(first_step, cfg.experiment.steps):
+                    rl_step(system, data, io, rollouts, step)
+                    summary.steps_done = step + 1
+                    if stop.requested:
+                        summary.stopped_by_signal = True
+                        break
+            finally:
+                untrained = rollouts.close()
+                if untrained is not None:  # the next step's prompts go back to the stream
+                    data.load_state_dict(untrained)
             io.save_checkpoint(system, data, summary.steps_done, final=True)
             if not summary.stopped_by_signal:
                 summary.after = io.report_eval("after RL", eval_now(system, held_out))
@@ -105,28 +103,51 @@ def eval_now(system: System, held_out: list) -> EvalResult:
     return evaluate(system.rollout, held_out, system.render, system.encode, system.sampling)
 
 
-def rl_step(system: System, data: PromptSource, io: RunIO, step: int) -> None:
-    """One RL step on the current weights."""
+@dataclass(frozen=True)
+class CursorAt:
+    """A prompt-stream position to checkpoint (what `PromptSource.state_dict` returned then)."""
+
+    state: dict[str, Any]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.state
+
+
+def start_rollouts(system: System, data: PromptSource, rollouts: RolloutPipeline) -> None:
+    """Draw the next step's prompts and start generating them; the pipeline keeps the cursor from before."""
+    cursor = data.state_dict()
+    rollouts.start(system.prompt_specs(data.next_batch(system.cfg.rollout.prompts_per_step)), tag=cursor)
+
+
+def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int) -> None:
+    """One RL step; with `rollout.async_steps=1` the next step's generation overlaps its training."""
     cfg = system.cfg
-    assert system.rollout is not None
     timer = io.timer()
     with timer.phase("generate"):
-        prompts = system.prompt_specs(data.next_batch(cfg.rollout.prompts_per_step))
-        groups = system.rollout.generate_groups(prompts, cfg.rollout.group_size)
+        if not rollouts.busy:
+            start_rollouts(system, data, rollouts)
+        rollout = rollouts.collect()
+    if cfg.rollout.async_steps and step + 1 < cfg.experiment.steps:
+        start_rollouts(system, data, rollouts)
     with timer.phase("reward"):
-        groups = system.score(groups)
-    batch, algo_stats = build_train_batch(groups, cfg.algo)
+        groups = system.score(rollout.groups)
+    fresh, stale_stats = drop_stale(groups, system.version, cfg.rollout.max_staleness)
+    batch, algo_stats = build_train_batch(fresh, cfg.algo)
     train_stats: dict[str, float] = {}
     if batch is not None:
         with timer.phase("train"):
             train_stats = system.trainer.train_step(batch)
     with timer.phase("checkpoint"):
-        io.maybe_save_checkpoint(system, data, step + 1)
+        in_flight = rollouts.tag
+        io.maybe_save_checkpoint(system, CursorAt(in_flight) if in_flight is not None else data, step + 1)
     with timer.phase("sync"):
+        rollouts.pause()
         sync_report, sync_seconds = system.push_weights()
+        rollouts.resume()
     io.report_sync(sync_report, sync_seconds)
     stats: dict[str, Any] = {**reward_stats(groups), **algo_stats, **train_stats, **timer.stats(),
-                             **rollout_stats(system.rollout.last_stats), "weight_version": system.version}
+                             **rollout_stats(rollout.stats), **stale_stats, "rollout/pauses": float(rollout.pauses),
+                             "weight_version": system.version}
     io.publish_step(step, stats, groups, system.fleet_stats())
 
 

@@ -1,4 +1,5 @@
-"""From scored groups to the trainer's batch: advantages, zero-signal accounting, reward statistics."""
+"""From scored groups to the trainer's batch: staleness filter, advantages, zero-signal accounting, reward
+statistics, and the distillation batch of the on-policy-distillation warm-up."""
 
 from __future__ import annotations
 
@@ -9,7 +10,48 @@ import torch
 
 from miles_lite.algo.advantages import compute_advantages
 from miles_lite.config.schema import AlgoConfig
-from miles_lite.types import Group, TrainBatch
+from miles_lite.rollout.manager import MIXED_SEPARATOR
+from miles_lite.types import Group, Sample, TrainBatch
+
+
+def oldest_version(sample: Sample) -> int | None:
+    """The oldest weight version that wrote any of the sample's tokens ("3+4" -> 3).
+
+    Versions are the driver's push numbers; None when any part is not one (e.g. an engine still
+    serving weights this run never pushed, which reports "default" or ""), since its lag is unknown.
+    """
+    parts = sample.weight_version.split(MIXED_SEPARATOR) if sample.weight_version else []
+    if not parts or not all(p.isdigit() for p in parts):
+        return None
+    return min(int(p) for p in parts)
+
+
+def drop_stale(groups: Sequence[Group], current_version: int, max_staleness: int
+               ) -> tuple[list[Group], dict[str, float]]:
+    """Keep groups whose oldest token was written at most `max_staleness` versions before `current_version`.
+
+    `current_version` is the version of the trainer's weights now (the last push). A group is judged by
+    its oldest sample, as its advantages share one baseline. Returns the kept groups and stats:
+    `rollout/stale_dropped` (groups), `rollout/mixed_version_samples`, `rollout/staleness_mean` and
+    `rollout/staleness_max` (versions behind, over samples with a known version).
+    """
+    if max_staleness < 0:
+        raise ValueError(f"rollout.max_staleness must be >= 0, got {max_staleness}")
+    kept: list[Group] = []
+    lags: list[int] = []
+    mixed = 0
+    for group in groups:
+        versions = [oldest_version(s) for s in group.samples]
+        mixed += sum(1 for s in group.samples if MIXED_SEPARATOR in s.weight_version)
+        known = [current_version - v for v in versions if v is not None]
+        lags.extend(known)
+        if len(known) == len(versions) and max(known, default=0) <= max_staleness:
+            kept.append(group)
+    stats = {"rollout/stale_dropped": float(len(groups) - len(kept)),
+             "rollout/mixed_version_samples": float(mixed),
+             "rollout/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
+             "rollout/staleness_max": float(max(lags, default=0))}
+    return kept, stats
 
 
 def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
@@ -33,8 +75,11 @@ def build_train_batch(groups: Sequence[Group], algo: AlgoConfig) -> tuple[TrainB
     """Advantages per completion (the group is its own baseline) and the ragged `TrainBatch`.
 
     Zero-signal groups (all rewards equal) are always counted; with `algo.drop_zero_signal` they are
-    left out of the batch. Returns `(None, stats)` when nothing is left to train on.
+    left out of the batch. Returns `(None, stats)` when nothing is left to train on (also for no groups).
     """
+    if not groups:
+        return None, {"algo/zero_signal_share": 0.0, "algo/zero_signal_groups": 0.0, "algo/groups": 0.0,
+                      "algo/trained_sequences": 0.0}
     sizes = {len(g.samples) for g in groups}
     if len(sizes) != 1:
         raise ValueError(f"groups of unequal sizes {sorted(sizes)}: every prompt needs rollout.group_size samples")
@@ -59,6 +104,22 @@ def build_train_batch(groups: Sequence[Group], algo: AlgoConfig) -> tuple[TrainB
     return batch, stats
 
 
+def distill_batch(groups: Sequence[Group]) -> TrainBatch | None:
+    """Every non-empty completion with a zero advantage: the batch of an on-policy-distillation step.
+
+    The policy term then has no gradient and the student learns only from the distillation term
+    (`algo.distill_coef`), whose per-token reward is teacher minus student log-prob. None when every
+    completion is empty.
+    """
+    samples = [s for g in groups for s in g.samples if s.response_ids]
+    if not samples:
+        return None
+    return TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
+                      prompt_lengths=[len(s.prompt_ids) for s in samples],
+                      rollout_logprobs=[list(s.rollout_logprobs) for s in samples],
+                      advantages=[0.0] * len(samples))
+
+
 def rollout_stats(stats: Any) -> dict[str, object]:
     """The rollout manager's per-call stats under the metric keys the registry knows."""
     return {
@@ -69,4 +130,5 @@ def rollout_stats(stats: Any) -> dict[str, object]:
         "rollout/dynamic_sampling_rounds": float(stats.sampling_rounds),
         "rollout/dropped_groups": float(stats.dropped_groups),
         "rollout/wall_seconds": stats.wall_s,
+        "rollout/resumed_partials": float(stats.resumed_partials),
     }

@@ -48,15 +48,11 @@ class RunIO:
     """Outputs of one run under `run_dir`; a context manager that starts and stops the exporter."""
 
     def __init__(self, cfg: MilesConfig, run_dir: Path, run_name: str) -> None:
-        from miles_lite.checkpoint.run_state import RankCheckpointer
-
         if cfg.checkpoint.dir is None:
             # Checkpoints live with the run unless a shared directory is configured.
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
                                                                           dir=str(run_dir / "checkpoints")))
         self.cfg = cfg
-        # One checkpointer for the whole run, so a save's flush overlaps the next steps.
-        self.checkpointer = RankCheckpointer(cfg)
         self.run_dir = run_dir
         self.metrics = MetricsRegistry(run_name, "driver")
         self.exporter = start_exporter(self.metrics, cfg.observability)
@@ -74,7 +70,6 @@ class RunIO:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.checkpointer.close()
         self.progress.__exit__(*exc)
         for sink in self.sinks:
             sink.close()
@@ -139,8 +134,7 @@ class RunIO:
     def save_checkpoint(self, system: Any, data: PromptSource, steps_done: int, final: bool = False) -> None:
         from miles_lite.checkpoint.run_state import save_run
 
-        stats = save_run(self.cfg, system, data, steps_done, self.metrics, final=final,
-                         checkpointer=self.checkpointer)
+        stats = save_run(self.cfg, system, data, steps_done, self.metrics, final=final)
         if stats is not None and final:
             self.log(f"checkpoint step {steps_done}: {stats.path} (training blocked {stats.blocked_s:.2f} s)")
 

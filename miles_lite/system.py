@@ -91,6 +91,8 @@ class System:
         self.rollout: SyncRolloutManager | None = None
         self.sync: WeightSyncCoordinator | None = None
         self.version = 0
+        # Step of the newest checkpoint this process saved (None: none yet).
+        self.last_checkpoint_step: int | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -141,19 +143,29 @@ class System:
         self.sync = build_coordinator(self.cfg, self.trainer, EngineLoop(self.loop_thread.loop), self.run_dir)
 
     def close(self) -> None:
-        """Stop weight sync, the engines and the trainer, in that order; safe to call twice."""
-        if self.sync is not None:
-            self.sync.close()
-            self.sync = None
-        if self.fleet is not None and self.loop_thread is not None:
-            self.loop_thread.run(self.fleet.close())
-            self.fleet = None
-        if self.loop_thread is not None:
-            self.loop_thread.stop()
-            self.loop_thread = None
-        if self.trainer is not None:
-            self.trainer.close()
-            self.trainer = None
+        """Stop weight sync, the engines and the trainer, in that order; safe to call twice.
+
+        Every role is stopped even when stopping an earlier one fails (engine processes and trainer
+        actors must not outlive the run); the first failure is raised afterwards.
+        """
+        try:
+            if self.sync is not None:
+                sync, self.sync = self.sync, None
+                sync.close()
+        finally:
+            try:
+                if self.fleet is not None and self.loop_thread is not None:
+                    fleet, self.fleet = self.fleet, None
+                    self.loop_thread.run(fleet.close())
+            finally:
+                try:
+                    if self.loop_thread is not None:
+                        loop_thread, self.loop_thread = self.loop_thread, None
+                        loop_thread.stop()
+                finally:
+                    if self.trainer is not None:
+                        trainer, self.trainer = self.trainer, None
+                        trainer.close()
 
     def __enter__(self) -> System:
         return self
@@ -210,14 +222,29 @@ class System:
         start = time.perf_counter()
         self.version += 1
         version = str(self.version)
-        records = [r for r in self.fleet.records if r.state in (EngineState.HEALTHY, EngineState.STALE)]
+        fleet = self.fleet
+
+        # The fleet's state belongs to the rollout loop (its transitions wake tasks waiting there):
+        # read and change it on that loop, never from this thread.
+        async def begin() -> list[Any]:
+            records = [r for r in fleet.records if r.state in (EngineState.HEALTHY, EngineState.STALE)]
+            fleet.set_current_version(version)
+            return records
+
+        async def finish() -> None:
+            for r in records:
+                fleet.mark_synced(r.engine_id, version)
+
+        records = self.loop_thread.run(begin())
         # Reference engines hold HF shapes (no vocab padding); SGLang pads its vocabulary to 64 rows.
         pad = 1 if self.cfg.rollout.backend == "reference" else 64
-        targets = [FleetEngine(r.engine, EngineSpec(r.engine_id, self.cfg.rollout.engine_tp, pad)) for r in records]
-        self.fleet.set_current_version(version)
+        # A replacement keeps its slot's engine id but is a new process: naming the incarnation makes
+        # the weight-sync coordinator see a new fleet and rebuild its group with the replacement in it.
+        sync_ids = [r.engine_id if r.incarnation == 0 else f"{r.engine_id}.{r.incarnation}" for r in records]
+        targets = [FleetEngine(r.engine, EngineSpec(sid, self.cfg.rollout.engine_tp, pad))
+                   for r, sid in zip(records, sync_ids, strict=True)]
         report = self.sync.push(targets, self.trainer.weight_shards, version)
-        for r in records:
-            self.fleet.mark_synced(r.engine_id, version)
+        self.loop_thread.run(finish())
         return report, time.perf_counter() - start
 
     def fleet_stats(self) -> dict[str, float]:

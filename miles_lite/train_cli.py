@@ -52,7 +52,11 @@ def run(args: argparse.Namespace) -> int:
 
         print(to_yaml(cfg), end="")
         return 0
+    from miles_lite.stop import StopRequest
+
+    # Installed before the heavy imports below: a pre-emption signal during start-up still stops cleanly.
+    stop = StopRequest().install()
     from miles_lite.driver import train
 
-    train(cfg)
+    train(cfg, stop)
     return 0

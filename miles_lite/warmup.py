@@ -1,36 +1,93 @@
-"""Before RL: the supervised warm-up (SFT on tag-format reference solutions) and the presample filter."""
+"""Before RL: the warm-up (SFT on tag-format reference solutions, or on-policy distillation from a teacher)
+and the presample filter. Each warm-up step appends its stats to `warmup.jsonl` in the run directory."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 from collections.abc import Sequence
 from typing import Any
 
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.source import PromptSource
+from miles_lite.rl_batch import distill_batch
 from miles_lite.rollout.presample import presample
 
 
+def _record(system: Any, mode: str, step: int, stats: dict[str, float]) -> None:
+    with (system.run_dir / "warmup.jsonl").open("a") as f:
+        f.write(json.dumps({"mode": mode, "step": step, **stats}) + "\n")
+
+
+def _should_log(step: int, steps: int) -> bool:
+    return step % max(steps // 5, 1) == 0 or step == steps - 1
+
+
 def run_warmup(system: Any, problems: Sequence[MathProblem], io: Any) -> None:
-    """`experiment.warmup=sft`: `warmup_steps` cross-entropy steps on (prompt, reference solution) pairs.
+    """`experiment.warmup`: `sft` (see `run_sft`), `opd` (see `run_opd`) or `none`."""
+    exp = system.cfg.experiment
+    if exp.warmup == "sft":
+        run_sft(system, problems, io)
+    elif exp.warmup == "opd":
+        run_opd(system, problems, io)
+    elif exp.warmup != "none":
+        raise ValueError(f"experiment.warmup={exp.warmup!r} is not one of sft, opd, none")
+
+
+def run_sft(system: Any, problems: Sequence[MathProblem], io: Any) -> None:
+    """`warmup_steps` cross-entropy steps on (prompt, reference solution) pairs at `experiment.warmup_lr`.
 
     The worklog's lesson: RL from a model that never emits the answer format has no reward signal;
     a short SFT teaches the format so RL can work on correctness.
     """
     exp = system.cfg.experiment
-    if exp.warmup == "none":
-        return
-    if exp.warmup == "opd":
-        raise ValueError("experiment.warmup=opd needs a teacher engine: set experiment.teacher_path and use "
-                         "algo.distill_coef during RL; use experiment.warmup=sft for the embedded default")
     rng = random.Random(exp.seed)
     loss = float("nan")
     for step in range(exp.warmup_steps):
         batch = system.sft_batch(rng.sample(list(problems), min(exp.warmup_batch_size, len(problems))))
         stats = system.trainer.sft_step(batch, lr=exp.warmup_lr)
         loss = stats.get("loss/sft", stats.get("loss/total", loss))
-        if step % max(exp.warmup_steps // 5, 1) == 0 or step == exp.warmup_steps - 1:
+        _record(system, "sft", step, {"loss": loss})
+        if _should_log(step, exp.warmup_steps):
             io.log(f"sft warm-up {step + 1}/{exp.warmup_steps}: loss {loss:.3f}")
+
+
+def run_opd(system: Any, problems: Sequence[MathProblem], io: Any) -> None:
+    """`warmup_steps` steps of on-policy distillation from the teacher at `experiment.teacher_path`.
+
+    Each step the engines sample one completion from the student for each of `warmup_batch_size`
+    questions; the teacher scores every sampled token (its vocabulary, which may carry extra padding
+    rows, trimmed to the student's); one optimizer step with zero advantages then trains the student
+    on the distillation term alone (weight `algo.distill_coef`, per-token reward = teacher minus
+    student log-prob, i.e. the reverse KL); and the new weights are pushed, so the next step samples
+    on-policy again. Steps use the RL optimizer and LR schedule (`trainer.lr`). The teacher must
+    share the student's tokenizer.
+    """
+    cfg = system.cfg
+    exp = cfg.experiment
+    if not exp.teacher_path:
+        raise ValueError("experiment.warmup=opd needs experiment.teacher_path=<HF checkpoint directory of the "
+                         "teacher> (same tokenizer as the student); or use experiment.warmup=sft")
+    if cfg.algo.distill_coef <= 0:
+        raise ValueError(f"experiment.warmup=opd needs algo.distill_coef > 0, got {cfg.algo.distill_coef}; "
+                         "set e.g. algo.distill_coef=1.0")
+    rng = random.Random(exp.seed)
+    for step in range(exp.warmup_steps):
+        picked = rng.sample(range(len(problems)), min(exp.warmup_batch_size, len(problems)))
+        groups = system.rollout.generate_groups(system.prompt_specs([(i, problems[i]) for i in picked]), 1)
+        batch = distill_batch(groups)
+        if batch is None:
+            io.log(f"opd warm-up {step + 1}/{exp.warmup_steps}: every completion was empty; step skipped")
+            continue
+        batch = dataclasses.replace(batch, teacher_logprobs=system.trainer.compute_logprobs(batch, model="teacher"))
+        stats = system.trainer.train_step(batch)
+        io.report_sync(*system.push_weights())
+        kl = stats.get("distill/reverse_kl", float("nan"))
+        _record(system, "opd", step, {"reverse_kl": kl, "loss": stats.get("loss/total", float("nan")),
+                                      "response_tokens": stats.get("response_tokens", 0.0)})
+        if _should_log(step, exp.warmup_steps):
+            io.log(f"opd warm-up {step + 1}/{exp.warmup_steps}: reverse KL to the teacher {kl:.3f} nats/token")
 
 
 def presample_filter(system: Any, data: PromptSource, problems: Sequence[MathProblem], io: Any) -> None:

@@ -2,7 +2,7 @@
 # Debian packages of the real services the integration tests run (idempotent, root).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-packages=(prometheus)
+packages=(prometheus slurm-wlm slurmctld slurmd slurm-client munge)
 missing=()
 for p in "${packages[@]}"; do
   dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p")

@@ -66,35 +66,36 @@ class RankCheckpointer:
         return DriverState.from_tree(tree) if tree is not None else None
 
 
-def save_run(cfg: MilesConfig, system: Any, data: Any, steps_done: int, metrics: Any = None, final: bool = False,
-             checkpointer: RankCheckpointer | None = None) -> SaveStats | None:
+def save_run(cfg: MilesConfig, system: Any, data: Any, steps_done: int, metrics: Any = None,
+             final: bool = False) -> SaveStats | None:
     """Checkpoint the run after `steps_done` steps (no-op when `checkpoint.dir` is unset).
 
+    Every trainer rank snapshots its own shards through its role's checkpointer (`system.trainer.
+    save_checkpoint`: in-process or on each Ray actor) and returns to training while the flush runs;
+    rank 0 adds the driver state (step, weight version, data cursor, RNG) and commits.
+
     Args:
-        system: holds `trainer.actor` (the in-process TrainerActor) and `version` (weights pushed).
+        system: holds `trainer` (a trainer role) and `version` (weights pushed).
         data: the `PromptSource` (its cursor and epoch order are saved).
-        metrics: receives `checkpoint_blocked(s)` / `checkpoint_committed(flush_s, bytes)` when given.
+        metrics: receives `checkpoint_blocked(s)` / `checkpoint_committed(flush_s, bytes, step)` when given.
         final: wait for the flush before returning (end of run).
-        checkpointer: the run's RankCheckpointer; with None the save is synchronous (a fresh
-            checkpointer cannot leave a flush in flight for anyone to wait on).
     """
     if not cfg.checkpoint.dir:
         return None
-    own = checkpointer is None
-    ckpt = checkpointer or RankCheckpointer(cfg)
+    if final and getattr(system, "last_checkpoint_step", None) == steps_done:
+        # The periodic save already took this step: only wait for its commit.
+        stats = system.trainer.finalize_checkpoint()
+        if metrics is not None and stats is not None and stats.flush_s is not None:
+            metrics.checkpoint_committed(stats.flush_s, int(stats.total_bytes or stats.bytes), stats.step)
+        return stats
     driver = DriverState(step=steps_done, weight_version=int(getattr(system, "version", 0)),
                          data=data.state_dict(), rng=capture_rng())
-    try:
-        stats = ckpt.save(system.trainer.actor, steps_done, driver)
-        if metrics is not None:
-            metrics.checkpoint_blocked(stats.blocked_s)
-        if own or final:
-            stats = ckpt.finalize() or stats
-            if metrics is not None and stats.flush_s is not None:
-                metrics.checkpoint_committed(stats.flush_s, int(stats.total_bytes or stats.bytes), stats.step)
-    finally:
-        if own:
-            ckpt.close()
+    stats = system.trainer.save_checkpoint(cfg, steps_done, driver, final)
+    system.last_checkpoint_step = steps_done
+    if metrics is not None:
+        metrics.checkpoint_blocked(stats.blocked_s)
+        if stats.flush_s is not None:
+            metrics.checkpoint_committed(stats.flush_s, int(stats.total_bytes or stats.bytes), stats.step)
     return stats
 
 
@@ -107,7 +108,7 @@ def resume_run(cfg: MilesConfig, system: Any, data: Any, log: Callable[[str], No
     path = resolve_resume(cfg.checkpoint)
     if path is None:
         return 0
-    driver = RankCheckpointer.restore(system.trainer.actor, path)
+    driver = system.trainer.restore_checkpoint(str(path))
     if driver is None:
         log(f"checkpoint {path}: weights loaded (no driver state: an initial checkpoint); starting at step 0")
         return 0

@@ -90,6 +90,9 @@ class TrainerConfig:
     max_nonfinite_skips: int = 3
     # Megatron TransformerConfig fields passed through verbatim (e.g. recompute_granularity).
     transformer: dict[str, Any] = field(default_factory=dict)
+    # torch intra-op threads of each trainer rank on CPU (0: torch's default, one per core). On a
+    # machine shared with the rollout engines, 1 avoids OpenMP threads spinning against them.
+    threads: int = 0
 
 
 @dataclass

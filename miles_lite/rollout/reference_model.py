@@ -241,7 +241,8 @@ class ReferenceModel:
         targets = self._targets()
         if name not in targets:
             raise ValueError(f"unknown parameter name {name!r}")
-        return targets[name].detach().float().tolist()[:truncate_size]
+        # Slice before converting: a full embedding table to a Python list takes seconds.
+        return targets[name].detach()[:truncate_size].float().tolist()
 
 
 def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

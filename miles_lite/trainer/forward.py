@@ -46,6 +46,18 @@ class ModelHandle:
         return torch.device("cpu")
 
 
+# TransformerEngine's FP8 GEMMs need the token dimension divisible by 8 (forward) and by 16 (the
+# weight-gradient GEMM, where tokens are the reduction dimension): `assert_dim_for_fp8_exec`.
+FP8_TOKEN_MULTIPLE = 16
+
+
+def fp8_row_padding(runtime: Runtime, num_tokens: int) -> int:
+    """Tokens to append to a packed THD row of `num_tokens` so FP8 GEMMs accept it (0 unless fp8)."""
+    if runtime.precision != "fp8":
+        return 0
+    return -num_tokens % FP8_TOKEN_MULTIPLE
+
+
 def _hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
     """Final hidden states `[T, H]` of a packed row (after the final norm, before the output layer)."""
     model = handle.model
@@ -56,8 +68,16 @@ def _hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
 
         cu = mb.cu_seqlens.to(dev)
         max_len = max(mb.lengths)
+        positions = mb.position_ids.to(dev)
+        pad = fp8_row_padding(handle.runtime, mb.num_tokens)
+        if pad:
+            # A trailing dummy sequence of `pad` tokens: attended only by itself, never read back.
+            tokens = torch.cat([tokens, tokens.new_zeros(1, pad)], dim=1)
+            positions = torch.cat([positions, torch.arange(pad, device=dev)[None]], dim=1)
+            cu = torch.cat([cu, cu[-1:] + pad])
+            max_len = max(max_len, pad)
         kwargs: dict[str, Any] = dict(
-            position_ids=mb.position_ids.to(dev),
+            position_ids=positions,
             attention_mask=None,
             packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                               max_seqlen_q=max_len, max_seqlen_kv=max_len),
@@ -74,7 +94,7 @@ def _hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
         hidden = model(input_ids=tokens, **kwargs)
     finally:
         model.post_process = saved
-    return hidden[:, 0, :]  # [T, 1, H] -> [T, H]
+    return hidden[: mb.num_tokens, 0, :]  # [T(+pad), 1, H] -> [T, H]
 
 
 def response_logprobs(

@@ -150,7 +150,8 @@ def to_padded(values: Tensor, lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
     parts = list(values.split(list(lengths)))
     out = pad_sequence(parts, batch_first=True) if parts else values.new_zeros((0, 0))
     width = out.shape[1] if out.dim() == 2 else 0
-    mask = (torch.arange(width, device=values.device)[None, :] < torch.tensor(list(lengths))[:, None]).float()
+    lens = torch.tensor(list(lengths), device=values.device)
+    mask = (torch.arange(width, device=values.device)[None, :] < lens[:, None]).float()
     return out, mask
 
 

@@ -1,0 +1,366 @@
+"""Trainer step throughput, FP8-vs-bf16 learning curves and TE-vs-HF log-prob agreement.
+
+    python benchmarks/train_step.py --out results.json                       # GPU: Qwen2.5-0.5B shape
+    python benchmarks/train_step.py --shape tiny --configs fp32 --steps 2    # anywhere (CPU: local spec)
+
+Throughput: `TrainerActor.train_step` (GRPO advantages, PPO-clip loss, token-level IS correction
+against the batch's rollout log-probs) on a fixed 8 x 2048 batch and on a packed batch of ragged
+sequences, for each `--configs` entry (bf16, fp8-delayed, fp8-tensorwise, fp8-blockwise, fp32).
+`--bare` also times a plain megatron-core language-model step (labels through `GPTModel`, same
+model, DDP and optimizer, `[8, 2048]` BSHD input) so the RL path's overhead is measured in the
+same process. Model FLOPs count the matmuls and causal attention once (no recomputation):
+6 * (matmul params) * tokens + 6 * layers * heads * head_dim * sum(s_i^2). MFU is against the
+H200's dense bf16 peak (989 TFLOP/s) for every precision.
+
+`--sft-steps N` trains bf16 and each FP8 recipe N SFT steps from the same weights on a learnable
+synthetic task (each response token is a fixed permutation of the previous one) and reports the
+loss curves. `--agreement` compares response log-probs of the TE model and of the HF transformers
+model on the same weights and tokens, in fp32 and bf16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from miles_lite.config.schema import MilesConfig, TinyModelShape
+from miles_lite.trainer import cpu_compat
+from miles_lite.trainer.actor import TrainerActor
+from miles_lite.trainer.model import HFModelSpec, spec_from_hf_config
+from miles_lite.trainer.tiny_hf import make_tiny_hf_model
+from miles_lite.types import TrainBatch
+
+H200_BF16_PEAK_TFLOPS = 989.0
+# Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads / 2 KV groups, SwiGLU 4864, tied embeddings, QKV bias.
+QWEN25_05B = TinyModelShape(hidden_size=896, ffn_hidden_size=4864, num_layers=24, num_attention_heads=14,
+                            num_kv_heads=2, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                            rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True)
+TINY = TinyModelShape(hidden_size=128, ffn_hidden_size=352, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                      max_position_embeddings=4096)
+SHAPES = {"qwen2.5-0.5b": (QWEN25_05B, 151936), "tiny": (TINY, 1024)}
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One precision setting: `precision` fp32|bf16|fp8 and the FP8 recipe (when fp8)."""
+
+    name: str
+    precision: str
+    fp8_recipe: str = "delayed"
+
+    @staticmethod
+    def parse(name: str) -> RunConfig:
+        """`bf16`, `fp32` or `fp8-<recipe>`; raises ValueError naming the flag otherwise."""
+        if name in ("bf16", "fp32"):
+            return RunConfig(name, name)
+        if name.startswith("fp8-") and name[4:] in ("delayed", "tensorwise", "blockwise"):
+            return RunConfig(name, "fp8", name[4:])
+        raise ValueError(f"--configs entry {name!r} is not bf16, fp32 or fp8-delayed|tensorwise|blockwise")
+
+
+def make_model_dir(shape_name: str, root: Path, init_std: float) -> Path:
+    """Save a random HF Qwen2 model of `shape_name` under `root` once (reused when present)."""
+    shape, vocab = SHAPES[shape_name]
+    out = root / f"{shape_name}-std{init_std}"
+    if not (out / "config.json").is_file():
+        make_tiny_hf_model("qwen2", shape, vocab, out, seed=0, init_std=init_std)
+    return out
+
+
+def actor_config(model_dir: Path, run: RunConfig, device: str, micro_batch_tokens: int, lr: float) -> MilesConfig:
+    """A single-rank trainer configuration for `run` on `device` (gpu: TE spec; cpu: local spec)."""
+    cfg = MilesConfig()
+    cfg.model.hf_path = str(model_dir)
+    t = cfg.trainer
+    t.device = device
+    t.layer_spec = "te" if device == "gpu" else "local"
+    t.precision, t.fp8_recipe = run.precision, run.fp8_recipe
+    t.micro_batch_tokens = micro_batch_tokens
+    t.lr, t.clip_grad = lr, 1.0
+    cfg.algo.advantage_estimator, cfg.algo.policy_loss = "grpo", "ppo"
+    cfg.algo.is_level, cfg.algo.is_mode = "token", "truncate"
+    return cfg
+
+
+def rl_batch(lengths: list[int], prompt_lengths: list[int], vocab: int, seed: int, group: int = 8) -> TrainBatch:
+    """Random tokens; rollout log-probs in [-4, 0]; GRPO advantages of random 0/1 rewards per group."""
+    rng = random.Random(seed)
+    tokens = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    lps = [[-4.0 * rng.random() for _ in range(n - p)] for n, p in zip(lengths, prompt_lengths, strict=True)]
+    adv: list[float] = []
+    for g in range(0, len(lengths), group):
+        rewards = [float(rng.random() < 0.5) for _ in lengths[g:g + group]]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
+        adv.extend((r - mean) / (std + 1e-6) for r in rewards)
+    return TrainBatch(tokens=tokens, prompt_lengths=list(prompt_lengths), rollout_logprobs=lps, advantages=adv)
+
+
+def fixed_batch(vocab: int, n: int, length: int) -> TrainBatch:
+    """`n` sequences of `length` tokens, a quarter of each is prompt."""
+    return rl_batch([length] * n, [length // 4] * n, vocab, seed=1)
+
+
+def packed_batch(vocab: int, total: int, max_len: int) -> TrainBatch:
+    """Ragged sequences (64..max_len tokens, prompts 16..256) totalling about `total` tokens, not a multiple of 16."""
+    rng = random.Random(2)
+    lengths: list[int] = []
+    while sum(lengths) < total - 64:
+        lengths.append(min(rng.randint(64, max_len), total - sum(lengths)))
+    if sum(lengths) % 16 == 0:
+        lengths[-1] -= 3
+    prompts = [min(rng.randint(16, 256), n // 2) for n in lengths]
+    return rl_batch(lengths, prompts, vocab, seed=3)
+
+
+def step_flops(spec: HFModelSpec, lengths: list[int]) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward) over sequences of `lengths`."""
+    h, d, nq, nkv = spec.hidden_size, spec.head_dim, spec.num_attention_heads, spec.num_kv_heads
+    per_layer = h * (nq + 2 * nkv) * d + nq * d * h + 3 * h * spec.ffn_hidden_size
+    matmul = spec.num_layers * per_layer + spec.vocab_size * h
+    tokens = sum(lengths)
+    # Causal attention: QK^T and PV, 2 FLOPs per MAC, s(s+1)/2 query-key pairs per sequence.
+    attn = spec.num_layers * 2 * 2 * nq * d * sum(s * (s + 1) / 2 for s in lengths)
+    return 3.0 * (2.0 * matmul * tokens + attn)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_steps(fn: Any, warmup: int, steps: int) -> list[float]:
+    """Seconds of each of `steps` timed calls of `fn()` after `warmup` untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        _sync()
+        t0 = time.perf_counter()
+        fn()
+        _sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def bare_lm_step(actor: TrainerActor, ids: torch.Tensor) -> float:
+    """One plain megatron-core LM step on `[b, s]` ids with the actor's model, DDP and optimizer; returns loss."""
+    ddp, dev = actor.ddp, actor.policy.device
+    ids = ids.to(dev)
+    pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
+    mask = None
+    if actor.policy.runtime.layer_spec == "local":
+        # The local spec takes 3-row (multimodal) RoPE positions and an explicit causal mask.
+        pos = pos.unsqueeze(0).expand(3, -1, -1)
+        mask = ~torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=dev).tril()[None, None]
+    labels = torch.roll(ids, -1, dims=1)
+    with cpu_compat.device_mode():
+        actor.policy.model.train()
+        ddp.zero_grad_buffer()
+        actor.optimizer.zero_grad()
+        loss = ddp(input_ids=ids, position_ids=pos, attention_mask=mask, labels=labels).float().mean()
+        loss.backward()
+        actor._finalize_grads([ddp])
+        actor.optimizer.step()
+    return float(loss)
+
+
+def summarize(times: list[float], tokens: int, flops: float) -> dict[str, float]:
+    """Median step time -> tokens/s, model TFLOP/s and MFU (fraction of the H200 bf16 peak)."""
+    med = sorted(times)[len(times) // 2]
+    tflops = flops / med / 1e12
+    return {"step_s": med, "tokens_per_s": tokens / med, "tflops": tflops, "mfu": tflops / H200_BF16_PEAK_TFLOPS}
+
+
+def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device: str) -> dict[str, Any]:
+    """Fixed and packed RL steps (and the bare LM step with --bare) for one precision setting."""
+    spec = spec_from_hf_config(model_dir)
+    out: dict[str, Any] = {}
+    actor = TrainerActor(actor_config(model_dir, run, device, args.micro_batch_tokens, 1e-6), 0, 1)
+    try:
+        batches = {"fixed": fixed_batch(spec.vocab_size, args.batch, args.seq),
+                   "packed": packed_batch(spec.vocab_size, args.batch * args.seq, args.seq)}
+        for name, batch in batches.items():
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            last: dict[str, float] = {}
+
+            def step(b: TrainBatch = batch, sink: dict[str, float] = last) -> None:
+                sink.update(actor.train_step(b))
+
+            times = time_steps(step, args.warmup, args.steps)
+            lengths = [len(t) for t in batch.tokens]
+            res = summarize(times, batch.num_tokens, step_flops(spec, lengths))
+            res.update(sequences=len(lengths), tokens=batch.num_tokens, loss=last.get("loss/total"),
+                       grad_norm=last.get("grad_norm"), skipped=last.get("skipped"))
+            if torch.cuda.is_available():
+                res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            out[name] = res
+        # Cost of the per-step finiteness check alone (grads are still in the buffers after the last step).
+        fin = time_steps(lambda: actor._all_finite([]), 1, 3)
+        out["finite_check_ms"] = 1e3 * sorted(fin)[1]
+        if args.bare:
+            ids = torch.tensor(batches["fixed"].tokens)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            times = time_steps(lambda: bare_lm_step(actor, ids), args.warmup, args.steps)
+            res = summarize(times, ids.numel(), step_flops(spec, [ids.shape[1]] * ids.shape[0]))
+            if torch.cuda.is_available():
+                res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            out["bare_fixed"] = res
+            out["rl_over_bare"] = out["fixed"]["tokens_per_s"] / res["tokens_per_s"]
+    finally:
+        actor.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return out
+
+
+def permutation_batch(vocab: int, n: int, length: int, step: int, symbols: int = 64) -> TrainBatch:
+    """A learnable task: after a random first token, every token is `perm[previous]` (a fixed permutation
+    of `symbols` ids); the prompt is the first 4 tokens. Batch `step` of the stream (deterministic)."""
+    perm = list(range(symbols))
+    random.Random(0).shuffle(perm)
+    rng = random.Random(1000 + step)
+    tokens = []
+    for _ in range(n):
+        seq = [rng.randrange(symbols)]
+        while len(seq) < length:
+            seq.append(perm[seq[-1]])
+        tokens.append([10 + t for t in seq])
+    if vocab < 10 + symbols:
+        raise ValueError(f"vocab_size={vocab} is too small for the permutation task ({10 + symbols} ids)")
+    return TrainBatch(tokens=tokens, prompt_lengths=[4] * n, rollout_logprobs=[[0.0] * (length - 4)] * n,
+                      advantages=[0.0] * n)
+
+
+def sft_curve(model_dir: Path, run: RunConfig, device: str, steps: int, lr: float) -> list[float]:
+    """Per-step SFT loss (nats/token) of `steps` steps on the permutation task from the saved weights."""
+    vocab = spec_from_hf_config(model_dir).vocab_size
+    actor = TrainerActor(actor_config(model_dir, run, device, 8192, lr), 0, 1)
+    try:
+        return [actor.sft_step(permutation_batch(vocab, 16, 64, s), lr=lr)["loss/sft"] for s in range(steps)]
+    finally:
+        actor.close()
+
+
+def hf_response_logprobs(model_dir: Path, batch: TrainBatch, dtype: torch.dtype, device: str) -> list[list[float]]:
+    """Response-token log-probs (fp32 log-softmax of the HF logits) under transformers' own forward."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa")
+    model = model.to("cuda" if device == "gpu" else "cpu").eval()
+    out = []
+    with torch.no_grad():
+        for seq, plen in zip(batch.tokens, batch.prompt_lengths, strict=True):
+            ids = torch.tensor([seq], device=model.device)
+            logp = model(input_ids=ids).logits[0].float().log_softmax(-1)
+            tgt = ids[0, plen:]
+            out.append(logp[plen - 1:-1].gather(-1, tgt[:, None])[:, 0].cpu().tolist())
+    del model
+    return out
+
+
+def diff_stats(a: list[list[float]], b: list[list[float]]) -> dict[str, float]:
+    """Per-token mean and max |a - b| over ragged rows."""
+    x = torch.tensor([v for row in a for v in row], dtype=torch.float64)
+    y = torch.tensor([v for row in b for v in row], dtype=torch.float64)
+    d = (x - y).abs()
+    return {"mean_abs_diff": float(d.mean()), "max_abs_diff": float(d.max()), "tokens": int(d.numel())}
+
+
+def agreement(model_dir: Path, device: str) -> dict[str, Any]:
+    """TE (or local-spec) trainer log-probs vs HF transformers on the same weights, fp32 and bf16."""
+    vocab = spec_from_hf_config(model_dir).vocab_size
+    batch = rl_batch([512, 384, 256, 200], [1, 1, 1, 1], vocab, seed=5)
+    hf = {p: hf_response_logprobs(model_dir, batch, dt, device)
+          for p, dt in (("fp32", torch.float32), ("bf16", torch.bfloat16))}
+    out: dict[str, Any] = {"hf_fp32_mean_logp": sum(map(sum, hf["fp32"])) / sum(map(len, hf["fp32"]))}
+    for prec in ("fp32", "bf16"):
+        try:
+            actor = TrainerActor(actor_config(model_dir, RunConfig.parse(prec), device, 8192, 1e-6), 0, 1)
+        except Exception as err:  # a precision the installed TE cannot run is a result, not a crash
+            out[f"trainer_{prec}"] = {"error": f"{type(err).__name__}: {err}"[:400]}
+            continue
+        try:
+            lp = actor.compute_logprobs(batch)
+        finally:
+            actor.close()
+        out[f"trainer_{prec}_vs_hf_{prec}"] = diff_stats(lp, hf[prec])
+        if prec == "bf16":
+            out["trainer_bf16_vs_hf_fp32"] = diff_stats(lp, hf["fp32"])
+    out["hf_bf16_vs_hf_fp32"] = diff_stats(hf["bf16"], hf["fp32"])
+    return out
+
+
+def _init_process_group(device: str) -> None:
+    """One single-rank process group for the whole run; actors created in turn reuse it."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl" if device == "gpu" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=0, world_size=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the selected measurements; print one JSON line per result and write them all to --out."""
+    gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-0.5b" if gpu else "tiny")
+    p.add_argument("--model-root", type=Path, default=Path("/tmp/miles-bench-models"))
+    p.add_argument("--configs", default="bf16,fp8-delayed,fp8-tensorwise,fp8-blockwise" if gpu else "fp32")
+    p.add_argument("--batch", type=int, default=8, help="sequences of the fixed batch")
+    p.add_argument("--seq", type=int, default=2048, help="tokens per sequence of the fixed batch")
+    p.add_argument("--micro-batch-tokens", type=int, default=16384)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--bare", action="store_true", help="also time a plain megatron-core LM step")
+    p.add_argument("--sft-steps", type=int, default=0, help="FP8-vs-bf16 SFT curves of this many steps")
+    p.add_argument("--sft-lr", type=float, default=1e-4)
+    p.add_argument("--agreement", action="store_true", help="trainer vs HF log-probs, fp32 and bf16")
+    p.add_argument("--init-std", type=float, default=0.02)
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    device = "gpu" if gpu else "cpu"
+    runs = [RunConfig.parse(c) for c in args.configs.split(",") if c]
+    _init_process_group(device)
+    results: dict[str, Any] = {"device": torch.cuda.get_device_name() if gpu else "cpu", "shape": args.shape,
+                               "torch": torch.__version__}
+    model_dir = make_model_dir(args.shape, args.model_root, args.init_std)
+
+    def record(key: str, fn: Any) -> None:
+        t0 = time.perf_counter()
+        try:
+            results[key] = fn()
+        except Exception as err:  # keep the other measurements when one configuration fails
+            results[key] = {"error": f"{type(err).__name__}: {err}"[:600], "trace": traceback.format_exc()[-1500:]}
+        print(json.dumps({key: results[key], "wall_s": round(time.perf_counter() - t0, 1)}), flush=True)
+        if args.out:
+            args.out.write_text(json.dumps(results, indent=1))
+
+    for run in runs:
+        record(f"throughput/{run.name}", lambda r=run: throughput(args, model_dir, r, device))
+    if args.sft_steps:
+        # Every FP8 recipe against the bf16 baseline (on CPU: the fp32 curve alone).
+        base = RunConfig.parse("bf16" if gpu else "fp32")
+        for run in [base, *(r for r in runs if r.precision == "fp8")]:
+            record(f"sft/{run.name}", lambda r=run: sft_curve(model_dir, r, device, args.sft_steps, args.sft_lr))
+    if args.agreement:
+        record("agreement", lambda: agreement(make_model_dir(args.shape, args.model_root, 0.05), device))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

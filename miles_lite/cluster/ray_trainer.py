@@ -1,0 +1,360 @@
+"""The trainer role as a Ray gang: one actor per rank in its own placement-group bundle.
+
+`RayTrainerGroup.start(cfg)` reserves the trainer gang (all bundles or none), starts one
+`TrainerRank` actor per bundle, lets rank 0 pick the torch.distributed rendezvous (its node address
+and a free port) and builds a `TrainerActor` on every rank. Every call of the driver is sent to all
+ranks with the same arguments (the actor splits a batch over data-parallel ranks itself) and rank 0's
+answer is returned; weight shards come from the data-parallel rank 0 of every TP rank.
+
+Lifecycle: NEW -> STARTING -> READY -> CLOSED; a rank that dies, a call that leaves ranks stuck in a
+collective, or a failed start leaves FAILED, where only `close()` is allowed.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from miles_lite.cluster.gang import reserve, trainer_gang
+from miles_lite.config.schema import MilesConfig
+from miles_lite.trainer.layout import ParamLayout
+from miles_lite.types import TrainBatch
+
+# After one rank raised, how long the others may take to finish the same call before the gang is
+# declared stuck (a rank that raised mid-collective leaves its peers waiting for the gloo/NCCL timeout).
+STRAGGLER_GRACE_S = 30.0
+# How long `close()` waits for the ranks to leave their process groups before killing them.
+CLOSE_GRACE_S = 30.0
+
+
+class TrainerGangLostError(RuntimeError):
+    """A trainer rank died or the gang can no longer run collectives; the run must restart its trainer."""
+
+
+class GroupState(enum.Enum):
+    NEW = "new"
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class RankCoords:
+    """Where a rank sits in the trainer's grid (global rank, tensor- and data-parallel coordinates)."""
+
+    rank: int
+    tp_rank: int
+    dp_rank: int
+
+
+def probe_train_batch(sequences: Any) -> TrainBatch:
+    """A `TrainBatch` scoring a probe (`sequences.sequences`, `sequences.prompt_lens`); logprobs/advantages unused."""
+    seqs = [list(s) for s in sequences.sequences]
+    plens = list(sequences.prompt_lens)
+    return TrainBatch(tokens=seqs, prompt_lengths=plens,
+                      rollout_logprobs=[[0.0] * (len(s) - p) for s, p in zip(seqs, plens, strict=True)],
+                      advantages=[0.0] * len(seqs))
+
+
+class TrainerRank:
+    """Body of one trainer rank's Ray actor: owns a `TrainerActor` once `setup` has run."""
+
+    def __init__(self) -> None:
+        self.actor: Any = None
+        self.checkpointer: Any = None
+
+    def rendezvous(self) -> str:
+        """`tcp://<this node's address>:<free port>`: the process-group rendezvous rank 0 will host."""
+        import ray
+
+        from miles_lite.weight_sync.distributed import free_port
+
+        address = ray.util.get_node_ip_address()
+        return f"tcp://{address}:{free_port(address)}"
+
+    def setup(self, cfg: MilesConfig, rank: int, world_size: int, init_method: str, total_steps: int) -> RankCoords:
+        """Join the trainer's process group and build this rank's model shard and optimizer."""
+        from miles_lite.trainer.actor import TrainerActor
+
+        self.actor = TrainerActor(cfg, rank=rank, world_size=world_size, init_method=init_method,
+                                  total_steps=total_steps)
+        par = self.actor.par
+        return RankCoords(par.rank, par.tp_rank, par.dp_rank)
+
+    def layouts(self) -> list[ParamLayout]:
+        return list(self.actor.layouts.values())
+
+    def weight_shards(self) -> dict[str, torch.Tensor]:
+        """This rank's `{megatron name: tensor}` (copies: the live parameters keep training)."""
+        return {name: tensor.clone() for name, tensor, _ in self.actor.named_shards()}
+
+    def compute_logprobs(self, batch: TrainBatch, model: str) -> list[list[float]]:
+        return self.actor.compute_logprobs(batch, model)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.actor.train_step(batch)
+
+    def sft_step(self, batch: TrainBatch, lr: float | None) -> dict[str, float]:
+        return self.actor.sft_step(batch, lr)
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        return self.actor.export_hf_state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.actor.state_dict_for_checkpoint()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.actor.load_checkpoint_state(state)
+
+    def save_checkpoint(self, cfg: MilesConfig, step: int, driver: Any, final: bool) -> Any:
+        """Snapshot this rank's shards (rank 0 adds the driver state); `final` waits for the commit."""
+        from miles_lite.checkpoint.run_state import RankCheckpointer
+
+        if self.checkpointer is None:
+            # Held for the whole run, so one save's flush overlaps the next steps.
+            self.checkpointer = RankCheckpointer(cfg)
+        stats = self.checkpointer.save(self.actor, step, driver)
+        return (self.checkpointer.finalize() or stats) if final else stats
+
+    def finalize_checkpoint(self) -> Any:
+        return self.checkpointer.finalize() if self.checkpointer is not None else None
+
+    def restore_checkpoint(self, path: str) -> Any:
+        from miles_lite.checkpoint.run_state import RankCheckpointer
+
+        return RankCheckpointer.restore(self.actor, path)
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        if self.actor is not None:
+            self.actor.close()
+
+
+def _init_ray(cfg: MilesConfig, cpus: float) -> bool:
+    """Connect to `cluster.ray_address`, or start a local instance sized for the gang; True if this call did.
+
+    A Ray session already open in this process (a test, an embedding application) is reused.
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False
+    # Ray >= 2.50 turns token authentication on by default and writes ~/.ray/auth_token; a job-local
+    # instance needs neither.
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    if cfg.cluster.ray_address:
+        ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(1, math.ceil(cpus)), include_dashboard=False, log_to_driver=False)
+    return True
+
+
+class RayTrainerGroup:
+    """`tp * dp` trainer ranks as Ray actors with the calls `LocalTrainer` offers (rank 0 answers)."""
+
+    def __init__(self, cfg: MilesConfig) -> None:
+        self.cfg = cfg
+        self.state = GroupState.NEW
+        self.world_size = cfg.trainer.tp * cfg.trainer.dp * cfg.trainer.pp
+        self.actors: list[Any] = []
+        self.coords: list[RankCoords] = []
+        self.placement_group: Any = None
+        self.owns_ray = False
+        self._layouts: list[ParamLayout] | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+
+    @classmethod
+    def start(cls, cfg: MilesConfig) -> RayTrainerGroup:
+        """Reserve the trainer gang and build every rank; raises (and releases everything) on failure.
+
+        Raises `GangSchedulingError` when the gang cannot be placed within `cluster.placement_timeout_s`,
+        `TimeoutError` when the ranks are not built within `cluster.trainer_start_timeout_s`.
+        """
+        group = cls(cfg)
+        try:
+            group._start()
+        except BaseException:
+            group.close()
+            raise
+        return group
+
+    def _start(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.state = GroupState.STARTING
+        spec = trainer_gang(self.cfg)
+        self.owns_ray = _init_ray(self.cfg, spec.total().get("CPU", 1.0))
+        self.placement_group = reserve(spec, self.cfg.cluster.placement_timeout_s)
+        remote_cls = ray.remote(TrainerRank)
+        for rank, bundle in enumerate(spec.bundles):
+            strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+            self.actors.append(remote_cls.options(
+                num_cpus=bundle.get("CPU", 1.0), num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
+                scheduling_strategy=strategy).remote())
+        timeout = self.cfg.cluster.trainer_start_timeout_s
+        init_method = self._collect({0: self.actors[0].rendezvous.remote()}, "rendezvous", timeout)[0]
+        total_steps = max(self.cfg.experiment.steps, 1)
+        refs = {rank: actor.setup.remote(self.cfg, rank, self.world_size, init_method, total_steps)
+                for rank, actor in enumerate(self.actors)}
+        self.coords = self._collect(refs, "setup", timeout)
+        self.state = GroupState.READY
+
+    def close(self) -> None:
+        """Leave the process groups, kill every rank, release the gang and stop Ray if `start` began it."""
+        if self.state is GroupState.CLOSED:
+            return
+        import ray
+
+        if self.actors and self.state is GroupState.READY:
+            refs = [actor.close.remote() for actor in self.actors]
+            # Ranks that do not leave in time are killed below all the same.
+            ray.wait(refs, num_returns=len(refs), timeout=CLOSE_GRACE_S)
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        self.actors = []
+        if self.placement_group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.placement_group)
+            self.placement_group = None
+        if self.owns_ray and ray.is_initialized():
+            ray.shutdown()
+        self.owns_ray = False
+        self.state = GroupState.CLOSED
+
+    def __enter__(self) -> RayTrainerGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- calls on ranks -------------------------------------------------------------------------
+
+    def _require_ready(self) -> None:
+        if self.state is not GroupState.READY:
+            raise TrainerGangLostError(
+                f"the trainer gang is {self.state.value}; only a ready gang runs calls"
+                + (" (a rank died or got stuck earlier: restart the trainer, resuming from a checkpoint)"
+                   if self.state is GroupState.FAILED else ""))
+
+    def _collect(self, refs: dict[int, Any], what: str, timeout_s: float | None = None) -> list[Any]:
+        """Results of `refs` (rank -> ObjectRef), in rank order; fails fast on the first dead or failed rank."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        by_ref = {ref: rank for rank, ref in refs.items()}
+        results: dict[int, Any] = {}
+        pending = list(refs.values())
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not ready:
+                self.state = GroupState.FAILED
+                waiting = sorted(by_ref[r] for r in pending)
+                raise TimeoutError(f"trainer ranks {waiting} did not finish {what} within {timeout_s:.0f} s "
+                                   "(raise cluster.trainer_start_timeout_s for large models)")
+            rank = by_ref[ready[0]]
+            try:
+                results[rank] = ray.get(ready[0])
+            except RayActorError as exc:
+                self.state = GroupState.FAILED
+                raise TrainerGangLostError(f"trainer gang lost: rank {rank} died during {what} ({exc}); "
+                                           "restart the trainer, resuming from the last checkpoint") from exc
+            except Exception:
+                self._drain_after_error(pending)
+                raise
+        return [results[rank] for rank in sorted(results)]
+
+    def _drain_after_error(self, pending: list[Any]) -> None:
+        """After a rank raised: the gang stays usable only if every other rank finishes the call too."""
+        import ray
+
+        if not pending:
+            return
+        _, stuck = ray.wait(pending, num_returns=len(pending), timeout=STRAGGLER_GRACE_S)
+        if stuck:
+            # They wait in a collective the failed rank never joined: the gang cannot run more calls.
+            self.state = GroupState.FAILED
+
+    def _all(self, method: str, *args: Any) -> Any:
+        """Run `method(*args)` on every rank; rank 0's result."""
+        self._require_ready()
+        refs = {rank: getattr(actor, method).remote(*args) for rank, actor in enumerate(self.actors)}
+        return self._collect(refs, method)[0]
+
+    # ---- the LocalTrainer calls -----------------------------------------------------------------
+
+    def layouts(self) -> list[ParamLayout]:
+        """Parameter layouts of TP rank 0 (they describe every rank's sharding)."""
+        self._require_ready()
+        if self._layouts is None:
+            self._layouts = self._collect({0: self.actors[0].layouts.remote()}, "layouts")[0]
+        return list(self._layouts)
+
+    def weight_shards(self) -> list[dict[str, torch.Tensor]]:
+        """`{megatron name: local tensor}` per trainer TP rank (index = TP rank), from data-parallel rank 0."""
+        self._require_ready()
+        holders = {c.tp_rank: c.rank for c in self.coords if c.dp_rank == 0}
+        refs = {tp_rank: self.actors[rank].weight_shards.remote() for tp_rank, rank in sorted(holders.items())}
+        return self._collect(refs, "weight_shards")
+
+    def probe_logprobs(self, sequences: Any) -> list[list[float]]:
+        """Logprobs (nats) of each probe sequence's tokens after its prompt, under the current weights."""
+        return self._all("compute_logprobs", probe_train_batch(sequences), "policy")
+
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:
+        """Per sequence, logprobs (nats) of its response tokens under `model` (policy | reference | teacher)."""
+        return self._all("compute_logprobs", batch, model)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One RL optimizer step over the whole batch (split over data-parallel ranks); float stats."""
+        return self._all("train_step", batch)
+
+    def sft_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
+        """One supervised step on the response tokens (`lr` None: the RL schedule's current LR)."""
+        return self._all("sft_step", batch, lr)
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full HF tensors gathered over TP (on CPU), from global rank 0."""
+        return self._all("export_hf_state_dict")
+
+    def save_checkpoint(self, cfg: MilesConfig, step: int, driver: Any, final: bool = False) -> Any:
+        """Every rank writes its own shards (rank 0 also the driver state and commits); rank 0's `SaveStats`."""
+        self._require_ready()
+        refs = {rank: a.save_checkpoint.remote(cfg, step, driver if rank == 0 else None, final)
+                for rank, a in enumerate(self.actors)}
+        return self._collect(refs, "save_checkpoint")[0]
+
+    def finalize_checkpoint(self) -> Any:
+        """Wait on every rank for the save in flight to commit; rank 0's `SaveStats` (None: nothing saved)."""
+        return self._all("finalize_checkpoint")
+
+    def restore_checkpoint(self, path: str) -> Any:
+        """Load checkpoint `path` on every rank (resharding to this TP/DP); the driver state it holds."""
+        return self._all("restore_checkpoint", str(path))
+
+    def state_dicts(self) -> list[dict[str, Any]]:
+        """Checkpoint state of every rank, in global rank order."""
+        self._require_ready()
+        return self._collect({rank: a.state_dict.remote() for rank, a in enumerate(self.actors)}, "state_dict")
+
+    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Restore `states[rank]` on every rank (what `state_dicts` returned, same trainer.tp/dp)."""
+        self._require_ready()
+        if len(states) != self.world_size:
+            raise ValueError(f"load_state_dicts got {len(states)} states for {self.world_size} trainer ranks "
+                             "(trainer.tp * trainer.dp); restore with the layout they were saved with")
+        self._collect({rank: a.load_state_dict.remote(states[rank]) for rank, a in enumerate(self.actors)},
+                      "load_state_dict")

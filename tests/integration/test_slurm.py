@@ -1,0 +1,234 @@
+"""`sbatch slurm/train.sh` on a real local Slurm: slurmctld, two slurmd fake nodes with fake GPUs, munge.
+
+(a) A heterogeneous job (trainer component on n1, rollout component on n2) runs a very short
+    `miles-lite train`, ends COMPLETED with exit code 0 and leaves the run's artifacts.
+(b) A single-allocation job (two parallel job steps on one node) gets SIGUSR1 through
+    `scancel --batch`: the driver checkpoints and exits 0, the script requeues the job, and the
+    requeued attempt (same job id, same run directory) resumes from that checkpoint and completes.
+
+The cluster comes from scripts/slurm-up.sh and goes with scripts/slurm-down.sh. Without the Debian
+packages the module is skipped, except in CI (the CI environment variable set), where it installs
+them through scripts/install-services.sh or fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SLURM_BINARIES = ("sbatch", "scontrol", "scancel", "slurmctld", "slurmd", "munged")
+# A run of a few seconds per step: no warm-up, no presampling, one engine, tiny groups and evaluation.
+SHORT_RUN = [
+    "experiment.warmup=none",
+    "data.presample.enabled=false",
+    "rollout.engines=1",
+    "rollout.prompts_per_step=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=8",
+    "experiment.eval_size=2",
+    "data.synthetic.eval_size=2",
+]
+JOB_TIMEOUT_S = 420.0
+
+
+def _have_slurm() -> bool:
+    return all(shutil.which(b) or Path("/usr/sbin", b).exists() for b in SLURM_BINARIES)
+
+
+def _free_port_pair() -> tuple[int, int]:
+    """Two free TCP ports: one for slurmctld and the first of two consecutive ones for the slurmd pair."""
+    for _ in range(50):
+        with socket.socket() as a, socket.socket() as b:
+            a.bind(("127.0.0.1", 0))
+            base = a.getsockname()[1]
+            if base >= 65000:
+                continue
+            try:
+                b.bind(("127.0.0.1", base + 1))
+            except OSError:
+                continue
+        with socket.socket() as c:
+            c.bind(("127.0.0.1", 0))
+            ctld = c.getsockname()[1]
+        if ctld not in (base, base + 1):
+            return ctld, base
+    raise RuntimeError("no two consecutive free TCP ports found on 127.0.0.1")
+
+
+@dataclass
+class SlurmCluster:
+    """The local cluster of scripts/slurm-up.sh and the client calls the tests make against it."""
+
+    state: Path
+    env: dict[str, str]
+
+    def run(self, *cmd: str, timeout: float = 60.0, env: dict[str, str] | None = None) -> str:
+        done = subprocess.run(cmd, env=env or self.env, capture_output=True, text=True, timeout=timeout,
+                              cwd=REPO)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed ({done.returncode}): {done.stdout}{done.stderr}")
+        return done.stdout
+
+    def sbatch(self, options: list[str], script: str, overrides: list[str], env: dict[str, str]) -> int:
+        """Submit `script` from the repository root; returns the job id."""
+        out = self.run("sbatch", "--parsable", *options, script, *overrides, env={**self.env, **env})
+        return int(out.strip().split(";")[0].split("+")[0])
+
+    def job(self, job_id: int) -> dict[str, str]:
+        """`scontrol show job` of the job (its first component) as a field -> value mapping."""
+        out = self.run("scontrol", "show", "job", "-o", str(job_id)).splitlines()[0]
+        return dict(re.findall(r"(\w+)=(\S*)", out))
+
+    def wait_job(self, job_id: int, done: Callable[[dict[str, str]], bool], what: str,
+                 timeout_s: float = JOB_TIMEOUT_S, logs: Path | None = None) -> dict[str, str]:
+        """Poll `scontrol show job` until `done(fields)`; TimeoutError shows the job and its logs."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            fields = self.job(job_id)
+            if done(fields):
+                return fields
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id}: {what} not reached in {timeout_s:.0f} s; state "
+                                   f"{fields.get('JobState')} ({fields.get('Reason')})\n{_tail_logs(logs)}")
+            time.sleep(1.0)
+
+
+def _tail_logs(logs: Path | None, chars: int = 3000) -> str:
+    if logs is None or not logs.is_dir():
+        return ""
+    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in sorted(logs.glob("*.log")))
+
+
+def _finished(fields: dict[str, str]) -> bool:
+    return fields.get("JobState") in {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+@pytest.fixture(scope="module")
+def slurm() -> Iterator[SlurmCluster]:
+    if not _have_slurm():
+        if not os.environ.get("CI"):
+            pytest.skip("Slurm is not installed (Debian: slurm-wlm slurmctld slurmd slurm-client munge; "
+                        "scripts/install-services.sh installs them)")
+        subprocess.run(["bash", str(REPO / "scripts/install-services.sh")], check=True, timeout=900)
+        assert _have_slurm(), "scripts/install-services.sh ran but the Slurm binaries are still missing"
+    if os.geteuid() != 0:
+        if os.environ.get("CI"):
+            pytest.fail("the Slurm test needs root (slurmd runs jobs as their user, munged keys)")
+        pytest.skip("the Slurm test needs root")
+    # munged refuses a socket below a directory that is not world-executable (pytest's tmp is 0700).
+    state = Path(tempfile.mkdtemp(prefix="miles-slurm-", dir="/tmp"))
+    state.chmod(0o755)
+    ctld_port, node_port = _free_port_pair()
+    env = {**os.environ, "MILES_SLURM_STATE": str(state), "MILES_SLURM_CTLD_PORT": str(ctld_port),
+           "MILES_SLURM_NODE_PORT": str(node_port), "SLURM_CONF": str(state / "etc/slurm.conf")}
+    up = subprocess.run(["bash", str(REPO / "scripts/slurm-up.sh")], env=env, capture_output=True, text=True,
+                        timeout=120)
+    try:
+        assert up.returncode == 0, f"slurm-up.sh failed:\n{up.stdout}{up.stderr}"
+        cluster = SlurmCluster(state, env)
+        nodes = cluster.run("sinfo", "-h", "-N", "-o", "%N %T %G").split("\n")
+        assert {line.split()[0] for line in nodes if line} == {"n1", "n2"}
+        yield cluster
+    finally:
+        subprocess.run(["bash", str(REPO / "scripts/slurm-down.sh")], env=env, capture_output=True, timeout=120)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture
+def job_env(tmp_path: Path) -> dict[str, str]:
+    """Environment of a submitted job: its run root, a small Ray, and no host-wide `ray stop`."""
+    return {
+        "MILES_LITE_RUN_ROOT": str(tmp_path / "runs"),
+        # The fake nodes share this host with other programs: `ray stop` would end their Ray too.
+        "MILES_SLURM_RAY_STOP": "0",
+        "MILES_RAY_OBJECT_STORE_BYTES": str(200 * 1024**2),
+        "MILES_RAY_READY_TIMEOUT": "180",
+    }
+
+
+def _submit(slurm: SlurmCluster, job_env: dict[str, str], options: list[str], script: str,
+            overrides: list[str]) -> tuple[int, Path]:
+    root = Path(job_env["MILES_LITE_RUN_ROOT"])
+    root.mkdir(parents=True, exist_ok=True)
+    job_id = slurm.sbatch(["--time=10", f"--output={root}/%x-%j.out", *options], script, overrides, job_env)
+    return job_id, root / f"miles-lite-{job_id}"
+
+
+def test_hetjob_short_run_completes_with_artifacts(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
+    job_id, run_dir = _submit(slurm, job_env, ["--gres=gpu:2"], "slurm/train-hetjob.sh",
+                              ["experiment.steps=2", *SHORT_RUN])
+    fields = slurm.wait_job(job_id, _finished, "the end of the job", logs=run_dir / "logs")
+    batch_log = (run_dir / "logs/slurm.out").read_text(errors="replace")
+    assert (fields["JobState"], fields["ExitCode"]) == ("COMPLETED", "0:0"), batch_log + _tail_logs(run_dir / "logs")
+
+    # Roles as gangs: the head (trainer) on component 0's node, the rollout Ray node on component 1's.
+    assert "hetjob: trainer nodes n1 (component 0), rollout nodes n2 (component 1)" in batch_log
+    assert re.search(r"wait_ray: 2 nodes alive \(miles_rollout=\d+, miles_trainer=\d+\)", batch_log), batch_log
+    for name in ("ray-head.log", "ray-rollout.log", "trainer.log"):
+        assert (run_dir / "logs" / name).stat().st_size > 0, name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_done"] == 2 and not summary["stopped_by_signal"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
+    config = (run_dir / "config.yaml").read_text()
+    assert "mode: ray" in config and f"run_name: miles-lite-{job_id}" in config
+    # The driver joined the job's Ray cluster instead of starting its own.
+    assert re.search(r"ray_address: \S+:" + str(20000 + job_id % 10000), config), config
+    # Ray was stopped inside the allocation and its per-job temp dir removed.
+    assert not Path(f"/tmp/miles-ray-{job_id}").exists()
+
+
+def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
+    steps = 4
+    job_id, run_dir = _submit(slurm, job_env, ["--nodes=1", "--gres=gpu:2"], "slurm/train.sh",
+                              [f"experiment.steps={steps}", *SHORT_RUN])
+    trainer_log = run_dir / "logs/trainer.log"
+
+    # Signal once the driver is inside its RL loop (its handlers are installed by then).
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (trainer_log.exists() and re.search(r"^step 1/", trainer_log.read_text(errors="replace"), re.M)):
+        fields = slurm.job(job_id)
+        assert not _finished(fields), f"job ended before step 1: {fields}\n{_tail_logs(run_dir / 'logs')}"
+        assert time.monotonic() < deadline, f"no RL step within {JOB_TIMEOUT_S:.0f} s\n{_tail_logs(run_dir / 'logs')}"
+        time.sleep(1.0)
+    slurm.run("scancel", "--batch", "--signal=USR1", str(job_id))
+
+    # The script requeues the job after the driver's clean stop; Slurm holds a requeued job for a
+    # while (BeginTime), so release it at once.
+    slurm.wait_job(job_id, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING",
+                   "the requeue", timeout_s=240, logs=run_dir / "logs")
+    saved = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert saved and 1 <= saved[-1] < steps, f"checkpoints after the stop: {saved}"
+    stopped_at = saved[-1]
+    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
+
+    fields = slurm.wait_job(job_id, _finished, "the end of the requeued job", logs=run_dir / "logs")
+    log = trainer_log.read_text(errors="replace")
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
+    assert "received SIGUSR1" in log
+    attempts = log.split("==== ")
+    assert len(attempts) == 3 and "attempt 0" in attempts[1] and "attempt 1" in attempts[2], log[-4000:]
+    # The second attempt resumed where the first stopped, in the same run directory (the driver's
+    # console wraps long lines, so the message is matched with line breaks removed).
+    resumed = re.search(r"resumed from\s*(\S+?)\s*at step (\d+)", attempts[2].replace("\n", ""))
+    assert resumed, attempts[2][-4000:]
+    assert int(resumed.group(2)) == stopped_at and str(run_dir / "checkpoints") in resumed.group(1)
+    assert not re.search(rf"^step {stopped_at}/", attempts[2], re.M)
+    assert re.search(rf"^step {steps}/{steps}", attempts[2], re.M)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps_done"] == steps and not summary["stopped_by_signal"]
+    batch_log = (run_dir / "logs/slurm.out").read_text(errors="replace")
+    assert "steps: trainer nodes n1" in batch_log and f"requeueing job {job_id}" in batch_log
