@@ -42,8 +42,13 @@ install_missing "${need_pkgs[@]}"
 # deb-src through a private sources dir, so /etc/apt stays untouched.
 APT="$CACHE/apt"
 mkdir -p "$APT/parts" "$APT/lists/partial"
+# The source archive is the machine's own configured Debian mirror.
 uri=$(awk '/^URIs:/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null || true)
-uri="${uri:-http://deb.debian.org/debian}"
+[[ -n "$uri" ]] || uri=$(awk '$1 == "deb" {print $2; exit}' /etc/apt/sources.list 2>/dev/null || true)
+if [[ -z "$uri" ]]; then
+  echo "build-kube-apiserver: no Debian mirror found in /etc/apt sources; configure apt first" >&2
+  exit 1
+fi
 cat >"$APT/parts/src.sources" <<SRC
 Types: deb-src
 URIs: $uri
