@@ -66,6 +66,37 @@ class RankCheckpointer:
         return DriverState.from_tree(tree) if tree is not None else None
 
 
+class ActorCheckpoints:
+    """Checkpoints of one trainer rank's actor, as its role (in-process or a Ray actor) runs them.
+
+    The `RankCheckpointer` is made on the first save and held for the run, so one save's flush
+    overlaps the next steps.
+    """
+
+    def __init__(self) -> None:
+        self.checkpointer: RankCheckpointer | None = None
+
+    def save(self, actor: Any, cfg: MilesConfig, step: int, driver: DriverState | None, final: bool) -> SaveStats:
+        """Snapshot `actor` (and `driver` on rank 0) as checkpoint `step`; `final` waits for the commit."""
+        if self.checkpointer is None:
+            self.checkpointer = RankCheckpointer(cfg)
+        stats = self.checkpointer.save(actor, step, driver)
+        return (self.checkpointer.finalize() or stats) if final else stats
+
+    def finalize(self) -> SaveStats | None:
+        """Wait for the save in flight to commit; its stats (None when nothing was saved)."""
+        return self.checkpointer.finalize() if self.checkpointer is not None else None
+
+    @staticmethod
+    def restore(actor: Any, path: str) -> DriverState | None:
+        """Load checkpoint `path` into `actor` (any TP/DP it was saved with); its driver state, if any."""
+        return RankCheckpointer.restore(actor, path)
+
+    def close(self) -> None:
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+
+
 def save_run(cfg: MilesConfig, system: Any, data: Any, steps_done: int, metrics: Any = None,
              final: bool = False) -> SaveStats | None:
     """Checkpoint the run after `steps_done` steps (no-op when `checkpoint.dir` is unset).

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from miles_lite.checkpoint.run_state import ActorCheckpoints
 from miles_lite.config.schema import MilesConfig
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.types import TrainBatch
@@ -20,7 +21,7 @@ class LocalTrainer:
 
         self.actor = TrainerActor(cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",
                                   total_steps=max(cfg.experiment.steps, 1))
-        self.checkpointer: Any = None
+        self.checkpoints = ActorCheckpoints()
 
     def layouts(self) -> list[ParamLayout]:
         """Parameter layouts of TP rank 0 (they describe every rank's sharding)."""
@@ -57,25 +58,16 @@ class LocalTrainer:
 
     def save_checkpoint(self, cfg: MilesConfig, step: int, driver: Any, final: bool = False) -> Any:
         """Snapshot the shards and `driver` state as checkpoint `step`; `final` waits for the commit."""
-        from miles_lite.checkpoint.run_state import RankCheckpointer
-
-        if self.checkpointer is None:
-            # Held for the whole run, so one save's flush overlaps the next steps.
-            self.checkpointer = RankCheckpointer(cfg)
-        stats = self.checkpointer.save(self.actor, step, driver)
-        return (self.checkpointer.finalize() or stats) if final else stats
+        return self.checkpoints.save(self.actor, cfg, step, driver, final)
 
     def finalize_checkpoint(self) -> Any:
         """Wait for the save in flight to commit; its `SaveStats` (None when nothing was saved)."""
-        return self.checkpointer.finalize() if self.checkpointer is not None else None
+        return self.checkpoints.finalize()
 
     def restore_checkpoint(self, path: str) -> Any:
         """Load checkpoint `path` (any TP/DP it was saved with); the driver state it holds, if any."""
-        from miles_lite.checkpoint.run_state import RankCheckpointer
-
-        return RankCheckpointer.restore(self.actor, path)
+        return self.checkpoints.restore(self.actor, path)
 
     def close(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        self.checkpoints.close()
         self.actor.close()

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from miles_lite.checkpoint.run_state import ActorCheckpoints
 from miles_lite.cluster.gang import reserve, trainer_gang
 from miles_lite.config.schema import MilesConfig
 from miles_lite.trainer.layout import ParamLayout
@@ -69,7 +70,7 @@ class TrainerRank:
 
     def __init__(self) -> None:
         self.actor: Any = None
-        self.checkpointer: Any = None
+        self.checkpoints = ActorCheckpoints()
 
     def rendezvous(self) -> str:
         """`tcp://<this node's address>:<free port>`: the process-group rendezvous rank 0 will host."""
@@ -116,25 +117,16 @@ class TrainerRank:
 
     def save_checkpoint(self, cfg: MilesConfig, step: int, driver: Any, final: bool) -> Any:
         """Snapshot this rank's shards (rank 0 adds the driver state); `final` waits for the commit."""
-        from miles_lite.checkpoint.run_state import RankCheckpointer
-
-        if self.checkpointer is None:
-            # Held for the whole run, so one save's flush overlaps the next steps.
-            self.checkpointer = RankCheckpointer(cfg)
-        stats = self.checkpointer.save(self.actor, step, driver)
-        return (self.checkpointer.finalize() or stats) if final else stats
+        return self.checkpoints.save(self.actor, cfg, step, driver, final)
 
     def finalize_checkpoint(self) -> Any:
-        return self.checkpointer.finalize() if self.checkpointer is not None else None
+        return self.checkpoints.finalize()
 
     def restore_checkpoint(self, path: str) -> Any:
-        from miles_lite.checkpoint.run_state import RankCheckpointer
-
-        return RankCheckpointer.restore(self.actor, path)
+        return self.checkpoints.restore(self.actor, path)
 
     def close(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close()
+        self.checkpoints.close()
         if self.actor is not None:
             self.actor.close()
 

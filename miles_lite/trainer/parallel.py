@@ -47,8 +47,8 @@ def init_parallel(
         timeout_s: collective timeout.
     """
     if trainer.pp != 1:
-        raise NotImplementedError(
-            f"trainer.pp={trainer.pp}: pipeline parallelism is not implemented; use trainer.pp=1 with trainer.tp/dp"
+        raise ValueError(
+            f"trainer.pp={trainer.pp}: pipeline parallelism is not supported; use trainer.pp=1 with trainer.tp/dp"
         )
     if trainer.tp * trainer.dp != world_size:
         raise ValueError(
