@@ -192,7 +192,8 @@ def test_hetjob_short_run_completes_with_artifacts(slurm: SlurmCluster, job_env:
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
-    steps = 4
+    # Enough steps that the signal, sent once step 1 is logged, lands mid-run even on an idle machine.
+    steps = 30
     job_id, run_dir = _submit(slurm, job_env, ["--nodes=1", "--gres=gpu:2"], "slurm/train.sh",
                               [f"experiment.steps={steps}", *SHORT_RUN])
     trainer_log = run_dir / "logs/trainer.log"
