@@ -78,8 +78,12 @@ def make_model_dir(shape_name: str, root: Path, init_std: float) -> Path:
     return out
 
 
-def actor_config(model_dir: Path, run: RunConfig, device: str, micro_batch_tokens: int, lr: float) -> MilesConfig:
-    """A single-rank trainer configuration for `run` on `device` (gpu: TE spec; cpu: local spec)."""
+def actor_config(model_dir: Path, run: RunConfig, device: str, micro_batch_tokens: int, lr: float,
+                 logprob: dict[str, Any] | None = None) -> MilesConfig:
+    """A single-rank trainer configuration for `run` on `device` (gpu: TE spec; cpu: local spec).
+
+    `logprob`: `trainer.logprob_*` overrides (chunk_tokens, recompute, kernel).
+    """
     cfg = MilesConfig()
     cfg.model.hf_path = str(model_dir)
     t = cfg.trainer
@@ -90,6 +94,8 @@ def actor_config(model_dir: Path, run: RunConfig, device: str, micro_batch_token
     t.lr, t.clip_grad = lr, 1.0
     cfg.algo.advantage_estimator, cfg.algo.policy_loss = "grpo", "ppo"
     cfg.algo.is_level, cfg.algo.is_mode = "token", "truncate"
+    for key, value in (logprob or {}).items():
+        setattr(t, f"logprob_{key}", value)
     return cfg
 
 
@@ -186,8 +192,10 @@ def summarize(times: list[float], tokens: int, flops: float) -> dict[str, float]
 def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device: str) -> dict[str, Any]:
     """Fixed and packed RL steps (and the bare LM step with --bare) for one precision setting."""
     spec = spec_from_hf_config(model_dir)
-    out: dict[str, Any] = {}
-    actor = TrainerActor(actor_config(model_dir, run, device, args.micro_batch_tokens, 1e-6), 0, 1)
+    logprob = {"chunk_tokens": args.logprob_chunk_tokens, "recompute": args.logprob_recompute,
+               "kernel": args.logprob_kernel}
+    actor = TrainerActor(actor_config(model_dir, run, device, args.micro_batch_tokens, 1e-6, logprob), 0, 1)
+    out: dict[str, Any] = {"logprob": logprob}
     try:
         batches = {"fixed": fixed_batch(spec.vocab_size, args.batch, args.seq),
                    "packed": packed_batch(spec.vocab_size, args.batch * args.seq, args.seq)}
@@ -326,6 +334,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--bare", action="store_true", help="also time a plain megatron-core LM step")
+    p.add_argument("--logprob-chunk-tokens", type=int, default=2048, help="trainer.logprob_chunk_tokens")
+    p.add_argument("--logprob-recompute", action="store_true", help="trainer.logprob_recompute=true")
+    p.add_argument("--logprob-kernel", default="auto", choices=("auto", "compiled", "eager"),
+                   help="trainer.logprob_kernel")
+    p.add_argument("--tag", default="", help="suffix of the result keys (several runs into one --out)")
     p.add_argument("--sft-steps", type=int, default=0, help="FP8-vs-bf16 SFT curves of this many steps")
     p.add_argument("--sft-lr", type=float, default=1e-4)
     p.add_argument("--agreement", action="store_true", help="trainer vs HF log-probs, fp32 and bf16")
@@ -350,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(results, indent=1))
 
     for run in runs:
-        record(f"throughput/{run.name}", lambda r=run: throughput(args, model_dir, r, device))
+        record(f"throughput/{run.name}{args.tag}", lambda r=run: throughput(args, model_dir, r, device))
     if args.sft_steps:
         # Every FP8 recipe against the bf16 baseline (on CPU: the fp32 curve alone).
         base = RunConfig.parse("bf16" if gpu else "fp32")

@@ -76,8 +76,13 @@ class TrainerConfig:
     clip_grad: float = 1.0
     # Token budget of one packed micro-batch (no padding waste).
     micro_batch_tokens: int = 8192
-    # Tokens whose vocabulary scores are materialised at once when computing logprobs/entropy.
+    # Tokens whose fp32 vocabulary softmax is materialised at once when computing logprobs/entropy.
     logprob_chunk_tokens: int = 1024
+    # Keep nothing over the vocabulary for the backward pass: project each chunk again there (an
+    # extra output-layer GEMM). Off: each chunk's logits stay alive in the model dtype until backward.
+    logprob_recompute: bool = False
+    # auto | compiled | eager: fuse the memory-bound softmax passes with torch.compile (auto: on CUDA).
+    logprob_kernel: str = "auto"
     use_distributed_optimizer: bool = False
     # LR schedule length in optimizer steps (cosine/linear decay); None: experiment.steps.
     lr_decay_steps: int | None = None
@@ -126,6 +131,9 @@ class RolloutConfig:
     sglang_args: dict[str, Any] = field(default_factory=dict)
     # Reference-engine arguments (batch size, dtype, threads) passed through.
     reference_args: dict[str, Any] = field(default_factory=dict)
+    # Extra environment of the engine server processes, e.g. {PYTHONPATH: /opt/sglang-site} when SGLang
+    # lives in its own install (its pinned torch) beside the trainer's.
+    engine_env: dict[str, str] = field(default_factory=dict)
     # Base URLs (http://host:port) of engines started outside this run's process tree, e.g. the
     # rollout pods of a Kubernetes MilesJob; when set, no engines are launched and `engines` must equal their count.
     engine_urls: list[str] = field(default_factory=list)
@@ -268,6 +276,9 @@ class ObservabilityConfig:
     metrics_enabled: bool = True
     rollout_table: bool = True
     progress: bool = True
+    # At the end of a run, keep the exporter up until one scrape has read the final values, at most this
+    # many seconds (set it above the scrape interval). 0: stop at once; nothing scrapes a local run.
+    linger_s: float = 0.0
     wandb: bool = False
     # W&B project the run logs to (run name = experiment.run_name); used only when `wandb` is true.
     wandb_project: str = "miles-lite"

@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.arch": ("qwen2", "llama", "qwen3"),
     "trainer.precision": ("fp32", "bf16", "fp8"),
     "trainer.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
+    "trainer.logprob_kernel": ("auto", "compiled", "eager"),
     "trainer.device": ("auto", "cpu", "gpu"),
     "trainer.layer_spec": ("auto", "te", "local"),
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
@@ -135,6 +136,15 @@ def _check_parallelism(cfg: MilesConfig, dims: ModelDims, problems: list[str]) -
         problems.append(
             f"rollout.engine_tp={etp} and the model's {kv} KV groups must divide one another"
         )
+    if cfg.rollout.backend == "reference" and etp >= 1:
+        # The reference engine splits the vocabulary unpadded (HF shapes) over its TP ranks.
+        if dims.vocab_size % etp:
+            problems.append(f"rollout.engine_tp={etp} must divide the vocabulary ({dims.vocab_size}) for the "
+                            "reference engine")
+        ref_tp = cfg.rollout.reference_args.get("tp", etp)
+        if ref_tp != etp:
+            problems.append(f"rollout.reference_args.tp={ref_tp} differs from rollout.engine_tp={etp}; "
+                            "set only rollout.engine_tp")
     if cfg.trainer.pp != 1:
         problems.append("trainer.pp must be 1: pipeline parallelism is not supported yet; use trainer.tp/dp")
 

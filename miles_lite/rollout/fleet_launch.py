@@ -43,7 +43,8 @@ async def start_fleet(
     n = rollout.engines if engines is None else engines
     if n < 1:
         raise ValueError(f"rollout.engines must be >= 1, got {n}")
-    fleet = EngineFleet(ft, fleet_launcher(EngineLauncher(rollout, model_path, log_dir)),
+    launcher = EngineLauncher(rollout, model_path, log_dir, env={str(k): str(v) for k, v in rollout.engine_env.items()})
+    fleet = EngineFleet(ft, fleet_launcher(launcher),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
     try:
         await fleet.launch(n)

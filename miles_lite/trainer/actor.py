@@ -20,7 +20,7 @@ from torch import Tensor
 from miles_lite.config.schema import MilesConfig
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.checkpoint_state import capture_rng, restore_rng
-from miles_lite.trainer.forward import ModelHandle, response_logprobs
+from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.hf_convert import gather_hf_state
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
@@ -78,6 +78,7 @@ class TrainerActor:
 
         trainer = self.cfg.trainer
         self.runtime = resolve_runtime(trainer)
+        self.logprob_options = LogprobOptions.of(trainer)
         if trainer.threads < 0:
             raise ValueError(f"trainer.threads={trainer.threads} must be >= 0 (0 keeps torch's default)")
         if self.runtime.device == "cpu" and trainer.threads:
@@ -175,7 +176,7 @@ class TrainerActor:
             # changed since the last call (optimizer step, weight load), so re-quantize them.
             handle.model.set_is_first_microbatch()
             for mb in self._micro_batches(batch):
-                lp, _ = response_logprobs(handle, mb, self.cfg.trainer.logprob_chunk_tokens, False, vocab)
+                lp, _ = response_logprobs(handle, mb, self.logprob_options, False, vocab)
                 for i, part in zip(mb.seq_indices, lp.split(list(mb.response_lengths)), strict=True):
                     local[i] = part.float().cpu().tolist()
         merged: dict[int, list[float]] = {}
@@ -214,10 +215,11 @@ class TrainerActor:
         if algo.distill_coef and teacher is None:
             teacher = self.compute_logprobs(batch, "teacher")
         totals = BatchTotals.of(batch)
-        chunk = self.cfg.trainer.logprob_chunk_tokens
 
         def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
-            lp, ent = response_logprobs(self.policy, mb, chunk, with_entropy=True)
+            # The entropy enters the loss only with algo.entropy_coef != 0; otherwise it is a statistic
+            # and the log-prob backward skips its gradient term.
+            lp, ent = response_logprobs(self.policy, mb, self.logprob_options, with_entropy=True)
             loss, stats = rl_micro_loss(lp, ent, mb, batch, algo, ref, teacher)
             return loss, stats, totals.share(mb, algo.agg_mode)
 
@@ -235,10 +237,9 @@ class TrainerActor:
         self._require_ready()
         self._check_tokens(batch)
         totals = BatchTotals.of(batch)
-        chunk = self.cfg.trainer.logprob_chunk_tokens
 
         def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
-            lp, _ = response_logprobs(self.policy, mb, chunk, with_entropy=False)
+            lp, _ = response_logprobs(self.policy, mb, self.logprob_options, with_entropy=False)
             loss, stats = sft_micro_loss(lp, mb)
             return loss, stats, totals.share(mb, "token_mean")
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_lite.trainer.logprobs import chunked_logprobs
+from miles_lite.trainer.logprobs import LogprobKernels, chunked_logprobs
 from miles_lite.trainer.model import HFModelSpec, Runtime
 from miles_lite.trainer.packing import PackedMicroBatch
 
@@ -97,15 +97,30 @@ def _hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
     return hidden[: mb.num_tokens, 0, :]  # [T(+pad), 1, H] -> [T, H]
 
 
+@dataclass(frozen=True)
+class LogprobOptions:
+    """How log-probs are computed from hidden states (the `trainer.logprob_*` settings)."""
+
+    chunk_tokens: int
+    recompute: bool
+    kernels: LogprobKernels
+
+    @staticmethod
+    def of(trainer: Any) -> LogprobOptions:
+        """From a `TrainerConfig`."""
+        return LogprobOptions(trainer.logprob_chunk_tokens, trainer.logprob_recompute,
+                              LogprobKernels(trainer.logprob_kernel))
+
+
 def response_logprobs(
-    handle: ModelHandle, mb: PackedMicroBatch, chunk_tokens: int, with_entropy: bool, real_vocab: int | None = None
+    handle: ModelHandle, mb: PackedMicroBatch, opts: LogprobOptions, with_entropy: bool, real_vocab: int | None = None
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and entropies) of every response token of a packed micro-batch.
 
     Args:
         handle: the model to run.
         mb: the packed micro-batch.
-        chunk_tokens: tokens whose vocabulary scores are materialised at once.
+        opts: chunking, recomputation and kernels.
         with_entropy: also compute the per-token entropy of the policy.
         real_vocab: vocabulary columns in the softmax (default: the model's HF vocabulary).
 
@@ -125,4 +140,5 @@ def response_logprobs(
 
     vocab = handle.spec.vocab_size if real_vocab is None else real_vocab
     return chunked_logprobs(picked, targets.to(hidden.device), project, handle.vocab_start, vocab,
-                            handle.tp_group, chunk_tokens, with_entropy)
+                            handle.tp_group, opts.chunk_tokens, with_entropy, recompute=opts.recompute,
+                            kernels=opts.kernels)

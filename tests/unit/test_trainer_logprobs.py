@@ -73,3 +73,60 @@ def test_no_grad_path_and_empty_input() -> None:
     assert lp.shape == (0,) and ent is not None and ent.shape == (0,)
     with pytest.raises(ValueError, match="logprob_chunk_tokens"):
         chunked_logprobs(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), proj, 0, 6, None, 0, False)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_recompute_equals_kept_logits(with_entropy: bool) -> None:
+    gen = torch.Generator().manual_seed(3)
+    proj = torch.nn.Linear(8, 24, bias=False)
+    hidden_base = torch.randn(11, 8, generator=gen)
+    targets = torch.randint(0, 20, (11,), generator=gen)
+
+    def run(recompute: bool) -> list[torch.Tensor]:
+        proj.zero_grad()
+        hidden = hidden_base.clone().requires_grad_(True)
+        lp, ent = chunked_logprobs(hidden, targets, proj, 0, 20, None, 4, with_entropy, recompute=recompute)
+        loss = (lp * torch.linspace(-1, 1, 11)).sum()
+        if ent is not None:
+            loss = loss + 0.5 * ent.sum()
+        loss.backward()
+        assert hidden.grad is not None and proj.weight.grad is not None
+        return [lp.detach(), hidden.grad.clone(), proj.weight.grad.clone()]
+
+    for x, y in zip(run(False), run(True), strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-6)
+
+
+def test_hand_written_backward_passes_gradcheck() -> None:
+    gen = torch.Generator().manual_seed(4)
+    logits = (torch.randn(4, 9, generator=gen, dtype=torch.float64) * 2).requires_grad_(True)
+    targets = torch.randint(0, 7, (4,), generator=gen)
+
+    def f(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lp, ent = vocab_parallel_logprobs(x, targets, 0, 7, None, with_entropy=True)
+        assert ent is not None
+        return lp, ent
+
+    assert torch.autograd.gradcheck(f, (logits,), eps=1e-6, atol=1e-6)
+
+
+def test_entropy_kept_out_of_the_loss_costs_no_gradient_term() -> None:
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 10, generator=gen)
+    targets = torch.randint(0, 10, (6,), generator=gen)
+    a = base.clone().requires_grad_(True)
+    lp, ent = vocab_parallel_logprobs(a, targets, 0, 10, None, with_entropy=True)
+    assert ent is not None
+    lp.sum().backward()  # entropy only read as a statistic
+    b = base.clone().requires_grad_(True)
+    _reference(b, targets, 10)[0].sum().backward()
+    assert a.grad is not None and b.grad is not None
+    torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent, _reference(base, targets, 10)[1], rtol=0, atol=1e-5)
+
+
+def test_unknown_kernel_mode_names_the_field() -> None:
+    from miles_lite.trainer.logprobs import LogprobKernels
+
+    with pytest.raises(ValueError, match="trainer.logprob_kernel"):
+        LogprobKernels("fused")

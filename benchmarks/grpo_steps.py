@@ -1,0 +1,101 @@
+"""A few GRPO steps of the GSM8K recipe's shape, end to end through the driver, with the step-time breakdown.
+
+    python benchmarks/grpo_steps.py --engine-env PYTHONPATH=/opt/sglang-site            # one GPU, bf16
+    python benchmarks/grpo_steps.py --engine-env PYTHONPATH=/opt/sglang-site trainer=gpu_fp8
+    python benchmarks/grpo_steps.py --cpu                                                # the same path on CPU
+
+GPU: `experiment=gsm8k_qwen2.5_0.5b` (SGLang engine, Megatron TE trainer, the seven rewards, group size 8,
+64 prompts a step) with a random Qwen2.5-0.5B-shaped checkpoint, synthetic GSM8K-format questions, the
+trainer and the engine on the same GPU (the engine takes `mem_fraction_static` of it), weights pushed
+through safetensors on local disk with verification, and an asynchronous checkpoint every other step.
+A random model earns no reward, so `algo.drop_zero_signal=false` keeps every group in the batch (zero
+advantages still run the full forward/backward). Extra Hydra overrides follow the flags.
+Prints one row per step: generate / reward / train / sync / checkpoint seconds and tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from train_step import SHAPES
+
+from miles_lite.config import load_config, validate
+from miles_lite.driver import train
+from miles_lite.trainer.tiny_hf import make_tiny_hf_model
+
+PHASES = ("generate", "reward", "train", "sync", "checkpoint")
+
+
+def overrides(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> list[str]:
+    """Hydra overrides of the recipe for a short run on random weights."""
+    common = [
+        f"model.hf_path={model_dir}", f"experiment.output_dir={out_dir}", f"experiment.steps={args.steps}",
+        "experiment.warmup=none", "experiment.eval_size=0", "data=synthetic", "data.presample.enabled=false",
+        "data.synthetic.train_size=2048", "data.synthetic.eval_size=0", "algo.drop_zero_signal=false",
+        "checkpoint.interval=2", "checkpoint.async_save=true", "weight_sync.transport=disk",
+        f"rollout.max_new_tokens={args.new_tokens}", "rollout.async_steps=0",
+    ]
+    if args.cpu:
+        return ["experiment=tiny_cpu", *common, "rollout.prompts_per_step=4", "rollout.group_size=4"]
+    env = [f"+rollout.engine_env.{k}={v}" for k, v in (kv.split("=", 1) for kv in args.engine_env)]
+    return ["experiment=gsm8k_qwen2.5_0.5b", *common, "cluster.placement=colocated",
+            "rollout.sglang_args.base_gpu_id=0", f"rollout.sglang_args.mem_fraction_static={args.mem_fraction}",
+            "+rollout.sglang_args.disable_piecewise_cuda_graph=true", "weight_sync.max_probe_logp_diff=0.1", *env]
+
+
+def breakdown(run_dir: Path) -> list[dict[str, Any]]:
+    """Per-step phase seconds and throughput from the run's metrics.jsonl."""
+    rows = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        m = json.loads(line)
+        if "step" not in m or "time/train_seconds" not in m:
+            continue
+        row = {"step": m["step"], **{p: m.get(f"time/{p}_seconds", 0.0) for p in PHASES}}
+        row.update(step_s=m.get("step_time_s"), train_tokens_per_s=m.get("tokens_per_s"),
+                   response_len=m.get("rollout/response_length_mean"),
+                   logp_abs_diff_mean=m.get("mismatch/logp_abs_diff_mean"))
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cpu", action="store_true", help="tiny model, reference engines, CPU trainer")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--mem-fraction", type=float, default=0.3)
+    p.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--model-root", type=Path, default=Path("/tmp/miles-bench-models"))
+    p.add_argument("--out", type=Path, default=None)
+    args, extra = p.parse_known_args(argv)
+    out_dir = Path(tempfile.mkdtemp(prefix="grpo-steps-"))
+    model_dir = None
+    if not args.cpu:
+        shape, vocab = SHAPES["qwen2.5-0.5b"]
+        model_dir = args.model_root / "qwen2.5-0.5b-std0.02"
+        if not (model_dir / "config.json").is_file():
+            make_tiny_hf_model("qwen2", shape, vocab, model_dir, seed=0, init_std=0.02)
+    over = overrides(args, model_dir or Path("null"), out_dir) + extra
+    if args.cpu:
+        over = [o for o in over if not o.startswith("model.hf_path=")]
+    cfg = load_config(over)
+    validate(cfg)
+    summary = train(cfg)
+    rows = breakdown(Path(summary.run_dir))
+    print(f"{'step':>4} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'step s':>8} {'train tok/s':>11}")
+    for r in rows:
+        print(f"{r['step']:>4} " + " ".join(f"{r[p]:10.3f}" for p in PHASES)
+              + f" {r['step_s'] or 0:8.3f} {r['train_tokens_per_s'] or 0:11,.0f}")
+    result = {"overrides": over, "run_dir": summary.run_dir, "steps": rows}
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
