@@ -15,7 +15,8 @@ from typing import Any
 from miles_lite.config.schema import MilesConfig
 from miles_lite.data.source import PromptSource
 from miles_lite.evaluation import EvalResult
-from miles_lite.observability.exporter import start_exporter
+from miles_lite.observability.exporter import MetricsExporter, start_exporter
+from miles_lite.observability.gpu import nvml_collector
 from miles_lite.observability.metrics import ENGINE_STATES, MetricsRegistry
 from miles_lite.observability.progress import RunProgress
 from miles_lite.observability.rollout_table import RolloutTableWriter
@@ -55,6 +56,9 @@ class RunIO:
         self.cfg = cfg
         self.run_dir = run_dir
         self.metrics = MetricsRegistry(run_name, "driver")
+        gpu = nvml_collector(run_name, "driver")
+        if gpu is not None:  # GPU series only where NVML sees a GPU (absent on CPU, never zeros)
+            self.metrics.register_collector(gpu)
         self.exporter = start_exporter(self.metrics, cfg.observability)
         if self.exporter is not None:
             print(f"miles-lite: Prometheus metrics at {self.exporter.url}", flush=True)
@@ -69,12 +73,23 @@ class RunIO:
         self.progress.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.progress.__exit__(*exc)
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.progress.__exit__(exc_type, *exc)
         for sink in self.sinks:
             sink.close()
         if self.exporter is not None:
+            if exc_type is None:
+                self._linger(self.exporter)
             self.exporter.stop()
+
+    def _linger(self, exporter: MetricsExporter) -> None:
+        """After a finished run, serve until a scrape has read the final values (`observability.linger_s`)."""
+        linger_s = self.cfg.observability.linger_s
+        if linger_s <= 0:
+            return
+        self.log(f"miles-lite: waiting up to {linger_s:g} s for a scrape of the final metrics at {exporter.url}")
+        if not exporter.wait_for_scrape(linger_s):
+            self.log(f"miles-lite: no scrape within observability.linger_s={linger_s:g} s; stopping the exporter")
 
     def timer(self) -> PhaseTimer:
         return PhaseTimer()
@@ -104,9 +119,9 @@ class RunIO:
         self.metrics.set_engine_states({state: int(fleet_stats.get(f"engines_{state}", 0))
                                         for state in ENGINE_STATES})
         restarts = float(fleet_stats.get("restarts", 0.0))
-        for _ in range(int(restarts - self._restarts_seen)):
-            self.metrics.engine_restarted()
-        self._restarts_seen = restarts
+        # Also at 0: a healthy fleet's restart counter exists (and reads 0) rather than being absent.
+        self.metrics.engine_restarted(max(0, int(restarts - self._restarts_seen)))
+        self._restarts_seen = max(restarts, self._restarts_seen)
         for sink in self.sinks:
             sink.log(step, stats)
         if self.table is not None:

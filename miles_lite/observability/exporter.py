@@ -1,17 +1,24 @@
 """HTTP endpoint serving a `MetricsRegistry` at ``/metrics`` for Prometheus to scrape.
 
-The server is prometheus_client's threaded WSGI server, kept as an object so it can be shut down
-(tests, role restarts) instead of living until the process exits.
+The server is a threaded WSGI server around prometheus_client's exposition app, kept as an object so it
+can be shut down (tests, role restarts) instead of living until the process exits. It counts the scrapes
+it has served, so a finished run can keep serving until its final values have been read
+(:meth:`MetricsExporter.wait_for_scrape`, ``observability.linger_s``) instead of vanishing between two
+scrapes with its last step unrecorded.
 """
 
 from __future__ import annotations
 
 import enum
+import socket
 import threading
-from typing import TYPE_CHECKING
-from wsgiref.simple_server import WSGIServer
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import start_http_server
+from prometheus_client import make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from miles_lite.observability.metrics import MetricsRegistry
 
@@ -27,6 +34,36 @@ class ExporterState(enum.Enum):
     STOPPED = "stopped"
 
 
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape on stderr."""
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
+        return
+
+
+class _Served:
+    """A response body that reports, once the server has written all of it, which request it answered."""
+
+    def __init__(self, body: Iterable[bytes], index: int, done: Callable[[int], None]) -> None:
+        self._body = body
+        self._index = index
+        self._done = done
+        self._written = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield from self._body
+        # wsgiref asks for the next chunk only after writing the previous one: all of it went out.
+        self._written = True
+
+    def close(self) -> None:
+        # wsgiref calls close() after the response, also when writing failed (client gone): not a scrape.
+        close = getattr(self._body, "close", None)
+        if close is not None:
+            close()
+        if self._written:
+            self._done(self._index)
+
+
 class MetricsExporter:
     """Serves `registry` on ``host:port``; port 0 binds a free port (see :attr:`port` after start)."""
 
@@ -40,6 +77,10 @@ class MetricsExporter:
         self._requested_port = port
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
+        # Scrapes are numbered as they start; a scrape counts as served once its body is written.
+        self._scrape_cond = threading.Condition()
+        self._scrapes_started = 0
+        self._last_served = 0
         self.state = ExporterState.NEW
 
     @property
@@ -54,6 +95,29 @@ class MetricsExporter:
         """``http://host:port/metrics`` of the running exporter."""
         return f"http://{self._host}:{self.port}/metrics"
 
+    @property
+    def scrapes_served(self) -> int:
+        """Number of the newest scrape whose response was written completely (0: none yet)."""
+        with self._scrape_cond:
+            return self._last_served
+
+    def _app(self) -> Callable[..., Iterable[bytes]]:
+        inner = make_wsgi_app(self._registry.registry)
+
+        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            with self._scrape_cond:
+                self._scrapes_started += 1
+                index = self._scrapes_started
+            # The registry is read inside this call: everything set before it is in this response.
+            return _Served(inner(environ, start_response), index, self._served)
+
+        return app
+
+    def _served(self, index: int) -> None:
+        with self._scrape_cond:
+            self._last_served = max(self._last_served, index)
+            self._scrape_cond.notify_all()
+
     def start(self) -> int:
         """Bind and serve in a daemon thread; returns the bound port.
 
@@ -63,14 +127,51 @@ class MetricsExporter:
         """
         if self.state is not ExporterState.NEW:
             raise RuntimeError(f"exporter is {self.state.value}; create a new MetricsExporter to serve again")
+
+        class Server(ThreadingWSGIServer):
+            # IPv6 literals (``::``) need an AF_INET6 socket; names and IPv4 addresses keep AF_INET.
+            address_family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+
         try:
-            self._server, self._thread = start_http_server(
-                self._requested_port, addr=self._host, registry=self._registry.registry)
+            self._server = make_server(self._host, self._requested_port, self._app(), Server,
+                                       handler_class=_QuietHandler)
         except OSError as err:
             raise OSError(err.errno, f"cannot serve metrics on {self._host}:{self._requested_port}: {err.strerror}; "
                                      "set observability.metrics_port to a free port or 0") from err
+        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-exporter", daemon=True)
+        self._thread.start()
         self.state = ExporterState.RUNNING
         return self.port
+
+    def wait_for_scrape(self, timeout_s: float) -> bool:
+        """Block until a scrape that started after this call has been served completely.
+
+        Used at the end of a run so that the scraper records the final values: it returns after at
+        most one scrape interval when something scrapes the exporter.
+
+        Args:
+            timeout_s: the longest wait in seconds (>= 0).
+
+        Returns:
+            True when such a scrape was served, False when `timeout_s` passed first.
+
+        Raises:
+            ValueError: a negative `timeout_s`.
+            RuntimeError: the exporter is not running.
+        """
+        if timeout_s < 0:
+            raise ValueError(f"observability.linger_s must be >= 0 seconds, got {timeout_s}")
+        if self.state is not ExporterState.RUNNING:
+            raise RuntimeError(f"exporter is {self.state.value}; only a running exporter can be scraped")
+        deadline = time.monotonic() + timeout_s
+        with self._scrape_cond:
+            after = self._scrapes_started
+            while self._last_served <= after:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._scrape_cond.wait(left)
+        return True
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop serving and close the socket; a no-op unless running."""
@@ -97,6 +198,8 @@ def start_exporter(registry: MetricsRegistry, cfg: ObservabilityConfig) -> Metri
     """Start an exporter on ``cfg.metrics_host:cfg.metrics_port``, or None when metrics are disabled."""
     if not cfg.metrics_enabled:
         return None
+    if cfg.linger_s < 0:
+        raise ValueError(f"observability.linger_s={cfg.linger_s} must be >= 0 seconds (0: stop at the end at once)")
     exporter = MetricsExporter(registry, cfg.metrics_host, cfg.metrics_port)
     exporter.start()
     return exporter

@@ -20,11 +20,11 @@ stats key                               metric (and how the value is applied)
 ``reward/values/<name>``                ``miles_lite_reward_value{reward=<name>}`` (observe each; list)
 ``reward/exact_accuracy``               ``miles_lite_exact_accuracy_ratio`` (set, 0..1)
 ``algo/zero_signal_share``              ``miles_lite_zero_signal_groups_ratio`` (set, 0..1)
-``train/kl``                            ``miles_lite_kl_nats`` (set, nats per token)
-``train/entropy``                       ``miles_lite_entropy_nats`` (set, nats per token)
-``train/grad_norm``                     ``miles_lite_grad_norm`` (set, L2 norm before clipping)
+``kl/ref_k3``                           ``miles_lite_kl_nats`` (set, nats per token; only with a KL reference)
+``entropy``                             ``miles_lite_entropy_nats`` (set, nats per token)
+``grad_norm``                           ``miles_lite_grad_norm`` (set, L2 norm before clipping)
 ``loss/total``                          ``miles_lite_loss`` (set)
-``train/nonfinite_skipped``             ``miles_lite_nonfinite_skipped_steps_total`` (inc by the value)
+``skipped``                             ``miles_lite_nonfinite_skipped_steps_total`` (inc by the value, 0 or 1)
 ``mismatch/logp_abs_diff_mean``         ``miles_lite_logp_diff_mean_nats`` (set, |train - rollout|)
 ``mismatch/logp_abs_diff_max``          ``miles_lite_logp_diff_max_nats`` (set)
 ``mismatch/is_raw_mean``                ``miles_lite_is_ratio_mean{kind="raw"}`` (set)
@@ -34,6 +34,8 @@ stats key                               metric (and how the value is applied)
 ``weight_version``                      ``miles_lite_weight_version`` (set)
 ======================================  ==========================================================
 
+The trainer-side keys (``entropy``, ``grad_norm``, ``skipped``, ``kl/ref_k3``) are the names the
+trainer's ``train_step`` returns, so the driver passes its stats through unchanged.
 ``publish_step`` also sets ``miles_lite_step``. Events that do not follow the step rhythm have
 their own methods: engine states and restarts, weight syncs, checkpoints, single request latencies.
 """
@@ -81,11 +83,11 @@ _SCALAR_KEYS: dict[str, _Scalar] = {
     "reward/std": _Scalar("reward_std"),
     "reward/exact_accuracy": _Scalar("exact_accuracy"),
     "algo/zero_signal_share": _Scalar("zero_signal_share"),
-    "train/kl": _Scalar("kl"),
-    "train/entropy": _Scalar("entropy"),
-    "train/grad_norm": _Scalar("grad_norm"),
+    "kl/ref_k3": _Scalar("kl"),
+    "entropy": _Scalar("entropy"),
+    "grad_norm": _Scalar("grad_norm"),
     "loss/total": _Scalar("loss"),
-    "train/nonfinite_skipped": _Scalar("nonfinite_skipped", add=True),
+    "skipped": _Scalar("nonfinite_skipped", add=True),
     "mismatch/logp_abs_diff_mean": _Scalar("logp_diff_mean"),
     "mismatch/logp_abs_diff_max": _Scalar("logp_diff_max"),
     "mismatch/is_raw_mean": _Scalar("is_ratio_mean", (("kind", "raw"),)),
@@ -241,9 +243,11 @@ class MetricsRegistry:
         for state in ENGINE_STATES:
             self.engines.labels(self.run, self.role, state).set(counts.get(state, 0))
 
-    def engine_restarted(self) -> None:
-        """A dead engine was replaced by a new one."""
-        self.engine_restarts.labels(self.run, self.role).inc()
+    def engine_restarted(self, count: int = 1) -> None:
+        """`count` dead engines were replaced by new ones (0 still creates the series, at 0)."""
+        if count < 0:
+            raise ValueError(f"engine_restarted count must be >= 0, got {count}")
+        self.engine_restarts.labels(self.run, self.role).inc(count)
 
     def sync_done(self, transport: str, seconds: float, nbytes: int, version: int,
                   probe_logp_diff: float | None = None) -> None:

@@ -112,14 +112,20 @@ class RunObserver:
         if self.exporter is not None:
             self.exporter.stop()
 
-    def close(self) -> None:
-        """Stop the exporter and close sinks and progress; a no-op once closed."""
+    def close(self, linger: bool = False) -> None:
+        """Stop the exporter and close sinks and progress; a no-op once closed.
+
+        `linger`: first keep serving until a scrape has read the final values, at most
+        ``observability.linger_s`` seconds (the context manager lingers when the block ended normally).
+        """
         if self.state is ObserverState.OPEN:
+            if linger and self.exporter is not None and self.cfg.linger_s > 0:
+                self.exporter.wait_for_scrape(self.cfg.linger_s)
             self._release()
         self.state = ObserverState.CLOSED
 
     def __enter__(self) -> RunObserver:
         return self.open()
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.close(linger=exc_type is None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 import urllib.error
 import urllib.request
 
@@ -49,11 +50,11 @@ def test_every_scalar_key_reaches_its_metric() -> None:
         "reward/std": ("miles_lite_reward_std", lab()),
         "reward/exact_accuracy": ("miles_lite_exact_accuracy_ratio", lab()),
         "algo/zero_signal_share": ("miles_lite_zero_signal_groups_ratio", lab()),
-        "train/kl": ("miles_lite_kl_nats", lab()),
-        "train/entropy": ("miles_lite_entropy_nats", lab()),
-        "train/grad_norm": ("miles_lite_grad_norm", lab()),
+        "kl/ref_k3": ("miles_lite_kl_nats", lab()),
+        "entropy": ("miles_lite_entropy_nats", lab()),
+        "grad_norm": ("miles_lite_grad_norm", lab()),
         "loss/total": ("miles_lite_loss", lab()),
-        "train/nonfinite_skipped": ("miles_lite_nonfinite_skipped_steps_total", lab()),
+        "skipped": ("miles_lite_nonfinite_skipped_steps_total", lab()),
         "mismatch/logp_abs_diff_mean": ("miles_lite_logp_diff_mean_nats", lab()),
         "mismatch/logp_abs_diff_max": ("miles_lite_logp_diff_max_nats", lab()),
         "mismatch/is_raw_mean": ("miles_lite_is_ratio_mean", lab(kind="raw")),
@@ -218,3 +219,44 @@ def test_start_exporter_follows_config() -> None:
         assert exporter.state is ExporterState.RUNNING and exporter.port > 0
     finally:
         exporter.stop()
+
+
+def test_exporter_waits_for_a_scrape_of_the_final_values() -> None:
+    reg = MetricsRegistry("linger", "driver")
+    with MetricsExporter(reg, "127.0.0.1", 0) as exporter:
+        assert exporter.scrapes_served == 0
+        assert exporter.wait_for_scrape(0.2) is False  # nothing scrapes: the wait ends at its timeout
+        reg.publish_step(9, {"reward/mean": 4.5})  # the run's final values
+        bodies: list[str] = []
+        stop = threading.Event()
+
+        def scraper() -> None:  # a scraper with a 50 ms interval, like Prometheus with a short one
+            while not stop.is_set():
+                with urllib.request.urlopen(exporter.url, timeout=5) as resp:
+                    bodies.append(resp.read().decode())
+                stop.wait(0.05)
+
+        thread = threading.Thread(target=scraper)
+        thread.start()
+        try:
+            assert exporter.wait_for_scrape(10.0) is True
+            served = exporter.scrapes_served
+        finally:
+            stop.set()
+            thread.join(10)
+        assert served >= 1 and bodies
+        assert 'miles_lite_reward_mean{role="driver",run="linger"} 4.5' in bodies[0]
+    with pytest.raises(RuntimeError, match="stopped"):
+        exporter.wait_for_scrape(1.0)
+    with pytest.raises(ValueError, match="linger_s"):
+        start_exporter(reg, ObservabilityConfig(linger_s=-1.0))
+
+
+def test_engine_restart_counter_exists_at_zero() -> None:
+    reg = MetricsRegistry("r0", "driver")
+    reg.engine_restarted(0)
+    assert samples(reg)[("miles_lite_engine_restarts_total", lab(run="r0"))] == 0
+    reg.engine_restarted(2)
+    assert samples(reg)[("miles_lite_engine_restarts_total", lab(run="r0"))] == 2
+    with pytest.raises(ValueError, match="count"):
+        reg.engine_restarted(-1)

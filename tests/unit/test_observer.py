@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import io
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
@@ -53,3 +55,30 @@ def test_disabled_outputs_stay_off(tmp_path: Path) -> None:
         observer.publish(1, {"reward/mean": 1.0}, [scored_group(0)])
     assert not (tmp_path / "rollouts").exists()
     assert len(read_metrics_file(tmp_path)) == 1
+
+
+def test_linger_waits_for_a_final_scrape_only_after_a_clean_run(tmp_path: Path) -> None:
+    cfg = ObservabilityConfig(metrics_port=0, progress=False, rollout_table=False, linger_s=60.0)
+    console = Console(file=io.StringIO(), force_terminal=False)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="boom"), RunObserver(cfg, tmp_path / "a", "failed", 1, console=console):
+        raise RuntimeError("boom")
+    assert time.monotonic() - start < 30  # a failed run stops its exporter at once, no 60 s linger
+
+    observer = RunObserver(cfg, tmp_path / "b", "clean", 1, console=console).open()
+    assert observer.exporter is not None
+    observer.publish(1, {"reward/mean": 1.25})
+    bodies: list[str] = []
+    url = observer.exporter.url
+    closer = threading.Thread(target=observer.close, kwargs={"linger": True})
+    closer.start()
+    while closer.is_alive():  # scrape like Prometheus until the lingering close returns
+        try:
+            with urllib.request.urlopen(url, timeout=5) as resp:
+                bodies.append(resp.read().decode())
+        except OSError:
+            break  # the exporter stopped between the check and the scrape
+        closer.join(0.05)
+    closer.join(10)
+    assert not closer.is_alive() and observer.state is ObserverState.CLOSED
+    assert any('miles_lite_reward_mean{role="driver",run="clean"} 1.25' in b for b in bodies)

@@ -134,13 +134,16 @@ class PrometheusServer:
             return None
         return body if raw else json.loads(body)
 
-    def query(self, expr: str) -> list[dict[str, Any]]:
-        """Instant query through ``/api/v1/query``; returns the result vector.
+    def query(self, expr: str, at: float | None = None) -> list[dict[str, Any]]:
+        """Instant query through ``/api/v1/query``, evaluated now or at unix time `at` (seconds).
+
+        Returns the result vector (a matrix for a range selector such as ``m[5m]``).
 
         Raises:
             RuntimeError: the server is down or answered an error (bad PromQL names the expression).
         """
-        url = self.base_url + "/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+        params = {"query": expr} if at is None else {"query": expr, "time": f"{at:.3f}"}
+        url = self.base_url + "/api/v1/query?" + urllib.parse.urlencode(params)
         try:
             with urllib.request.urlopen(url, timeout=10) as resp:
                 answer = json.loads(resp.read())
@@ -149,6 +152,17 @@ class PrometheusServer:
         if answer.get("status") != "success":
             raise RuntimeError(f"query {expr!r} failed: {answer}")
         return answer["data"]["result"]
+
+    def raw_samples(self, selector: str, window: str = "15m") -> list[tuple[float, float]]:
+        """(unix time, value) of every scraped sample of the one series `selector` selects in `window`.
+
+        Raises:
+            RuntimeError: `selector` matches more than one series.
+        """
+        result = self.query(f"{selector}[{window}]")
+        if len(result) > 1:
+            raise RuntimeError(f"{selector} matches {len(result)} series; narrow its labels")
+        return [(float(t), float(v)) for t, v in result[0]["values"]] if result else []
 
     def label_values(self, label: str, match: str) -> list[str]:
         """``/api/v1/label/<label>/values?match[]=<match>`` (what Grafana's label_values() runs)."""
