@@ -25,6 +25,7 @@ from typing import Any
 from train_step import SHAPES
 
 from miles_lite.config import load_config, validate
+from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.driver import train
 from miles_lite.trainer.tiny_hf import make_tiny_hf_model
 
@@ -80,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         model_dir = args.model_root / "qwen2.5-0.5b-std0.02"
         if not (model_dir / "config.json").is_file():
             make_tiny_hf_model("qwen2", shape, vocab, model_dir, seed=0, init_std=0.02)
+        if not (model_dir / "tokenizer.json").is_file():
+            # Random weights have no tokenizer of their own: the offline one writes the prompts.
+            load_or_build_tokenizer(args.model_root / ".tokenizers").save_pretrained(str(model_dir))
     over = overrides(args, model_dir or Path("null"), out_dir) + extra
     if args.cpu:
         over = [o for o in over if not o.startswith("model.hf_path=")]

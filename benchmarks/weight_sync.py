@@ -5,11 +5,13 @@
 
 Builds a random Qwen2-shaped model (about 320 MB in fp32 with the defaults), starts the trainer as a
 TP=`--trainer-tp` Ray gang (`RayTrainerGroup`) and `--engines` reference-engine processes (TP=1),
-then pushes the trainer's weights through each transport: distributed full (HF tensors broadcast
-over gloo), distributed shard (each engine rank's slices, point to point) and disk (safetensors +
+then pushes the trainer's weights through each transport: distributed full (trainer shards gathered
+into the driver, HF tensors broadcast over gloo), distributed shard (the trainer ranks join the group
+and send each engine rank its slices, point to point; nothing is gathered) and disk (safetensors +
 `/update_weights_from_disk`). Every push is verified (probe logprobs and checksums). Per transport
 it prints the phases of the last of `--repeats` pushes: gather (trainer shards into the driver),
-convert (reshard plan), transfer, load (engines load and acknowledge), verify (probe scoring before
+convert (reshard plan: slicing and casting, on the trainer ranks in shard mode), transfer, load
+(engines load and acknowledge), verify (probe scoring before
 and after, checksums) and the rest of the pause window (pause, flush, version check, resume), plus
 bytes moved and GB/s over transfer + load. The first push of each transport also builds its group.
 """
@@ -146,7 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         for mode in ("full", "shard"):
             transport = DistributedTransport(specs, args.trainer_tp, loop, bucket_bytes=bucket, mode=mode,
-                                             backend="gloo", group_name=f"bench_{mode}", init_timeout_s=300)
+                                             backend="gloo", group_name=f"bench_{mode}", init_timeout_s=300,
+                                             senders=trainer if mode == "shard" else None)
             rows.append(run_transport(f"distributed/{mode}", transport, loop, fleet, trainer, new, args.repeats))
         disk = DiskTransport(specs, args.trainer_tp, root / "weights", loop, bucket_bytes=bucket, keep_versions=1,
                              template_dir=model_dir)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.config.schema import MilesConfig
+from miles_lite.config.validate import tokenizer_problem
 from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems
 from miles_lite.data.gsm8k import MathProblem, load_gsm8k
 from miles_lite.data.prompts import render_prompt
@@ -39,6 +40,9 @@ def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
     from miles_lite.trainer.tiny_hf import make_tiny_hf_model
 
     if cfg.model.hf_path:
+        problem = tokenizer_problem(cfg)
+        if problem:
+            raise ValueError(problem)
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
         return cfg, tokenizer
     cache = Path(cfg.experiment.output_dir) / ".cache" / "tokenizers"

@@ -22,6 +22,7 @@ class LocalTrainer:
         self.actor = TrainerActor(cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",
                                   total_steps=max(cfg.experiment.steps, 1))
         self.checkpoints = ActorCheckpoints()
+        self.sender: Any = None
 
     def layouts(self) -> list[ParamLayout]:
         """Parameter layouts of TP rank 0 (they describe every rank's sharding)."""
@@ -30,6 +31,26 @@ class LocalTrainer:
     def weight_shards(self) -> list[dict[str, torch.Tensor]]:
         """`{megatron name: local tensor}` per trainer TP rank (one rank here)."""
         return [{name: tensor for name, tensor, _ in self.actor.named_shards()}]
+
+    # ---- weight sync, shard mode (`weight_sync.senders.ShardSenders`) -----------------------------
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str, timeout_s: float) -> None:
+        """Join the weight-update group as its rank 0 (the only TP rank); blocks until every rank joined."""
+        from miles_lite.weight_sync.senders import RankSender
+
+        if self.sender is None:
+            self.sender = RankSender(tp_rank=0)
+        self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s)
+
+    def send_weight_bucket(self, schedules: Any) -> list[Any]:
+        """Send `schedules[0]` (this rank's part of one bucket) from the live parameters; its `SendStats`."""
+        shards = {name: tensor for name, tensor, _ in self.actor.named_shards()}
+        return [self.sender.send(shards, schedules[0])]
+
+    def leave_weight_group(self) -> None:
+        if self.sender is not None:
+            self.sender.leave()
 
     def probe_logprobs(self, sequences: Any) -> list[list[float]]:
         """Logprobs of each probe sequence's tokens after its prompt (nats), under the current weights."""
@@ -69,5 +90,6 @@ class LocalTrainer:
         return self.checkpoints.restore(self.actor, path)
 
     def close(self) -> None:
+        self.leave_weight_group()
         self.checkpoints.close()
         self.actor.close()

@@ -71,6 +71,7 @@ class TrainerRank:
     def __init__(self) -> None:
         self.actor: Any = None
         self.checkpoints = ActorCheckpoints()
+        self.sender: Any = None
 
     def rendezvous(self) -> str:
         """`tcp://<this node's address>:<free port>`: the process-group rendezvous rank 0 will host."""
@@ -96,6 +97,24 @@ class TrainerRank:
     def weight_shards(self) -> dict[str, torch.Tensor]:
         """This rank's `{megatron name: tensor}` (copies: the live parameters keep training)."""
         return {name: tensor.clone() for name, tensor, _ in self.actor.named_shards()}
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str, timeout_s: float) -> None:
+        """Join the weight-update group as group rank = this rank's TP rank (blocks until all joined)."""
+        from miles_lite.weight_sync.senders import RankSender
+
+        if self.sender is None:
+            self.sender = RankSender(self.actor.par.tp_rank)
+        self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s)
+
+    def send_weight_bucket(self, schedule: Any) -> Any:
+        """Send this rank's part of one bucket from the live parameters; its `SendStats`."""
+        shards = {name: tensor for name, tensor, _ in self.actor.named_shards()}
+        return self.sender.send(shards, schedule)
+
+    def leave_weight_group(self) -> None:
+        if self.sender is not None:
+            self.sender.leave()
 
     def compute_logprobs(self, batch: TrainBatch, model: str) -> list[list[float]]:
         return self.actor.compute_logprobs(batch, model)
@@ -126,6 +145,7 @@ class TrainerRank:
         return self.checkpoints.restore(self.actor, path)
 
     def close(self) -> None:
+        self.leave_weight_group()
         self.checkpoints.close()
         if self.actor is not None:
             self.actor.close()
@@ -301,6 +321,36 @@ class RayTrainerGroup:
         holders = {c.tp_rank: c.rank for c in self.coords if c.dp_rank == 0}
         refs = {tp_rank: self.actors[rank].weight_shards.remote() for tp_rank, rank in sorted(holders.items())}
         return self._collect(refs, "weight_shards")
+
+    # ---- weight sync, shard mode (`weight_sync.senders.ShardSenders`) -----------------------------
+
+    def _senders(self) -> dict[int, Any]:
+        """TP rank -> actor of data-parallel rank 0 (the ranks whose shards are sent)."""
+        self._require_ready()
+        return {c.tp_rank: self.actors[c.rank] for c in self.coords if c.dp_rank == 0}
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str, timeout_s: float) -> None:
+        """Every TP rank of data-parallel rank 0 joins as group rank = its TP rank; returns once all joined."""
+        refs = {tp: a.join_weight_group.remote(master_address, master_port, world_size, group_name, backend,
+                                               timeout_s) for tp, a in sorted(self._senders().items())}
+        # A rank whose rendezvous fails raises within `timeout_s`; the margin covers the call itself.
+        self._collect(refs, "join_weight_group", timeout_s + STRAGGLER_GRACE_S)
+
+    def send_weight_bucket(self, schedules: Sequence[Any]) -> list[Any]:
+        """TP rank t sends `schedules[t]`; every rank's `SendStats` once all sends completed."""
+        senders = self._senders()
+        if len(schedules) != len(senders):
+            raise ValueError(f"send_weight_bucket got {len(schedules)} schedules for {len(senders)} trainer TP ranks")
+        return self._collect({tp: a.send_weight_bucket.remote(schedules[tp]) for tp, a in sorted(senders.items())},
+                             "send_weight_bucket")
+
+    def leave_weight_group(self) -> None:
+        """Every sending rank leaves the group (idempotent; a gang that is not ready has nothing to leave)."""
+        if self.state is not GroupState.READY:
+            return
+        self._collect({tp: a.leave_weight_group.remote() for tp, a in sorted(self._senders().items())},
+                      "leave_weight_group")
 
     def probe_logprobs(self, sequences: Any) -> list[list[float]]:
         """Logprobs (nats) of each probe sequence's tokens after its prompt, under the current weights."""

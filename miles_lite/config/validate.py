@@ -100,6 +100,24 @@ def _check_positive(cfg: MilesConfig, problems: list[str]) -> None:
             problems.append(f"{dotted}={value!r} must be an integer >= 0")
 
 
+# Any of these makes a directory loadable by `AutoTokenizer.from_pretrained`.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_problem(cfg: MilesConfig) -> str | None:
+    """Why `model.tokenizer_path` (or `model.hf_path`) cannot provide a tokenizer, or None.
+
+    transformers builds an empty tokenizer for a checkpoint directory without tokenizer files, which
+    encodes every prompt to no tokens; this names the field instead.
+    """
+    tokenizer_dir = cfg.model.tokenizer_path or cfg.model.hf_path
+    if not tokenizer_dir or any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    field_name = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.hf_path"
+    return (f"{field_name}={tokenizer_dir!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); set "
+            "model.tokenizer_path to the directory of the model's tokenizer")
+
+
 def _check_model(cfg: MilesConfig, problems: list[str]) -> ModelDims | None:
     if cfg.model.hf_path:
         config_file = Path(cfg.model.hf_path) / "config.json"
@@ -109,6 +127,9 @@ def _check_model(cfg: MilesConfig, problems: list[str]) -> ModelDims | None:
                 "directory (config.json + *.safetensors) or unset it to train a tiny random model"
             )
             return None
+    problem = tokenizer_problem(cfg)
+    if problem:
+        problems.append(problem)
     try:
         return model_dims(cfg)
     except (KeyError, ValueError, OSError) as err:

@@ -4,7 +4,7 @@ Both kinds are server processes speaking SGLang's HTTP API, launched through `En
 through `HttpEngine`; they differ only in the command line:
 
 - `reference`: `python -m miles_lite.rollout.reference_engine`, on a socket the launcher binds (no port race),
-  `rollout.reference_args` as flags, and a distinct sampling seed per engine index;
+  `rollout.reference_args` as flags, `--tp` from `rollout.engine_tp`, and a distinct sampling seed per engine index;
 - `sglang`: `python -m sglang.launch_server` with `rollout.sglang_args` passed through, `--tp-size` from
   `rollout.engine_tp`, and `--base-gpu-id index * engine_tp` unless `sglang_args` sets `base_gpu_id` (on a Ray
   placement group each engine sees only its own GPUs: set `base_gpu_id: 0` there).
@@ -62,6 +62,10 @@ class EngineLauncher:
         if self.rollout.backend == "reference":
             args = dict(self.rollout.reference_args)
             args.setdefault("seed", index)
+            # One source of truth for the engine's TP: rollout.engine_tp, as for SGLang's --tp-size.
+            if args.setdefault("tp", self.rollout.engine_tp) != self.rollout.engine_tp:
+                raise ValueError(f"rollout.reference_args.tp={args['tp']} differs from rollout.engine_tp="
+                                 f"{self.rollout.engine_tp}; set only rollout.engine_tp")
             build_reference_command(self.model_path, 0, args, python=self.python)  # raises on bad keys now
 
             def reference(port: int, fd: int | None) -> list[str]:

@@ -36,6 +36,7 @@ REFERENCE_ARGS: dict[str, tuple[str, str]] = {
     "fail_after": ("--fail-after", "value"),
     "return_original_logprob": ("--return-original-logprob", "bool"),
     "group_timeout_s": ("--group-timeout-s", "value"),
+    "tp": ("--tp", "value"),
 }
 
 
@@ -61,6 +62,8 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
                         help="report logprobs before temperature scaling (SGLANG_RETURN_ORIGINAL_LOGPROB=1)")
     parser.add_argument("--group-timeout-s", type=float, default=600.0,
                         help="timeout of the weight-update group rendezvous and collectives")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel size: ranks in the weight-update group (rollout.engine_tp)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -101,7 +104,7 @@ async def serve(args: argparse.Namespace) -> None:
         model_path=args.model_path, dtype=args.dtype, max_batch_size=args.max_batch_size,
         weight_version=args.weight_version, drop_weight_updates=args.drop_weight_updates,
         fail_mode=args.fail_mode, fail_after=args.fail_after,
-        return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s,
+        return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s, tp=args.tp,
     ))
     # Shutdown aborts every request first, so handlers finish quickly; 5 s bounds stragglers.
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)

@@ -227,14 +227,7 @@ class ReferenceModel:
 
     def load_from_disk(self, model_path: str) -> int:
         """Load every tensor of `model_path/*.safetensors` (HF names); returns the number loaded."""
-        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
-        if not files:
-            raise FileNotFoundError(f"model_path {model_path!r} holds no *.safetensors files")
-        named: list[tuple[str, torch.Tensor]] = []
-        for path in files:
-            with safe_open(path, framework="pt") as f:
-                named.extend((key, f.get_tensor(key)) for key in f.keys())
-        return self.load_named_tensors(named)
+        return self.load_named_tensors(read_safetensors(model_path))
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows (dim 0) of a parameter as float32 nested lists, as SGLang returns."""
@@ -243,6 +236,18 @@ class ReferenceModel:
             raise ValueError(f"unknown parameter name {name!r}")
         # Slice before converting: a full embedding table to a Python list takes seconds.
         return targets[name].detach()[:truncate_size].float().tolist()
+
+
+def read_safetensors(model_path: str) -> list[tuple[str, torch.Tensor]]:
+    """Every (HF name, tensor) of `model_path/*.safetensors`; raises FileNotFoundError when there are none."""
+    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"model_path {model_path!r} holds no *.safetensors files")
+    named: list[tuple[str, torch.Tensor]] = []
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            named.extend((key, f.get_tensor(key)) for key in f.keys())
+    return named
 
 
 def _cache_tensors(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -17,11 +17,11 @@ from typing import Any
 
 from aiohttp import web
 
-from miles_lite.rollout.reference_model import ReferenceModel, deserialize_named_tensors
+from miles_lite.rollout.reference_model import ReferenceModel, deserialize_named_tensors, read_safetensors
+from miles_lite.rollout.reference_ranks import EngineRanks
 from miles_lite.rollout.reference_sampling import RequestSampling
 from miles_lite.rollout.reference_scheduler import GenRequest, PauseMode, Scheduler
-from miles_lite.rollout.weight_group import broadcast_receive, init_custom_process_group
-from miles_lite.weight_sync.distributed import receive_shards
+from miles_lite.rollout.reference_shards import ShardedWeights
 from miles_lite.weight_sync.sglang_payloads import SHARD_LOAD_FORMAT
 
 log = logging.getLogger("miles_lite.reference_engine")
@@ -42,8 +42,12 @@ class ServerOptions:
     fail_after: int = 0
     return_original_logprob: bool = False
     group_timeout_s: float = 600.0
+    # Tensor-parallel ranks: one per process in the weight-update group, one SGLang-laid-out store each.
+    tp: int = 1
 
     def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"--tp must be >= 1, got {self.tp}")
         if self.fail_mode not in FAIL_MODES:
             raise ValueError(f"--fail-mode {self.fail_mode!r} is not one of {FAIL_MODES}")
         if self.fail_after < 0:
@@ -77,7 +81,9 @@ class ReferenceServer:
         self.weight_version = opts.weight_version
         self.scheduler = Scheduler(self.model, opts.max_batch_size, lambda: self.weight_version, self.tokenizer,
                                    opts.return_original_logprob)
-        self.groups: dict[str, Any] = {}
+        self.weights = ShardedWeights(self.model, opts.tp)
+        # A rank's reply waits for the collective it is in, which gives up after the group timeout.
+        self.ranks = EngineRanks(self.weights.specs, self.weights.engine, opts.group_timeout_s + 60.0)
         self._generate_count = 0
         self._hang = asyncio.Event()  # set only at shutdown: what a hung engine waits on
         self.app = web.Application(client_max_size=1 << 30)
@@ -112,9 +118,7 @@ class ReferenceServer:
 
     async def _on_cleanup(self, _app: web.Application) -> None:
         await self.scheduler.close()
-        for group in self.groups.values():
-            _destroy(group)
-        self.groups.clear()
+        self.ranks.close()
 
     # ---- generation ------------------------------------------------------------------------------------------
 
@@ -202,12 +206,14 @@ class ReferenceServer:
         return web.json_response({
             "model_path": self.opts.model_path, "tokenizer_path": self.opts.model_path if self.tokenizer else None,
             "is_generation": True, "preferred_sampling_params": None, "weight_version": self.weight_version,
+            "tp_size": self.opts.tp,
             "model_type": getattr(cfg, "model_type", None), "architectures": getattr(cfg, "architectures", None),
         })
 
     async def server_info(self, request: web.Request) -> web.Response:
         return web.json_response({
-            "model_path": self.opts.model_path, "tp_size": 1, "dp_size": 1, "weight_version": self.weight_version,
+            "model_path": self.opts.model_path, "tp_size": self.opts.tp, "dp_size": 1,
+            "weight_version": self.weight_version,
             "max_running_requests": self.opts.max_batch_size, "dtype": self.opts.dtype,
             "internal_states": [{"paused": self.scheduler.paused, **self.scheduler.load()}],
             "version": "miles-lite-reference",
@@ -263,62 +269,67 @@ class ReferenceServer:
         if body.get("load_format") not in (None, "auto", "safetensors"):
             return _result(False, f"load_format {body['load_format']!r} is not supported; use None",
                            num_paused_requests=0)
-        ok, msg = await self._load(body, self.model.load_from_disk, str(body.get("model_path")))
+        ok, msg = await self._load(body, self._load_disk, str(body.get("model_path")))
         return _result(ok, msg, num_paused_requests=0)
 
+    def _load_disk(self, model_path: str) -> int:
+        return self.weights.load_full(read_safetensors(model_path))
+
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        """Entries are base64(torch.save(list[(HF name, tensor)])), one per TP rank (exactly one here)."""
+        """Entries are base64(torch.save(list[(HF name, full tensor)])), one per TP rank: rank r slices entry r."""
         body = await _body(request)
         payloads = body.get("serialized_named_tensors") or []
-        if len(payloads) != 1:
-            return _result(False, f"serialized_named_tensors needs 1 entry (TP size 1), got {len(payloads)}")
+        if len(payloads) != self.opts.tp:
+            return _result(False, f"serialized_named_tensors needs {self.opts.tp} entries (one per TP rank), "
+                                  f"got {len(payloads)}")
         if body.get("load_format") is not None:
             return _result(False, f"load_format {body['load_format']!r} is not supported; use None (HF names)")
-        try:
-            named = deserialize_named_tensors(payloads[0])
-        except Exception as exc:  # any decoding failure is the client's payload
-            return _result(False, f"cannot decode serialized_named_tensors[0]: {exc}")
-        ok, msg = await self._load(body, self.model.load_named_tensors, named)
+        per_rank = []
+        for i, payload in enumerate(payloads):
+            try:
+                per_rank.append(deserialize_named_tensors(payload))
+            except Exception as exc:  # any decoding failure is the client's payload
+                return _result(False, f"cannot decode serialized_named_tensors[{i}]: {exc}")
+        ok, msg = await self._load(body, self.weights.load_full_per_rank, per_rank)
         return _result(ok, msg)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
+        """Every TP rank r joins as `rank_offset + r`; answers once the whole world has joined."""
         body = await _body(request)
         name = str(body.get("group_name", "weight_update_group"))
-        if name in self.groups:
-            return _result(False, f"group {name!r} already exists; destroy it first")
         try:
             # The rendezvous blocks until the trainer joins: keep it off the event loop and the model thread.
-            self.groups[name] = await asyncio.to_thread(
-                init_custom_process_group, str(body.get("backend", "gloo")), str(body["master_address"]),
-                int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]), name,
-                self.opts.group_timeout_s)
+            await asyncio.to_thread(
+                self.ranks.join, name, str(body.get("backend", "gloo")), str(body["master_address"]),
+                int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]), self.opts.group_timeout_s)
         except Exception as exc:  # any rendezvous failure is reported in the answer, as SGLang does
             return _result(False, f"Failed to initialize custom process group: {exc!r}.")
         return _result(True, "Succeeded to initialize custom process group.")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
+        """Every TP rank receives its shards (full: slices of broadcast tensors; shard format: its own blocks)."""
         body = await _body(request)
         name = str(body.get("group_name", "weight_update_group"))
-        if name not in self.groups:
-            return _result(False, f"Group {name} not in {sorted(self.groups)}. Call init_weights_update_group first.")
         load_format = body.get("load_format")
         if load_format not in (None, SHARD_LOAD_FORMAT):
             return _result(False, f"load_format {load_format!r} is not supported; use None or {SHARD_LOAD_FORMAT!r}")
-        receive = broadcast_receive if load_format is None else receive_shards
         try:
-            named = await self.scheduler.run_on_model(receive, self.groups[name], list(body["names"]),
-                                                      list(body["dtypes"]), list(body["shapes"]))
+            per_rank = await self.scheduler.run_on_model(
+                self.ranks.receive, name, load_format == SHARD_LOAD_FORMAT, list(body["names"]),
+                list(body["dtypes"]), list(body["shapes"]))
         except (KeyError, ValueError, RuntimeError) as exc:
             return _result(False, f"Failed to receive parameters: {exc}")
-        ok, msg = await self._load(body, self.model.load_named_tensors, named)
+        ok, msg = await self._load(body, self.weights.load_rank_shards, per_rank)
         return _result(ok, msg)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _body(request)
-        group = self.groups.pop(str(body.get("group_name", "weight_update_group")), None)
-        if group is None:
+        try:
+            existed = await asyncio.to_thread(self.ranks.destroy, str(body.get("group_name", "weight_update_group")))
+        except RuntimeError as exc:
+            return _result(False, f"Failed to destroy custom process group: {exc}")
+        if not existed:
             return _result(False, "The group to be destroyed does not exist.")
-        _destroy(group)
         return _result(True, "Succeeded to destroy custom process group.")
 
 
@@ -337,12 +348,6 @@ def _split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
 
     keys = ("sampling_params", "rid", "return_logprob", "logprob_start_len")
     return [{"input_ids": ids[i], **{k: pick(k, i) for k in keys}} for i in range(n)]
-
-
-def _destroy(group: Any) -> None:
-    import torch.distributed as dist
-
-    dist.destroy_process_group(group)
 
 
 def _load_tokenizer(model_path: str) -> Any | None:

@@ -23,7 +23,6 @@ from miles_lite.rollout.sglang_engine import build_sglang_command, check_sglang_
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the `engine` subcommand's flags to `parser`."""
     parser.add_argument("--backend", choices=("reference", "sglang"), default="reference")
-    parser.add_argument("--tp", type=int, default=1, help="sglang: tensor-parallel size")
     parser.add_argument("--sglang-args", default="{}", help="sglang: JSON object of launch_server flags")
     add_reference_arguments(parser, model_required=False)
     parser.add_argument("--model-dir", default="outputs/engine-model",

@@ -31,7 +31,8 @@ def build_transport(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: P
         gpu = torch.cuda.is_available() and cfg.trainer.device != "cpu"
         return DistributedTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib),
                                     mode=ws.mode, backend="nccl" if gpu else "gloo",
-                                    init_timeout_s=ws.init_timeout_s, device="cuda" if gpu else "cpu")
+                                    init_timeout_s=ws.init_timeout_s, device="cuda" if gpu else "cpu",
+                                    senders=trainer if ws.mode == "shard" else None)
     from miles_lite.weight_sync.ipc import IpcTransport
 
     return IpcTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib))

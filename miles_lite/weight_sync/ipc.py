@@ -19,6 +19,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 from miles_lite.weight_sync.buckets import shard_buckets
+from miles_lite.weight_sync.engine_layout import sglang_param_name
 from miles_lite.weight_sync.plan import ParamSpec, RankPlan, apply_rank_plan, build_plan, fused_offset
 from miles_lite.weight_sync.transport import (
     EngineLoop,
@@ -31,24 +32,12 @@ from miles_lite.weight_sync.transport import (
     resolve_shards,
 )
 
-# HF tensor suffix -> SGLang fused parameter suffix (Qwen2/Llama stacked_params_mapping).
-_FUSED = {"q_proj": "qkv_proj", "k_proj": "qkv_proj", "v_proj": "qkv_proj",
-          "gate_proj": "gate_up_proj", "up_proj": "gate_up_proj"}
-
 
 def serialize_named_tensors(named: Sequence[tuple[str, torch.Tensor]]) -> str:
     """SGLang's `MultiprocessingSerializer.serialize(named, output_str=True)`."""
     buf = io.BytesIO()
     ForkingPickler(buf).dump(list(named))
     return base64.b64encode(buf.getvalue()).decode("utf-8")
-
-
-def sglang_param_name(hf_name: str) -> str:
-    """The SGLang parameter an HF tensor loads into (`...q_proj.weight` -> `...qkv_proj.weight`)."""
-    parts = hf_name.split(".")
-    if len(parts) >= 2 and parts[-2] in _FUSED:
-        parts[-2] = _FUSED[parts[-2]]
-    return ".".join(parts)
 
 
 def direct_named_tensors(rank_plan: RankPlan, specs: Sequence[ParamSpec], local: dict[str, torch.Tensor]

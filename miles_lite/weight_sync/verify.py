@@ -86,6 +86,9 @@ class PushVerifier:
         self.checksum_rows = checksum_rows
         self.checksum_atol = checksum_atol
         self._before: dict[str, torch.Tensor] = {}
+        # The trainer's probe scores at the last verified push: a dropped update is named only when the
+        # trainer's own scores moved since then (an optimizer step that changes nothing is not a drop).
+        self._trainer_last: torch.Tensor | None = None
 
     def _score_all(self, fleet: Sequence[FleetEngine]) -> dict[str, torch.Tensor]:
         async def score(engine: FleetEngine) -> torch.Tensor:
@@ -121,8 +124,9 @@ class PushVerifier:
             check = EngineCheck(float(diff.mean()), float(diff.max()))
             report.engines[eid] = check
             before = self._before.get(eid)
-            changed = before is not None and float((before - want).abs().mean()) > self.max_diff
-            if changed and torch.equal(scores, before):
+            moved = (self._trainer_last is not None and self._trainer_last.shape == want.shape
+                     and float((self._trainer_last - want).abs().mean()) > self.max_diff)
+            if moved and before is not None and torch.equal(scores, before):
                 problems.append(f"engine {eid}: acknowledged version {version} but its probe logprobs are unchanged "
                                 f"(it kept the old weights)")
             elif check.logp_diff_mean > self.max_diff:
@@ -132,6 +136,7 @@ class PushVerifier:
             problems += self._checksums(fleet, version, new_tensors, old_tensors, report)
         if problems:
             raise WeightSyncError("weight push verification failed: " + "; ".join(problems))
+        self._trainer_last = want
         return report
 
     def _checksums(self, fleet: Sequence[FleetEngine], version: str, new: Mapping[str, torch.Tensor],

@@ -17,10 +17,10 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
 STEPS = 16
-# The default recipe with fewer SFT and RL steps (the presample keeps its default size: a smaller one
-# leaves RL a handful of questions to overfit).
-SHORT = [f"experiment.steps={STEPS}", "experiment.warmup_steps=250", "data.presample.enabled=true",
-         "data.synthetic.eval_size=48", "observability.progress=false", "experiment.run_name=e2e"]
+# The default recipe (its full SFT) with fewer RL steps and a smaller held-out set: 96 x 3 draws minus
+# the questions seen in training leave about 50 problems.
+SHORT = [f"experiment.steps={STEPS}", "data.synthetic.eval_size=96", "observability.progress=false",
+         "experiment.run_name=e2e"]
 
 
 def _mean(values: list[float]) -> float:
@@ -43,14 +43,15 @@ def test_short_embedded_run_learns_and_writes_every_artifact(tmp_path: Path):
     assert before["exact"] > 0.0, summary
 
     # RL: the training reward rises, and held-out accuracy does not collapse. 16 steps move greedy
-    # accuracy by less than a 48-problem evaluation resolves, so the bound allows two problems of noise;
+    # accuracy by less than a ~50-problem evaluation resolves, so the bound allows two problems of noise;
     # the full-length gain is measured in docs/benchmarks.md.
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(STEPS))
     exact = [r["reward/exact_accuracy"] for r in records]
     half = STEPS // 2
     assert _mean(exact[half:]) > _mean(exact[:half]), exact
-    assert after["exact"] >= before["exact"] - 2 / 48, summary
+    assert after["n"] >= 40, summary
+    assert after["exact"] >= before["exact"] - 2 / after["n"], summary
     assert after["exact_format"] > 0.8, summary
 
     for key in ("reward/mean", "mismatch/logp_abs_diff_mean", "mismatch/is_raw_mean", "sync/seconds",
@@ -60,7 +61,8 @@ def test_short_embedded_run_learns_and_writes_every_artifact(tmp_path: Path):
     assert records[-1]["sync/probe_logp_diff_mean"] < 1e-3
     assert (run / "config.yaml").is_file() and (run / "curves.png").stat().st_size > 1000
     assert sorted(p.name for p in (run / "rollouts").iterdir()) == [f"step_{i:06d}.parquet" for i in range(STEPS)]
-    assert "presample" in proc.stdout + proc.stderr
+    # The recipe trains on fresh questions each step: no presample filter ran.
+    assert not (run / "presample.json").exists()
     # The before/after line a user reads at the end of the run.
     assert "exact accuracy on held-out problems" in proc.stdout + proc.stderr
 

@@ -200,3 +200,24 @@ def test_abort_mid_rollout_resumes_partials_under_new_weights(shared: LaunchedEn
             await fleet.close()
 
     asyncio.run(main())
+
+
+def test_start_fleet_gives_engines_their_own_environment(models: tuple[str, str], tmp_path: Path) -> None:
+    """`rollout.engine_env` reaches the engine process (e.g. PYTHONPATH of a separate SGLang install)."""
+    from dataclasses import replace
+
+    from miles_lite.rollout.fleet_launch import start_fleet
+
+    rollout = replace(_rollout(), engine_env={"MILES_LITE_ENGINE_MARK": "engine-env-test"})
+
+    async def start_and_read() -> bytes:
+        fleet = await start_fleet(rollout, _ft(), models[0], str(tmp_path / "logs"), engines=1, health_checks=False)
+        try:
+            (record,) = fleet.records
+            return Path(f"/proc/{record.handle.pid}/environ").read_bytes()
+        finally:
+            await fleet.close()
+
+    environ = asyncio.run(start_and_read()).split(b"\0")
+    assert b"MILES_LITE_ENGINE_MARK=engine-env-test" in environ
+    assert any(e.startswith(b"PATH=") for e in environ)  # added to the inherited environment, not replacing it

@@ -169,3 +169,26 @@ def test_engine_that_keeps_old_weights_is_named(world):
         assert fleet[0].engine_id not in str(err.value)
     finally:
         sync.close()
+
+
+def test_a_push_that_changes_nothing_is_not_a_drop_but_a_later_drop_is_named(world):
+    old = Trainer(0, world["spec"], world["layouts"])
+    new = Trainer(4, world["spec"], world["layouts"])
+    fleet = [world["dropping"]]  # serves the initial (= `old`) weights and ignores every update
+    transport = DistributedTransport(world["specs"], TP, world["loop"], bucket_bytes=4 * MIB, mode="full",
+                                     backend="gloo", init_timeout_s=60, group_name="noop_test")
+    verifier = make_verifier(world, old)
+    sync = WeightSyncCoordinator(transport, world["loop"], verifier)
+    try:
+        # The trainer still holds what the engine serves (an optimizer step that changed nothing):
+        # unchanged probe scores are correct here, twice in a row.
+        for version in ("20", "21"):
+            report = sync.push(fleet, old.shards, version, old.hf, old.hf)
+            assert report.verify is not None and report.verify.logp_diff_max < 1e-6
+        # Now the trainer's weights move and the engine keeps the old ones: named as a dropped update.
+        verifier.trainer_logprobs = new.logprobs
+        with pytest.raises(WeightSyncError, match="engine dropping-0: acknowledged version 22 but its probe "
+                                                  "logprobs are unchanged"):
+            sync.push(fleet, new.shards, "22", new.hf, old.hf)
+    finally:
+        sync.close()

@@ -82,6 +82,7 @@ def test_choices_and_every_problem_reported_at_once():
 
 def test_hf_checkpoint_dims_drive_the_checks(tmp_path: Path):
     (tmp_path / "config.json").write_text('{"num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936}')
+    (tmp_path / "tokenizer.json").write_text("{}")
     validate(load_config(["model=qwen2.5_0.5b", f"model.hf_path={tmp_path}", "trainer.tp=2"]))
     assert "trainer.tp=4 must divide the model's 14 attention heads" in _problems(
         ["model=qwen2.5_0.5b", f"model.hf_path={tmp_path}", "trainer.tp=4"])

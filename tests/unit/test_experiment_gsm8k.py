@@ -19,6 +19,7 @@ def paths(tmp_path: Path) -> dict[str, str]:
     model = tmp_path / "Qwen2.5-0.5B-Instruct"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(QWEN_05B))
+    (model / "tokenizer_config.json").write_text("{}")
     row = {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3+4=<<3+4=7>>7\n#### 7"}
     for name in ("train.jsonl", "test.jsonl"):
         (tmp_path / name).write_text(json.dumps(row) + "\n")
@@ -58,3 +59,13 @@ def test_recipe_rejects_bad_parallelism_naming_the_field(paths: dict[str, str]):
         validate(load_config(_overrides(paths, "trainer.tp=4")))
     with pytest.raises(ConfigError, match="data.train_path"):
         validate(load_config(_overrides(paths, "data.train_path=/nonexistent/train.jsonl")))
+
+
+def test_checkpoint_without_tokenizer_is_named_at_start(paths: dict[str, str]):
+    (Path(paths["model"]) / "tokenizer_config.json").unlink()
+    with pytest.raises(ConfigError, match="model.hf_path=.* has no tokenizer .*set model.tokenizer_path"):
+        validate(load_config(_overrides(paths)))
+    tok = Path(paths["model"]).parent / "tokenizer"
+    tok.mkdir()
+    (tok / "tokenizer.json").write_text("{}")
+    assert validate(load_config(_overrides(paths, f"model.tokenizer_path={tok}"))) is not None

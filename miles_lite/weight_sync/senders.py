@@ -1,0 +1,78 @@
+"""Trainer ranks as members of the weight-update group (shard mode).
+
+`ShardSenders` is what the distributed transport needs from the trainer role: every trainer TP rank
+of data-parallel rank 0 joins the group (as group rank = its TP rank) and, per bucket, sends the
+blocks it holds. `LocalTrainer` (in-process) and `RayTrainerGroup` (one actor per rank) implement it
+on top of one `RankSender` per rank.
+
+RankSender lifecycle: IDLE -> JOINED (join) -> IDLE (leave); a failed join or send leaves it IDLE
+with the group destroyed, so the next `connect` starts clean.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from miles_lite.rollout.weight_group import init_custom_process_group
+from miles_lite.weight_sync.shard_protocol import RankSchedule, SendStats, send_bucket
+
+
+class ShardSenders(Protocol):
+    """The trainer ranks holding the weights, seen from the transport (index = trainer TP rank)."""
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str, timeout_s: float) -> None:
+        """Every TP rank joins the group as rank = its TP rank; returns once all have joined."""
+
+    def send_weight_bucket(self, schedules: Sequence[RankSchedule]) -> list[SendStats]:
+        """TP rank t sends `schedules[t]` from its live parameters; returns once every send completed."""
+
+    def leave_weight_group(self) -> None:
+        """Every TP rank destroys its membership (idempotent)."""
+
+
+class SenderState(enum.Enum):
+    IDLE = "idle"
+    JOINED = "joined"
+
+
+class RankSender:
+    """One trainer rank's membership in the weight-update group."""
+
+    def __init__(self, tp_rank: int) -> None:
+        self.tp_rank = tp_rank
+        self.state = SenderState.IDLE
+        self.group: dist.ProcessGroup | None = None
+        self.group_name = ""
+
+    def join(self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
+             timeout_s: float) -> None:
+        """Join `group_name` as group rank `tp_rank` (blocks until every member joined); leaves a previous group."""
+        self.leave()
+        self.group = init_custom_process_group(backend, master_address, master_port, self.tp_rank, world_size,
+                                               group_name, timeout_s)
+        self.group_name = group_name
+        self.state = SenderState.JOINED
+
+    def send(self, shards: Mapping[str, torch.Tensor], schedule: RankSchedule) -> SendStats:
+        """Send this rank's part of one bucket from its local tensors `shards` ({megatron name: tensor})."""
+        if self.state is not SenderState.JOINED or self.group is None:
+            raise RuntimeError(f"trainer rank {self.tp_rank} is not in a weight-update group; join first")
+        try:
+            return send_bucket(self.group, shards, schedule)
+        except Exception:
+            self.leave()
+            raise
+
+    def leave(self) -> None:
+        """Destroy the membership (idempotent)."""
+        if self.group is not None:
+            dist.destroy_process_group(self.group)
+        self.group = None
+        self.group_name = ""
+        self.state = SenderState.IDLE
