@@ -187,8 +187,8 @@ class EngineFleet:
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)
-        for rec in self.records:
-            await self._stop_engine(rec)
+        # Servers stop independently (each waits out its own grace period): all at once.
+        await asyncio.gather(*(self._stop_engine(rec) for rec in self.records))
 
     async def _stop_engine(self, rec: EngineRecord) -> None:
         with contextlib.suppress(Exception):
