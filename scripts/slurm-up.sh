@@ -81,7 +81,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket=$MUNGE/munge.socket
+# cred_expire also holds a requeued job back this long (default 120 s): a job relaunched sooner on
+# the node that just killed it is refused there ("Job credential revoked").
+AuthInfo=socket=$MUNGE/munge.socket,cred_expire=30
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none

@@ -106,6 +106,15 @@ class SlurmCluster:
                                    f"{fields.get('JobState')} ({fields.get('Reason')})\n{_tail_logs(logs)}")
             time.sleep(1.0)
 
+    def daemon_log(self, job_id: int, lines: int = 40) -> str:
+        """slurmctld/slurmd log lines that mention the job (why Slurm failed a launch)."""
+        out = []
+        for path in sorted(self.state.rglob("slurm*.log")):
+            hits = [ln for ln in path.read_text(errors="replace").splitlines()
+                    if re.search(rf"\b(JobId=|job ?){job_id}\b", ln, re.I)]
+            out.append(f"--- {path.name}\n" + "\n".join(hits[-lines:]))
+        return "\n" + "\n".join(out)
+
 
 def _tail_logs(logs: Path | None, chars: int = 3000) -> str:
     if logs is None or not logs.is_dir():
@@ -207,18 +216,18 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, job_env: dic
         time.sleep(1.0)
     slurm.run("scancel", "--batch", "--signal=USR1", str(job_id))
 
-    # The script requeues the job after the driver's clean stop; Slurm holds a requeued job for a
-    # while (BeginTime), so release it at once.
+    # The script requeues the job after the driver's clean stop; Slurm holds a requeued job back for
+    # the credential lifetime (cred_expire=30 in the test cluster), then starts it again by itself.
     slurm.wait_job(job_id, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING",
                    "the requeue", timeout_s=240, logs=run_dir / "logs")
     saved = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
     assert saved and 1 <= saved[-1] < steps, f"checkpoints after the stop: {saved}"
     stopped_at = saved[-1]
-    slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now")
 
     fields = slurm.wait_job(job_id, _finished, "the end of the requeued job", logs=run_dir / "logs")
     log = trainer_log.read_text(errors="replace")
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), log[-4000:]
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), (
+        log[-4000:] + slurm.daemon_log(job_id))
     assert "received SIGUSR1" in log
     attempts = log.split("==== ")
     assert len(attempts) == 3 and "attempt 0" in attempts[1] and "attempt 1" in attempts[2], log[-4000:]
