@@ -30,19 +30,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig, TinyModelShape
+from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.rollout.fleet import EngineFleet
 from miles_lite.rollout.fleet_launch import start_fleet
 from miles_lite.rollout.manager import RolloutManager
-from miles_lite.trainer.tiny_hf import make_tiny_hf_model
+from miles_lite.trainer.tiny_hf import QWEN25_05B_SHAPE, QWEN25_VOCAB, make_tiny_hf_model
 from miles_lite.types import SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
-# Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads / 2 KV groups, SwiGLU 4864, tied embeddings, QKV bias.
-QWEN25_05B = TinyModelShape(hidden_size=896, ffn_hidden_size=4864, num_layers=24, num_attention_heads=14,
-                            num_kv_heads=2, max_position_embeddings=32768, rope_theta=1_000_000.0,
-                            tie_word_embeddings=True, qkv_bias=True)
-QWEN_VOCAB = 151936
 
 
 @dataclass
@@ -151,13 +146,13 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--model-dir", default="", help="HF model directory (default: a random Qwen2.5-0.5B shape)")
-    parser.add_argument("--vocab", type=int, default=QWEN_VOCAB, help="prompt token ids are drawn below this")
+    parser.add_argument("--vocab", type=int, default=QWEN25_VOCAB, help="prompt token ids are drawn below this")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
     parser.add_argument("--out", default="", help="write the JSON report here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rollout-throughput-") as tmp:
-        model_dir = args.model_dir or str(make_tiny_hf_model("qwen2", QWEN25_05B, QWEN_VOCAB, Path(tmp) / "model",
-                                                             seed=0))
+        model_dir = args.model_dir or str(make_tiny_hf_model("qwen2", QWEN25_05B_SHAPE, QWEN25_VOCAB,
+                                                             Path(tmp) / "model", seed=0))
         report = asyncio.run(measure(args, model_dir, str(Path(args.out).parent / "engine-logs" if args.out
                                                           else Path(tmp) / "logs")))
     print(f"\nstartup {report['startup_s']:.1f} s; {args.prompt_len} prompt + {args.new_tokens} new tokens, "

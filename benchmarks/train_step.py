@@ -35,20 +35,17 @@ import torch
 import torch.distributed as dist
 
 from miles_lite.config.schema import MilesConfig, TinyModelShape
+from miles_lite.data.permutation import permutation_batch
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.actor import TrainerActor
 from miles_lite.trainer.model import HFModelSpec, spec_from_hf_config
-from miles_lite.trainer.tiny_hf import make_tiny_hf_model
+from miles_lite.trainer.tiny_hf import QWEN25_05B_SHAPE, QWEN25_VOCAB, make_tiny_hf_model
 from miles_lite.types import TrainBatch
 
 H200_BF16_PEAK_TFLOPS = 989.0
-# Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads / 2 KV groups, SwiGLU 4864, tied embeddings, QKV bias.
-QWEN25_05B = TinyModelShape(hidden_size=896, ffn_hidden_size=4864, num_layers=24, num_attention_heads=14,
-                            num_kv_heads=2, max_position_embeddings=32768, rope_theta=1_000_000.0,
-                            rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True)
 TINY = TinyModelShape(hidden_size=128, ffn_hidden_size=352, num_layers=2, num_attention_heads=4, num_kv_heads=2,
                       max_position_embeddings=4096)
-SHAPES = {"qwen2.5-0.5b": (QWEN25_05B, 151936), "tiny": (TINY, 1024)}
+SHAPES = {"qwen2.5-0.5b": (QWEN25_05B_SHAPE, QWEN25_VOCAB), "tiny": (TINY, 1024)}
 
 
 @dataclass(frozen=True)
@@ -234,23 +231,6 @@ def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device
             torch.cuda.empty_cache()
     return out
 
-
-def permutation_batch(vocab: int, n: int, length: int, step: int, symbols: int = 64) -> TrainBatch:
-    """A learnable task: after a random first token, every token is `perm[previous]` (a fixed permutation
-    of `symbols` ids); the prompt is the first 4 tokens. Batch `step` of the stream (deterministic)."""
-    perm = list(range(symbols))
-    random.Random(0).shuffle(perm)
-    rng = random.Random(1000 + step)
-    tokens = []
-    for _ in range(n):
-        seq = [rng.randrange(symbols)]
-        while len(seq) < length:
-            seq.append(perm[seq[-1]])
-        tokens.append([10 + t for t in seq])
-    if vocab < 10 + symbols:
-        raise ValueError(f"vocab_size={vocab} is too small for the permutation task ({10 + symbols} ids)")
-    return TrainBatch(tokens=tokens, prompt_lengths=[4] * n, rollout_logprobs=[[0.0] * (length - 4)] * n,
-                      advantages=[0.0] * n)
 
 
 def sft_curve(model_dir: Path, run: RunConfig, device: str, steps: int, lr: float) -> list[float]:

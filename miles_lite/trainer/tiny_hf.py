@@ -13,6 +13,13 @@ import torch
 
 from miles_lite.config.schema import TinyModelShape
 
+# Qwen2.5-0.5B's architecture (24 layers, hidden 896, 14 heads / 2 KV groups, SwiGLU 4864, tied
+# embeddings, QKV bias): GPU benchmarks and tests build random models of this shape.
+QWEN25_05B_SHAPE = TinyModelShape(hidden_size=896, ffn_hidden_size=4864, num_layers=24, num_attention_heads=14,
+                                  num_kv_heads=2, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                                  rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=True)
+QWEN25_VOCAB = 151936
+
 
 def tiny_hf_config(arch: str, shape: TinyModelShape, vocab_size: int, init_std: float | None = None) -> Any:
     """The transformers config (`Qwen2Config` / `LlamaConfig` / `Qwen3Config`) for `shape`.

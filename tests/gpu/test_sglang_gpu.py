@@ -40,7 +40,12 @@ from miles_lite.rollout.sglang_engine import sglang_available  # noqa: E402
 from miles_lite.rollout.sync_api import EventLoopThread  # noqa: E402
 from miles_lite.trainer.hf_convert import layout_for, read_hf_state  # noqa: E402
 from miles_lite.trainer.model import padded_vocab_size, spec_from_hf_config  # noqa: E402
-from miles_lite.trainer.tiny_hf import build_tiny_hf_model, make_tiny_hf_model  # noqa: E402
+from miles_lite.trainer.tiny_hf import (  # noqa: E402
+    QWEN25_05B_SHAPE,
+    QWEN25_VOCAB,
+    build_tiny_hf_model,
+    make_tiny_hf_model,
+)
 from miles_lite.types import SamplingParams  # noqa: E402
 from miles_lite.weight_sync.buckets import MIB  # noqa: E402
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator  # noqa: E402
@@ -64,11 +69,6 @@ CONTRACT_SHAPE = TinyModelShape(hidden_size=256, ffn_hidden_size=512, num_layers
                                 num_kv_heads=2, max_position_embeddings=2048)
 CONTRACT_VOCAB = 512
 
-# Qwen2.5-0.5B: 24 layers, hidden 896, 14 heads / 2 KV groups, SwiGLU 4864, tied embeddings, QKV bias.
-QWEN25_05B = TinyModelShape(hidden_size=896, ffn_hidden_size=4864, num_layers=24, num_attention_heads=14,
-                            num_kv_heads=2, max_position_embeddings=32768, rope_theta=1_000_000.0,
-                            tie_word_embeddings=True, qkv_bias=True)
-QWEN_VOCAB = 151936
 # Probe |logp diff| mean allowed between the bf16 engine and the fp32 HF forward of the same weights.
 # Two random models of this shape differ by ~0.7 nats/token, so a stale engine is far above it.
 PROBE_TOL = 0.1
@@ -223,7 +223,7 @@ class World:
 @pytest.fixture(scope="class")
 def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     root = tmp_path_factory.mktemp("qwen05b")
-    a_dir = make_tiny_hf_model("qwen2", QWEN25_05B, QWEN_VOCAB, root / "a", seed=0)
+    a_dir = make_tiny_hf_model("qwen2", QWEN25_05B_SHAPE, QWEN25_VOCAB, root / "a", seed=0)
     rollout = RolloutConfig(backend="sglang", engines=1, engine_tp=1, startup_timeout_s=STARTUP_S,
                             request_timeout_s=300.0, sglang_args=sglang_yaml_args())
     launcher = EngineLauncher(rollout, str(a_dir), str(root / "logs"))
@@ -234,21 +234,21 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
     try:
         # The trainer side is built while the server starts (CPU work that overlaps its startup).
         spec = spec_from_hf_config(a_dir)
-        padded = padded_vocab_size(QWEN_VOCAB, 1, 128)
+        padded = padded_vocab_size(QWEN25_VOCAB, 1, 128)
         layouts = {n: layout_for(n, s, spec, 0, 1, padded) for n, s in megatron_locals(spec, padded).items()}
         from transformers import AutoModelForCausalLM
 
         model_a = AutoModelForCausalLM.from_pretrained(str(a_dir), dtype=torch.float32)
         assert set(read_hf_state(a_dir)) >= {"model.embed_tokens.weight", "model.norm.weight"}
         old = Policy(model_a, layouts)
-        new = Policy(build_tiny_hf_model("qwen2", QWEN25_05B, QWEN_VOCAB, seed=1), layouts)
+        new = Policy(build_tiny_hf_model("qwen2", QWEN25_05B_SHAPE, QWEN25_VOCAB, seed=1), layouts)
         process.wait_ready(STARTUP_S)
         client = HttpEngine(launcher.engine_id(0), process.url, request_timeout_s=300.0)
         loop = EngineLoop(loop_thread.loop, timeout_s=300.0)
         w = World(root=root, a_dir=Path(a_dir), loop=loop, client=client,
                   fleet=[FleetEngine(client, EngineSpec(client.engine_id, 1))],
                   specs=specs_from_layouts(layouts.values(), "bfloat16"), old=old, new=new,
-                  probe=make_probe(QWEN_VOCAB, sequences=4, tokens=64, seed=0), baseline=torch.empty(0))
+                  probe=make_probe(QWEN25_VOCAB, sequences=4, tokens=64, seed=0), baseline=torch.empty(0))
         w.baseline = w.scores()
         yield w
     finally:

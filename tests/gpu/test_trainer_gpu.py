@@ -17,6 +17,7 @@ pytestmark = [
 ]
 
 from miles_lite.config.schema import MilesConfig, TinyModelShape  # noqa: E402
+from miles_lite.data.permutation import permutation_batch  # noqa: E402
 from miles_lite.types import TrainBatch  # noqa: E402
 
 VOCAB = 4096
@@ -131,25 +132,11 @@ def test_rl_steps_move_logprobs_by_advantage(model_dir: Path, precision: str, re
     assert gain_pos > 0.0 > gain_neg, (gain_pos, gain_neg)
 
 
-def permutation_batch(step: int, n: int = 16, length: int = 64, symbols: int = 64) -> TrainBatch:
-    """Every token after the first is a fixed permutation of the previous one; prompts are 4 tokens."""
-    perm = list(range(symbols))
-    random.Random(0).shuffle(perm)
-    rng = random.Random(1000 + step)
-    tokens = []
-    for _ in range(n):
-        seq = [rng.randrange(symbols)]
-        while len(seq) < length:
-            seq.append(perm[seq[-1]])
-        tokens.append([10 + t for t in seq])
-    return TrainBatch(tokens=tokens, prompt_lengths=[4] * n, rollout_logprobs=[[0.0] * (length - 4)] * n,
-                      advantages=[0.0] * n)
-
 
 def sft_losses(path: Path, precision: str, steps: int, lr: float) -> list[float]:
     actor = make_actor(path, precision, "delayed", lr=lr)
     try:
-        return [actor.sft_step(permutation_batch(s), lr=lr)["loss/sft"] for s in range(steps)]
+        return [actor.sft_step(permutation_batch(VOCAB, 16, 64, s), lr=lr)["loss/sft"] for s in range(steps)]
     finally:
         actor.close()
 
