@@ -22,20 +22,18 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from train_step import SHAPES
+from train_step import make_model_dir
 
 from miles_lite.config import load_config, validate
-from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.driver import train
-from miles_lite.trainer.tiny_hf import make_tiny_hf_model
 
 PHASES = ("generate", "reward", "train", "sync", "checkpoint")
 
 
-def overrides(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> list[str]:
-    """Hydra overrides of the recipe for a short run on random weights."""
+def overrides(args: argparse.Namespace, model_dir: Path | None, out_dir: Path) -> list[str]:
+    """Hydra overrides of the recipe for a short run on random weights (`model_dir`: GPU runs only)."""
     common = [
-        f"model.hf_path={model_dir}", f"experiment.output_dir={out_dir}", f"experiment.steps={args.steps}",
+        f"experiment.output_dir={out_dir}", f"experiment.steps={args.steps}",
         "experiment.warmup=none", "experiment.eval_size=0", "data=synthetic", "data.presample.enabled=false",
         "data.synthetic.train_size=2048", "data.synthetic.eval_size=0", "algo.drop_zero_signal=false",
         "checkpoint.interval=2", "checkpoint.async_save=true", "weight_sync.transport=disk",
@@ -44,7 +42,7 @@ def overrides(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> list[
     if args.cpu:
         return ["experiment=tiny_cpu", *common, "rollout.prompts_per_step=4", "rollout.group_size=4"]
     env = [f"+rollout.engine_env.{k}={v}" for k, v in (kv.split("=", 1) for kv in args.engine_env)]
-    return ["experiment=gsm8k_qwen2.5_0.5b", *common, "cluster.placement=colocated",
+    return ["experiment=gsm8k_qwen2.5_0.5b", f"model.hf_path={model_dir}", *common, "cluster.placement=colocated",
             "rollout.sglang_args.base_gpu_id=0", f"rollout.sglang_args.mem_fraction_static={args.mem_fraction}",
             "+rollout.sglang_args.disable_piecewise_cuda_graph=true", "weight_sync.max_probe_logp_diff=0.1", *env]
 
@@ -75,18 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args, extra = p.parse_known_args(argv)
     out_dir = Path(tempfile.mkdtemp(prefix="grpo-steps-"))
-    model_dir = None
-    if not args.cpu:
-        shape, vocab = SHAPES["qwen2.5-0.5b"]
-        model_dir = args.model_root / "qwen2.5-0.5b-std0.02"
-        if not (model_dir / "config.json").is_file():
-            make_tiny_hf_model("qwen2", shape, vocab, model_dir, seed=0, init_std=0.02)
-        if not (model_dir / "tokenizer.json").is_file():
-            # Random weights have no tokenizer of their own: the offline one writes the prompts.
-            load_or_build_tokenizer(args.model_root / ".tokenizers").save_pretrained(str(model_dir))
-    over = overrides(args, model_dir or Path("null"), out_dir) + extra
-    if args.cpu:
-        over = [o for o in over if not o.startswith("model.hf_path=")]
+    model_dir = None if args.cpu else make_model_dir("qwen2.5-0.5b", args.model_root, 0.02)
+    over = overrides(args, model_dir, out_dir) + extra
     cfg = load_config(over)
     validate(cfg)
     summary = train(cfg)

@@ -25,12 +25,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from train_step import SHAPES, RunConfig, _init_process_group, actor_config, diff_stats, hf_response_logprobs
+from train_step import (
+    SHAPES,
+    RunConfig,
+    actor_config,
+    diff_stats,
+    hf_response_logprobs,
+    init_process_group,
+    make_model_dir,
+)
 
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.rollout.launcher import EngineLauncher
 from miles_lite.trainer.actor import TrainerActor
-from miles_lite.trainer.tiny_hf import make_tiny_hf_model
 from miles_lite.types import SamplingParams, TrainBatch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -119,11 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     env = dict(kv.split("=", 1) for kv in args.engine_env)
-    shape, vocab = SHAPES[args.shape]
-    model_dir = args.model_root / f"{args.shape}-std{args.init_std}"
-    if not (model_dir / "config.json").is_file():
-        make_tiny_hf_model("qwen2", shape, vocab, model_dir, seed=0, init_std=args.init_std)
-    _init_process_group("gpu" if gpu else "cpu")
+    model_dir = make_model_dir(args.shape, args.model_root, args.init_std)
+    init_process_group("gpu" if gpu else "cpu")
     results: dict[str, Any] = {"backend": args.backend, "shape": args.shape, "sequences": args.sequences,
                                "prompt_len": args.prompt_len, "new_tokens": args.new_tokens}
     for precision in args.precisions.split(","):

@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from miles_lite.config.schema import MilesConfig, TinyModelShape
 from miles_lite.data.permutation import permutation_batch
+from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.actor import TrainerActor
 from miles_lite.trainer.model import HFModelSpec, spec_from_hf_config
@@ -67,11 +68,17 @@ class RunConfig:
 
 
 def make_model_dir(shape_name: str, root: Path, init_std: float) -> Path:
-    """Save a random HF Qwen2 model of `shape_name` under `root` once (reused when present)."""
+    """Save a random HF Qwen2 model of `shape_name` under `root` once (reused when present).
+
+    The offline tokenizer goes beside the weights, so the directory is a complete checkpoint that
+    the driver accepts as `model.hf_path`.
+    """
     shape, vocab = SHAPES[shape_name]
     out = root / f"{shape_name}-std{init_std}"
     if not (out / "config.json").is_file():
         make_tiny_hf_model("qwen2", shape, vocab, out, seed=0, init_std=init_std)
+    if not (out / "tokenizer.json").is_file():
+        load_or_build_tokenizer(root / ".tokenizers").save_pretrained(str(out))
     return out
 
 
@@ -292,7 +299,7 @@ def agreement(model_dir: Path, device: str) -> dict[str, Any]:
     return out
 
 
-def _init_process_group(device: str) -> None:
+def init_process_group(device: str) -> None:
     """One single-rank process group for the whole run; actors created in turn reuse it."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -327,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = "gpu" if gpu else "cpu"
     runs = [RunConfig.parse(c) for c in args.configs.split(",") if c]
-    _init_process_group(device)
+    init_process_group(device)
     results: dict[str, Any] = {"device": torch.cuda.get_device_name() if gpu else "cpu", "shape": args.shape,
                                "torch": torch.__version__}
     model_dir = make_model_dir(args.shape, args.model_root, args.init_std)

@@ -89,7 +89,7 @@ class LogprobKernels:
     """
 
     mode: str = "auto"
-    _compiled: dict[str, Callable[..., Any]] = field(default_factory=dict, repr=False)
+    _compiled: dict[Callable[..., Any], Callable[..., Any]] = field(default_factory=dict, repr=False)
     _broken: bool = False
 
     def __post_init__(self) -> None:
@@ -101,13 +101,13 @@ class LogprobKernels:
             return False
         return self.mode == "compiled" or device.type == "cuda"
 
-    def _call(self, name: str, fn: Callable[..., Any], device: torch.device, *args: Any) -> Any:
-        if not self._use_compiled(device):
+    def _call(self, fn: Callable[..., Any], *args: Tensor) -> Any:
+        if not self._use_compiled(args[0].device):
             return fn(*args)
-        if name not in self._compiled:
-            self._compiled[name] = torch.compile(fn, dynamic=True)
+        if fn not in self._compiled:
+            self._compiled[fn] = torch.compile(fn, dynamic=True)
         try:
-            return self._compiled[name](*args)
+            return self._compiled[fn](*args)
         except Exception as exc:  # inductor/triton failures surface at first call
             if self.mode == "compiled":
                 raise
@@ -117,11 +117,11 @@ class LogprobKernels:
 
     def shifted_stats(self, *args: Any) -> tuple[Tensor, Tensor, Tensor]:
         """`_shifted_stats`, compiled or eager."""
-        return self._call("stats", _shifted_stats, args[0].device, *args)
+        return self._call(_shifted_stats, *args)
 
     def logits_grad(self, *args: Any) -> Tensor:
         """`_logits_grad`, compiled or eager."""
-        return self._call("grad", _logits_grad, args[0].device, *args)
+        return self._call(_logits_grad, *args)
 
 
 def _all_reduce(x: Tensor, op: dist.ReduceOp.RedOpType, group: dist.ProcessGroup | None) -> Tensor:
