@@ -225,10 +225,6 @@ class ReferenceModel:
             targets[name].data.copy_(tensor.to(targets[name].dtype))
         return len(named)
 
-    def load_from_disk(self, model_path: str) -> int:
-        """Load every tensor of `model_path/*.safetensors` (HF names); returns the number loaded."""
-        return self.load_named_tensors(read_safetensors(model_path))
-
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows (dim 0) of a parameter as float32 nested lists, as SGLang returns."""
         targets = self._targets()

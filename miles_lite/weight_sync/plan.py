@@ -202,12 +202,6 @@ class ReshardPlan:
     engines: tuple[EngineSpec, ...]
     ranks: tuple[tuple[RankPlan, ...], ...]
 
-    def for_engine(self, engine_id: str) -> tuple[RankPlan, ...]:
-        for spec, ranks in zip(self.engines, self.ranks, strict=True):
-            if spec.engine_id == engine_id:
-                return ranks
-        raise KeyError(f"engine {engine_id!r} is not in the plan; known: {[e.engine_id for e in self.engines]}")
-
 
 def _block(ndim: int, dim: int, start: int, length: int) -> tuple[slice, ...]:
     return tuple(slice(start, start + length) if i == dim else slice(None) for i in range(ndim))
