@@ -178,16 +178,12 @@ class ShardPlan:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """Everything one engine rank (of an engine with TP `tp`) receives, in model order.
-
-    `sender` is the trainer rank that ships this rank's shards (the one owning most of its bytes,
-    lowest rank on ties); the other trainer ranks hand it their pieces first (the gather phase).
-    """
+    """Everything one engine rank (of an engine with TP `tp`) receives, in model order; each transfer
+    names the trainer rank that sends it."""
 
     tp: int
     rank: int
     shards: tuple[ShardPlan, ...]
-    sender: int
 
     @property
     def nbytes(self) -> int:
@@ -306,7 +302,6 @@ def fused_offset(spec: ParamSpec, tp: int) -> int:
 
 def _rank_plan(specs: Sequence[ParamSpec], trainer_tp: int, engine: EngineSpec, rank: int) -> RankPlan:
     shards = []
-    owned: dict[int, int] = {}
     for spec in specs:
         src_segments = trainer_segments(spec, trainer_tp)
         dst_segments, local = engine_segments(spec, engine, rank)
@@ -319,12 +314,10 @@ def _rank_plan(specs: Sequence[ParamSpec], trainer_tp: int, engine: EngineSpec, 
                 nbytes = (hi - lo) * spec.row_bytes
                 transfers.append(Transfer(spec.name, spec.source, s_rank, spec.dim, s_local + lo - s_start,
                                           d_local + lo - d_start, hi - lo, nbytes))
-                owned[s_rank] = owned.get(s_rank, 0) + nbytes
         shape = list(spec.shape)
         shape[spec.dim] = local
         shards.append(ShardPlan(spec.name, tuple(shape), spec.dtype, tuple(transfers)))
-    sender = min(owned, key=lambda r: (-owned[r], r)) if owned else 0
-    return RankPlan(engine.tp, rank, tuple(shards), sender)
+    return RankPlan(engine.tp, rank, tuple(shards))
 
 
 def _check_specs(specs: Sequence[ParamSpec], trainer_tp: int) -> None:

@@ -162,7 +162,6 @@ def test_equal_tp_takes_one_trainer_shard_without_gather(g):
     tp = g["trainer_tp"]
     plan = build_plan(specs, tp, [EngineSpec("same", tp, vocab_pad_to=g["pad_to"])])
     for rank_plan in plan.ranks[0]:
-        assert rank_plan.sender == rank_plan.rank
         sources = {t.src_rank for s in rank_plan.shards for t in s.transfers if s.name.endswith(("proj.weight",))}
         assert sources <= {rank_plan.rank}
 
