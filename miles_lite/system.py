@@ -233,11 +233,14 @@ class System:
         async def begin() -> list[Any]:
             records = [r for r in fleet.records if r.state in (EngineState.HEALTHY, EngineState.STALE)]
             fleet.set_current_version(version)
+            fleet.begin_weight_update(records)
             return records
 
-        async def finish() -> None:
-            for r in records:
-                fleet.mark_synced(r.engine_id, version)
+        async def finish(synced: bool) -> None:
+            fleet.end_weight_update(records, answered=synced)
+            if synced:
+                for r in records:
+                    fleet.mark_synced(r.engine_id, version)
 
         records = self.loop_thread.run(begin())
         # Reference engines hold HF shapes (no vocab padding); SGLang pads its vocabulary to 64 rows.
@@ -247,8 +250,12 @@ class System:
         sync_ids = [r.engine_id if r.incarnation == 0 else f"{r.engine_id}.{r.incarnation}" for r in records]
         targets = [FleetEngine(r.engine, EngineSpec(sid, self.cfg.rollout.engine_tp, pad))
                    for r, sid in zip(records, sync_ids, strict=True)]
-        report = self.sync.push(targets, self.trainer.weight_shards, version)
-        self.loop_thread.run(finish())
+        try:
+            report = self.sync.push(targets, self.trainer.weight_shards, version)
+        except BaseException:
+            self.loop_thread.run(finish(False))
+            raise
+        self.loop_thread.run(finish(True))
         return report, time.perf_counter() - start
 
     def fleet_stats(self) -> dict[str, float]:

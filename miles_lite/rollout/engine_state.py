@@ -93,6 +93,9 @@ class EngineRecord:
     incarnation: int = 0
     inflight: int = 0
     health_failures: int = 0
+    # A weight push holds the engine (paused, loading): its health answers wait for the push, so
+    # health checks skip it until the push ends.
+    in_weight_update: bool = False
     request_failures: int = 0
     requests_served: int = 0
     last_error: str = ""

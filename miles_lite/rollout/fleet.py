@@ -20,7 +20,7 @@ import contextlib
 import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 
 from miles_lite.config.schema import FaultToleranceConfig
 from miles_lite.rollout.engine import RolloutEngine
@@ -346,11 +346,14 @@ class EngineFleet:
 
     async def check_health(self) -> None:
         """Probe every healthy or stale engine once (concurrently) and apply the failure threshold."""
-        watched = [r for r in self.records if r.state in (EngineState.HEALTHY, EngineState.STALE)]
+        watched = [r for r in self.records
+                   if r.state in (EngineState.HEALTHY, EngineState.STALE) and not r.in_weight_update]
         results = await asyncio.gather(*(self._probe(r) for r in watched))
         for rec, ok in zip(watched, results, strict=True):
             if rec.state not in (EngineState.HEALTHY, EngineState.STALE):
                 continue  # declared dead by a failed request while the probe ran
+            if rec.in_weight_update:
+                continue  # a push paused the engine while the probe waited: its answer says nothing
             if ok:
                 rec.health_failures = 0
                 continue
@@ -358,6 +361,22 @@ class EngineFleet:
             rec.health_failures += 1
             if rec.health_failures >= self.cfg.failure_threshold:
                 self._declare_dead(rec, f"{rec.health_failures} failed health checks: {rec.last_error}")
+
+    def begin_weight_update(self, records: Sequence[EngineRecord]) -> None:
+        """Exempt `records` from health checks while a push pauses them and loads their weights.
+
+        A paused engine answers `/health_generate` only after it resumes, and a large load blocks it
+        for longer than `failure_threshold` checks take: without this a push would get it declared dead.
+        """
+        for rec in records:
+            rec.in_weight_update = True
+
+    def end_weight_update(self, records: Sequence[EngineRecord], *, answered: bool) -> None:
+        """Health checks resume for `records`; `answered`: the push completed on them (they are alive)."""
+        for rec in records:
+            rec.in_weight_update = False
+            if answered:
+                rec.health_failures = 0
 
     def start_health_checks(self) -> None:
         """Run `check_health` every `health_interval_s` in a background task (idempotent)."""

@@ -120,6 +120,45 @@ def test_background_health_task_detects_a_hung_engine():
     asyncio.run(main())
 
 
+def test_an_engine_held_by_a_weight_update_is_not_health_checked():
+    """A push pauses the engine and its health answers wait (a large load outlasts several checks):
+    it stays healthy through the update; after it, checks resume with a clean count."""
+    async def main() -> None:
+        fleet = EngineFleet(_ft(), Launcher())
+        (rec,) = await fleet.launch(1)
+        fleet.start_health_checks()
+        fleet.begin_weight_update([rec])
+        rec.engine.mode = "hang"  # type: ignore[attr-defined]
+        await asyncio.sleep(1.0)  # five health periods, each check would time out after 0.2 s
+        assert rec.state is S.HEALTHY and fleet.stats()["failed_health_checks"] == 0
+        rec.engine.mode = "ok"  # type: ignore[attr-defined]
+        fleet.end_weight_update([rec], answered=True)
+        await asyncio.sleep(0.3)
+        assert rec.state is S.HEALTHY and rec.health_failures == 0
+
+        rec.engine.mode = "hang"  # type: ignore[attr-defined]
+        assert await fleet.wait_for(lambda: rec.state is S.DEAD or rec.incarnation > 0, 5.0), \
+            "outside an update a hung engine is still caught"
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_a_check_that_overlapped_the_start_of_an_update_is_not_counted():
+    async def main() -> None:
+        fleet = EngineFleet(_ft(failure_threshold=1), Launcher())
+        (rec,) = await fleet.launch(1)
+        rec.engine.mode = "hang"  # type: ignore[attr-defined]
+        check = asyncio.ensure_future(fleet.check_health())
+        await asyncio.sleep(0.05)  # the probe is waiting on the engine
+        fleet.begin_weight_update([rec])
+        await check
+        assert rec.state is S.HEALTHY and rec.health_failures == 0
+        await fleet.close()
+
+    asyncio.run(main())
+
+
 def test_restart_budget_exhausted_leaves_engine_dead_and_acquire_fails_fast():
     async def main() -> None:
         launcher = Launcher(mode="raise")
