@@ -6,6 +6,7 @@ can pack them by token budget; per-token floats line up one-to-one with `respons
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -131,6 +132,15 @@ class TrainBatch:
                 raise ValueError(
                     f"TrainBatch sequence {i}: {len(toks) - plen} response tokens but {len(lps)} rollout logprobs"
                 )
+
+    @classmethod
+    def for_scoring(cls, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> TrainBatch:
+        """A batch that only asks for log-probs of `sequences[i][prompt_lengths[i]:]` (no rollout data)."""
+        seqs = [list(s) for s in sequences]
+        plens = list(prompt_lengths)
+        return cls(tokens=seqs, prompt_lengths=plens,
+                   rollout_logprobs=[[0.0] * (len(s) - p) for s, p in zip(seqs, plens, strict=True)],
+                   advantages=[0.0] * len(seqs))
 
     @property
     def num_sequences(self) -> int:

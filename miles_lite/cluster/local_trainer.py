@@ -54,12 +54,8 @@ class LocalTrainer:
 
     def probe_logprobs(self, sequences: Any) -> list[list[float]]:
         """Logprobs of each probe sequence's tokens after its prompt (nats), under the current weights."""
-        batch = TrainBatch(
-            tokens=[list(s) for s in sequences.sequences], prompt_lengths=list(sequences.prompt_lens),
-            rollout_logprobs=[[0.0] * (len(s) - p) for s, p in zip(sequences.sequences, sequences.prompt_lens,
-                                                                     strict=True)],
-            advantages=[0.0] * len(sequences.sequences))
-        return self.actor.compute_logprobs(batch)
+        probe = TrainBatch.for_scoring(sequences.sequences, sequences.prompt_lens)
+        return self.actor.compute_logprobs(probe, quantized=False)
 
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:
         return self.actor.compute_logprobs(batch, model)

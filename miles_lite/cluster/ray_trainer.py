@@ -56,15 +56,6 @@ class RankCoords:
     dp_rank: int
 
 
-def probe_train_batch(sequences: Any) -> TrainBatch:
-    """A `TrainBatch` scoring a probe (`sequences.sequences`, `sequences.prompt_lens`); logprobs/advantages unused."""
-    seqs = [list(s) for s in sequences.sequences]
-    plens = list(sequences.prompt_lens)
-    return TrainBatch(tokens=seqs, prompt_lengths=plens,
-                      rollout_logprobs=[[0.0] * (len(s) - p) for s, p in zip(seqs, plens, strict=True)],
-                      advantages=[0.0] * len(seqs))
-
-
 class TrainerRank:
     """Body of one trainer rank's Ray actor: owns a `TrainerActor` once `setup` has run."""
 
@@ -116,8 +107,8 @@ class TrainerRank:
         if self.sender is not None:
             self.sender.leave()
 
-    def compute_logprobs(self, batch: TrainBatch, model: str) -> list[list[float]]:
-        return self.actor.compute_logprobs(batch, model)
+    def compute_logprobs(self, batch: TrainBatch, model: str, quantized: bool = True) -> list[list[float]]:
+        return self.actor.compute_logprobs(batch, model, quantized)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.actor.train_step(batch)
@@ -354,7 +345,8 @@ class RayTrainerGroup:
 
     def probe_logprobs(self, sequences: Any) -> list[list[float]]:
         """Logprobs (nats) of each probe sequence's tokens after its prompt, under the current weights."""
-        return self._all("compute_logprobs", probe_train_batch(sequences), "policy")
+        probe = TrainBatch.for_scoring(sequences.sequences, sequences.prompt_lens)
+        return self._all("compute_logprobs", probe, "policy", False)
 
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:
         """Per sequence, logprobs (nats) of its response tokens under `model` (policy | reference | teacher)."""

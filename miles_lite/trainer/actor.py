@@ -21,6 +21,7 @@ from miles_lite.config.schema import MilesConfig
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.checkpoint_state import capture_rng, restore_rng
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
+from miles_lite.trainer.fp8 import fp8_off
 from miles_lite.trainer.hf_convert import gather_hf_state
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
@@ -143,7 +144,7 @@ class TrainerActor:
     # ---- log-probs ------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy", quantized: bool = True) -> list[list[float]]:
         """Log-probs (nats) of every sequence's response tokens under `model`.
 
         Args:
@@ -151,6 +152,8 @@ class TrainerActor:
             model: "policy" (current weights), "reference" (initial weights; needs `algo.kl_coef > 0`
                 or `trainer.keep_reference`) or "teacher" (`experiment.teacher_path`; its softmax is
                 trimmed to the vocabulary it shares with the policy).
+            quantized: False runs an FP8 model in its weights' own dtype (no effect otherwise): the
+                weight-push probe compares weights, not FP8 noise.
 
         Returns:
             One list of R_i floats per sequence, identical on every rank.
@@ -170,7 +173,8 @@ class TrainerActor:
                 raise RuntimeError("no teacher model: set experiment.teacher_path to an HF checkpoint directory")
             handle, vocab = self.teacher, min(self.teacher.spec.vocab_size, self.policy.spec.vocab_size)
         local: dict[int, list[float]] = {}
-        with cpu_compat.device_mode(), swap:
+        precision = contextlib.nullcontext() if quantized else fp8_off(handle.model.config)
+        with cpu_compat.device_mode(), swap, precision:
             handle.model.eval()
             # TE caches FP8 copies of the weights after the first micro-batch; the weights may have
             # changed since the last call (optimizer step, weight load), so re-quantize them.

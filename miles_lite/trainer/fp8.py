@@ -8,6 +8,8 @@ the first forward pass.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 # trainer.fp8_recipe -> (TE recipe class in transformer_engine.common.recipe, TE format name)
@@ -43,3 +45,21 @@ def te_recipe(name: str) -> Any:
 def check_te_recipe(name: str) -> None:
     """Raise a clear error unless TransformerEngine can build the `name` recipe here."""
     te_recipe(name)
+
+
+@contextlib.contextmanager
+def fp8_off(config: Any) -> Iterator[None]:
+    """Forwards inside run in the weights' own dtype (bf16) instead of FP8.
+
+    `config`: the model's `TransformerConfig`. Megatron decides at every forward whether to enter
+    `fp8_autocast` from `config.fp8`, and TransformerEngine keeps the high-precision weights next to
+    their FP8 copies, so clearing the field for the duration is enough. The weight-push probe uses
+    it: it checks that the engine holds the trainer's weights, and an FP8 forward would add its
+    quantisation noise to that comparison.
+    """
+    saved = config.fp8
+    config.fp8 = None
+    try:
+        yield
+    finally:
+        config.fp8 = saved

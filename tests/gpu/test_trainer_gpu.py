@@ -132,6 +132,28 @@ def test_rl_steps_move_logprobs_by_advantage(model_dir: Path, precision: str, re
     assert gain_pos > 0.0 > gain_neg, (gain_pos, gain_neg)
 
 
+@pytest.mark.parametrize("recipe", ["delayed", "blockwise"])
+def test_fp8_model_scores_in_bf16_when_unquantized(model_dir: Path, recipe: str) -> None:
+    """`quantized=False` (the weight-push probe) gives an FP8 model the bf16 model's log-probs; the FP8
+    forward differs from both, and the FP8 forward still runs afterwards."""
+    batch = ragged_batch(2, n=4)
+    bf16 = make_actor(model_dir, "bf16")
+    try:
+        want = bf16.compute_logprobs(batch)
+    finally:
+        bf16.close()
+    fp8 = make_actor(model_dir, "fp8", recipe)
+    try:
+        quantized = fp8.compute_logprobs(batch)
+        unquantized = fp8.compute_logprobs(batch, quantized=False)
+        again = fp8.compute_logprobs(batch)
+        assert fp8.policy.model.config.fp8 is not None
+    finally:
+        fp8.close()
+    assert float(abs_diffs(unquantized, want).max()) < 1e-2, float(abs_diffs(unquantized, want).max())
+    assert float(abs_diffs(quantized, want).mean()) > 10 * float(abs_diffs(unquantized, want).mean())
+    assert float(abs_diffs(again, quantized).max()) < 1e-3
+
 
 def sft_losses(path: Path, precision: str, steps: int, lr: float) -> list[float]:
     actor = make_actor(path, precision, "delayed", lr=lr)

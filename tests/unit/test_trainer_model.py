@@ -90,3 +90,17 @@ def test_padded_vocab_rejects_bad_divisor() -> None:
     with pytest.raises(ValueError, match="vocab_divisor"):
         padded_vocab_size(100, 1, 0)
     assert padded_vocab_size(500, 1, 128) == 512 and padded_vocab_size(512, 4, 1) == 512
+
+
+def test_fp8_off_clears_the_field_and_restores_it_even_on_error() -> None:
+    from types import SimpleNamespace
+
+    from miles_lite.trainer.fp8 import fp8_off
+
+    config = SimpleNamespace(fp8="hybrid")
+    with fp8_off(config):
+        assert config.fp8 is None
+    assert config.fp8 == "hybrid"
+    with pytest.raises(RuntimeError), fp8_off(config):
+        raise RuntimeError("forward failed")
+    assert config.fp8 == "hybrid"
