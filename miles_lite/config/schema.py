@@ -83,6 +83,7 @@ class TrainerConfig:
     logprob_recompute: bool = False
     # auto | compiled | eager: fuse the memory-bound softmax passes with torch.compile (auto: on CUDA).
     logprob_kernel: str = "auto"
+    # Megatron's distributed optimizer: refused at start until checkpoints can map its flat shards.
     use_distributed_optimizer: bool = False
     # LR schedule length in optimizer steps (cosine/linear decay); None: experiment.steps.
     lr_decay_steps: int | None = None
@@ -291,7 +292,8 @@ class ClusterConfig:
 
     # local (processes on this machine) | ray
     mode: str = "local"
-    # disaggregated (separate devices per role) | colocated (shared devices, engines sleep in training)
+    # disaggregated (separate devices per role) | colocated (shared devices; both roles stay resident, so
+    # rollout.sglang_args.mem_fraction_static must leave the trainer room)
     placement: str = "disaggregated"
     ray_address: str | None = None
     trainer_gpus_per_rank: float = 0.0

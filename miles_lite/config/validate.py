@@ -235,6 +235,13 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
             f"rollout.max_staleness={cfg.rollout.max_staleness} must be >= rollout.async_steps="
             f"{cfg.rollout.async_steps}, or every asynchronous rollout would be dropped"
         )
+    if cfg.trainer.use_distributed_optimizer:
+        # Every run writes a checkpoint (at least the final one), and the checkpoint format maps each
+        # optimizer state to its parameter: Megatron's distributed optimizer steps flat per-rank shards
+        # that have no such mapping (its first save failed on an H200).
+        problems.append("trainer.use_distributed_optimizer=true: checkpoints do not support Megatron's distributed "
+                        "optimizer yet; set trainer.use_distributed_optimizer=false (with trainer.dp=1 it saves no "
+                        "memory anyway)")
     if cfg.weight_sync.transport == "ipc" and cfg.cluster.placement != "colocated":
         problems.append("weight_sync.transport=ipc needs cluster.placement=colocated (engines on the trainer's GPUs)")
 

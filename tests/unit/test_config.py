@@ -98,6 +98,12 @@ def test_gsm8k_paths_fp8_on_cpu_and_staleness():
     assert "rollout.max_staleness=1 must be >= rollout.async_steps=2" in msg
 
 
+def test_distributed_optimizer_is_refused_until_checkpoints_support_it():
+    assert "trainer.use_distributed_optimizer=false" in _problems(["trainer.use_distributed_optimizer=true"])
+    for trainer in ("gpu_bf16", "gpu_fp8"):
+        assert load_config([f"trainer={trainer}"]).trainer.use_distributed_optimizer is False
+
+
 def test_cli_prints_resolved_job_config(capsys):
     assert main(["train", "--cfg", "job", "trainer.tp=2"]) == 0
     out = capsys.readouterr().out
