@@ -10,7 +10,10 @@ trainer and the engine on the same GPU (the engine takes `mem_fraction_static` o
 through safetensors on local disk with verification, and an asynchronous checkpoint every other step.
 A random model earns no reward, so `algo.drop_zero_signal=false` keeps every group in the batch (zero
 advantages still run the full forward/backward). Extra Hydra overrides follow the flags.
-Prints one row per step: generate / reward / train / sync / checkpoint seconds and tokens/s.
+Prints one row per step: generate / reward / train / sync / checkpoint seconds, generation and training
+tokens/s, the trainer-vs-engine |logp diff| of the batch and the weight-push probe's. There is no separate
+log-prob pass: with one optimizer step per batch the old-policy log-probs are the training forward's own
+(detached), so recomputing them is part of "train".
 """
 
 from __future__ import annotations
@@ -54,10 +57,12 @@ def breakdown(run_dir: Path) -> list[dict[str, Any]]:
         m = json.loads(line)
         if "step" not in m or "time/train_seconds" not in m:
             continue
-        row = {"step": m["step"], **{p: m.get(f"time/{p}_seconds", 0.0) for p in PHASES}}
-        row.update(step_s=m.get("step_time_s"), train_tokens_per_s=m.get("tokens_per_s"),
+        row = {"step": m["step"] + 1, **{p: m.get(f"time/{p}_seconds", 0.0) for p in PHASES}}
+        row.update(step_s=m.get("time/step_seconds"), train_tokens_per_s=m.get("tokens_per_s"),
+                   generate_tokens_per_s=m.get("rollout/tokens_per_second"),
                    response_len=m.get("rollout/response_length_mean"),
-                   logp_abs_diff_mean=m.get("mismatch/logp_abs_diff_mean"))
+                   logp_abs_diff_mean=m.get("mismatch/logp_abs_diff_mean"),
+                   probe_logp_diff_mean=m.get("sync/probe_logp_diff_mean"), sync_gb_per_s=m.get("sync/gb_per_s"))
         rows.append(row)
     return rows
 
@@ -79,10 +84,13 @@ def main(argv: list[str] | None = None) -> int:
     validate(cfg)
     summary = train(cfg)
     rows = breakdown(Path(summary.run_dir))
-    print(f"{'step':>4} " + " ".join(f"{p:>10}" for p in PHASES) + f" {'step s':>8} {'train tok/s':>11}")
+    print(f"{'step':>4} " + " ".join(f"{p:>10}" for p in PHASES)
+          + f" {'step s':>8} {'gen tok/s':>10} {'train tok/s':>11} {'logp diff':>9} {'probe':>7}")
     for r in rows:
         print(f"{r['step']:>4} " + " ".join(f"{r[p]:10.3f}" for p in PHASES)
-              + f" {r['step_s'] or 0:8.3f} {r['train_tokens_per_s'] or 0:11,.0f}")
+              + f" {r['step_s'] or 0:8.3f} {r['generate_tokens_per_s'] or 0:10,.0f}"
+              + f" {r['train_tokens_per_s'] or 0:11,.0f}"
+              + f" {r['logp_abs_diff_mean'] or 0:9.4f} {r['probe_logp_diff_mean'] or 0:7.4f}")
     result = {"overrides": over, "run_dir": summary.run_dir, "steps": rows}
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
