@@ -74,7 +74,8 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
             if first_step == 0:
                 run_warmup(system, train_problems, io)
                 io.report_sync(*system.push_weights())
-                summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
+                if held_out:  # experiment.eval_size=0 skips evaluation
+                    summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
                 presample_filter(system, data, train_problems, io)
             rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size)
             try:
@@ -89,7 +90,7 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
                 if untrained is not None:  # the next step's prompts go back to the stream
                     data.load_state_dict(untrained)
             io.save_checkpoint(system, data, summary.steps_done, final=True)
-            if not summary.stopped_by_signal:
+            if held_out and not summary.stopped_by_signal:
                 summary.after = io.report_eval("after RL", eval_now(system, held_out))
             summary.wall_seconds = time.perf_counter() - start
             io.finish(summary)
