@@ -5,7 +5,8 @@ changed them, against the *old* ones, so that an engine which acknowledged the p
 old weights (an OOM swallowed with a 200, a dropped update) is named:
 
 - probe: a fixed batch of token sequences scored by each engine (`engine.score`) and by the trainer
-  (`trainer_logprobs`); per-token |logp diff| mean/max is reported and the mean is guarded by
+  (`trainer_logprobs`, an FP8 trainer in its weights' own bf16, so quantisation noise does not count as a
+  weight difference); per-token |logp diff| mean/max is reported and the mean is guarded by
   `weight_sync.max_probe_logp_diff`. The engine's pre-push scores are kept: if the post-push scores
   still equal them while the trainer's new logprobs differ from them, the engine is stale.
 - checksum: a few parameters read back with `get_weights_by_name` (first rows) and compared with
