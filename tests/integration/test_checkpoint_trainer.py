@@ -3,7 +3,8 @@
 Run A (TP=2, two processes): 2 steps, async save (with driver state), 2 more steps -> final weights.
 Run B (TP=2, new processes): resume, 2 steps -> final weights bit-identical to A, same data order.
 Run C (TP=1, one process): resume A's TP=2 checkpoint -> weights and Adam moments equal the
-checkpoint's bit for bit; 2 more steps match A within 1e-6 (TP changes the reduction order).
+checkpoint's bit for bit; 2 more steps match A within 0.1% of how far they moved the weights
+(TP changes the reduction order).
 """
 
 from __future__ import annotations
@@ -128,7 +129,13 @@ def test_tp2_checkpoint_resumes_at_tp1(run_a: tuple[Path, dict[str, Any]]) -> No
         assert exp_avg.shape == shape and torch.equal(exp_avg, expected), name
         assert float(step) == STEPS_BEFORE
     assert c["order"] == a["order"][STEPS_BEFORE:]
-    assert _max_diff(c["final"], a["final"]) < 1e-6
+    # TP=1 follows A's trajectory up to reduction-order rounding. Adam turns rounding into steps where a
+    # gradient is ~0 in exact arithmetic (the key bias: softmax ignores a per-query constant), so the bound
+    # is relative to how far the two steps moved the weights (0.02 here; 2.4e-6 measured on one CPU type,
+    # under 1e-6 on another).
+    moved = _max_diff(a["final"], a["saved"])
+    assert moved > 1e-3, "the two steps after the checkpoint must move the weights, or the check proves nothing"
+    assert _max_diff(c["final"], a["final"]) < 1e-3 * moved
 
 
 def test_to_hf_export_loads_in_transformers(run_a: tuple[Path, dict[str, Any]]) -> None:
