@@ -121,7 +121,10 @@ def test_promtool_accepts_generated_config(scraped_run: ScrapedRun) -> None:
 def test_the_run_was_scraped_while_alive_and_lingered_for_its_final_values(scraped_run: ScrapedRun) -> None:
     server, run = scraped_run.server, scraped_run.run
     up = server.raw_samples('up{job="miles-lite"}')
-    assert sum(v == 1.0 for _, v in up) >= 5, up  # many scrapes during the run, not one at its end
+    # Scraped during the run, not once at its end. How many scrapes (1 s apart) fit depends on the machine:
+    # 5 or more on a loaded 2-core one, 4 on an idle one where the whole run took about 4 s.
+    before_final = [t for t, v in up if v == 1.0 and t < scraped_run.final_scrape]
+    assert len(before_final) >= 2, up
     assert [v for t, v in up if t == scraped_run.final_scrape] == [1.0]
     steps = [v for _, v in server.raw_samples(f'miles_lite_step{{run="{run}"}}')]
     assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] == STEPS - 1, steps
