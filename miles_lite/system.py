@@ -27,7 +27,7 @@ from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 from miles_lite.types import Group, TrainBatch
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
 from miles_lite.weight_sync.plan import EngineSpec
-from miles_lite.weight_sync.transport import EngineLoop, FleetEngine
+from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, WeightSyncError
 
 
 def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
@@ -218,7 +218,10 @@ class System:
     def push_weights(self) -> tuple[SyncReport, float]:
         """Push the trainer's weights as the next version to every engine that serves or waits to.
 
-        Returns the sync report and the wall seconds of the whole push.
+        An engine that died since its last health check fails the push: the engines of the push are
+        then health-checked at once, the dead ones go to the fleet for replacement, and the push is
+        made again to the others (once). A failure on live engines (a dropped update, a probe mismatch)
+        is raised. Returns the sync report and the wall seconds of the whole push.
         """
         assert self.sync is not None and self.fleet is not None and self.loop_thread is not None
         from miles_lite.rollout.engine_state import EngineState
@@ -237,26 +240,36 @@ class System:
             return records
 
         async def finish(synced: bool) -> None:
-            fleet.end_weight_update(records, answered=synced)
+            fleet.end_weight_update(held, answered=synced)
             if synced:
                 for r in records:
                     fleet.mark_synced(r.engine_id, version)
 
-        records = self.loop_thread.run(begin())
-        # Reference engines hold HF shapes (no vocab padding); SGLang pads its vocabulary to 64 rows.
-        pad = 1 if self.cfg.rollout.backend == "reference" else 64
-        # A replacement keeps its slot's engine id but is a new process: naming the incarnation makes
-        # the weight-sync coordinator see a new fleet and rebuild its group with the replacement in it.
-        sync_ids = [r.engine_id if r.incarnation == 0 else f"{r.engine_id}.{r.incarnation}" for r in records]
-        targets = [FleetEngine(r.engine, EngineSpec(sid, self.cfg.rollout.engine_tp, pad))
-                   for r, sid in zip(records, sync_ids, strict=True)]
+        held = records = self.loop_thread.run(begin())
         try:
-            report = self.sync.push(targets, self.trainer.weight_shards, version)
+            try:
+                report = self.sync.push(self._sync_targets(records), self.trainer.weight_shards, version)
+            except WeightSyncError:
+                dead = self.loop_thread.run(fleet.confirm_dead(records))
+                records = [r for r in records if all(r is not d for d in dead)]
+                if not dead or not records:
+                    raise
+                report = self.sync.push(self._sync_targets(records), self.trainer.weight_shards, version)
         except BaseException:
             self.loop_thread.run(finish(False))
             raise
         self.loop_thread.run(finish(True))
         return report, time.perf_counter() - start
+
+    def _sync_targets(self, records: Sequence[Any]) -> list[FleetEngine]:
+        """The weight-sync view of fleet `records`: each engine with its id, TP size and vocabulary padding."""
+        # Reference engines hold HF shapes (no vocab padding); SGLang pads its vocabulary to 64 rows.
+        pad = 1 if self.cfg.rollout.backend == "reference" else 64
+        # A replacement keeps its slot's engine id but is a new process: naming the incarnation makes
+        # the weight-sync coordinator see a new fleet and rebuild its group with the replacement in it.
+        sync_ids = [r.engine_id if r.incarnation == 0 else f"{r.engine_id}.{r.incarnation}" for r in records]
+        return [FleetEngine(r.engine, EngineSpec(sid, self.cfg.rollout.engine_tp, pad))
+                for r, sid in zip(records, sync_ids, strict=True)]
 
     def fleet_stats(self) -> dict[str, float]:
         assert self.fleet is not None

@@ -362,6 +362,21 @@ class EngineFleet:
             if rec.health_failures >= self.cfg.failure_threshold:
                 self._declare_dead(rec, f"{rec.health_failures} failed health checks: {rec.last_error}")
 
+    async def confirm_dead(self, records: Sequence[EngineRecord]) -> list[EngineRecord]:
+        """Health-check `records` now, outside the schedule; declare dead and return those that fail.
+
+        For a caller whose request failed on several engines at once (a weight push): an engine that
+        also fails its health check died, one that passes it is alive and the failure was something else.
+        """
+        candidates = [r for r in records if r.state in (EngineState.HEALTHY, EngineState.STALE)]
+        results = await asyncio.gather(*(self._probe(r) for r in candidates))
+        dead = []
+        for rec, ok in zip(candidates, results, strict=True):
+            if not ok and rec.state in (EngineState.HEALTHY, EngineState.STALE):
+                self._declare_dead(rec, f"failed a health check after a failed weight push: {rec.last_error}")
+                dead.append(rec)
+        return dead
+
     def begin_weight_update(self, records: Sequence[EngineRecord]) -> None:
         """Exempt `records` from health checks while a push pauses them and loads their weights.
 

@@ -73,7 +73,7 @@ class WeightSyncCoordinator:
                 self._fleet_ids = ids
             self.state = SyncState.PAUSING
             if self.verifier is not None:
-                self.verifier.before_push(fleet)
+                self.verifier.before_push(fleet, version)
             start = time.perf_counter()
             try:
                 self._each(fleet, "pause")

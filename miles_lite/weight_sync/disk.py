@@ -135,6 +135,7 @@ class DiskTransport(WeightTransport):
         self.plan = full_tensor_plan(specs, trainer_tp)
         self.buckets = full_buckets(self.plan, bucket_bytes)
         self.trainer_tp = trainer_tp
+        self._published: str | None = None
 
     def connect(self, fleet_engines: Sequence[FleetEngine]) -> None:
         """Nothing to open: remember the fleet (engines only need to see `root`)."""
@@ -143,7 +144,11 @@ class DiskTransport(WeightTransport):
         self.state = TransportState.CONNECTED
 
     def push(self, named_shards: ShardSource, version: str) -> PushReport:
-        """Write `v<version>/` atomically, then load it on every engine concurrently."""
+        """Write `v<version>/` atomically, then load it on every engine concurrently.
+
+        Pushing the version this transport published last again (a push repeated without an engine that
+        died during it; the trainer has not stepped since) loads the files already written.
+        """
         self._require(TransportState.CONNECTED)
         version = str(version)
         report = PushReport(version, self.name, tuple(f.engine_id for f in self.fleet))
@@ -153,7 +158,11 @@ class DiskTransport(WeightTransport):
         with report.phase("convert"):
             tensors = apply_rank_plan(self.plan, shards)
         with report.phase("transfer"):
-            path = write_version(self.root, version, tensors, [b.names for b in self.buckets], self.template_dir)
+            if version == self._published:
+                path = version_dir(self.root, version)
+            else:
+                path = write_version(self.root, version, tensors, [b.names for b in self.buckets], self.template_dir)
+                self._published = version
         report.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
         report.buckets = len(self.buckets)
         with report.phase("load"):

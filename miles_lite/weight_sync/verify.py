@@ -87,6 +87,7 @@ class PushVerifier:
         self.checksum_rows = checksum_rows
         self.checksum_atol = checksum_atol
         self._before: dict[str, torch.Tensor] = {}
+        self._before_version: str | None = None
         # The trainer's probe scores at the last verified push: a dropped update is named only when the
         # trainer's own scores moved since then (an optimizer step that changes nothing is not a drop).
         self._trainer_last: torch.Tensor | None = None
@@ -100,9 +101,17 @@ class PushVerifier:
         futures = {f.engine_id: self.loop.submit(score(f)) for f in fleet}
         return self.loop.gather(futures)
 
-    def before_push(self, fleet: Sequence[FleetEngine]) -> None:
-        """Record each engine's probe scores under the weights it serves now."""
-        self._before = self._score_all(fleet)
+    def before_push(self, fleet: Sequence[FleetEngine], version: str) -> None:
+        """Record each engine's probe scores under the weights it serves now.
+
+        A repeated push of the same `version` (made again without an engine that died during the
+        first) keeps the scores taken before the first attempt: some engines may hold the new weights.
+        """
+        if version != self._before_version:
+            self._before, self._before_version = {}, version
+        missing = [f for f in fleet if f.engine_id not in self._before]
+        if missing:
+            self._before.update(self._score_all(missing))
 
     def verify(self, fleet: Sequence[FleetEngine], version: str,
                new_tensors: Mapping[str, torch.Tensor] | None = None,

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from miles_lite.config.schema import RolloutConfig, TinyModelShape
+from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.launcher import EngineLauncher
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.hf_convert import layout_for
@@ -151,8 +152,15 @@ def test_disk_push_round_trip_and_retention(world):
     for f in world["fleet"]:
         assert world["loop"].run(f.engine.weight_version()) == "12"
         assert torch.equal(engine_rows(world, f, CHECKSUM[2]), new.hf[CHECKSUM[2]])
+    # A repeated push of the last version reloads its files; a version already on disk that this transport
+    # did not just publish (an earlier run's) is never overwritten.
+    transport.push(new.shards, "12")
+    assert [p.name for p in complete_versions(root)] == ["v11", "v12"]
+    again = DiskTransport(world["specs"], TP, root, world["loop"], bucket_bytes=32 * 1024, keep_versions=2,
+                          template_dir=world["model_dir"])
+    again.connect(world["fleet"])
     with pytest.raises(FileExistsError):
-        transport.push(new.shards, "12")
+        again.push(new.shards, "12")
 
 
 def test_engine_that_keeps_old_weights_is_named(world):
@@ -190,5 +198,45 @@ def test_a_push_that_changes_nothing_is_not_a_drop_but_a_later_drop_is_named(wor
         with pytest.raises(WeightSyncError, match="engine dropping-0: acknowledged version 22 but its probe "
                                                   "logprobs are unchanged"):
             sync.push(fleet, new.shards, "22", new.hf, old.hf)
+    finally:
+        sync.close()
+
+
+class FailsDiskLoad:
+    """An engine client whose disk loads fail (its process died mid-push); everything else delegates."""
+
+    def __init__(self, client) -> None:
+        self.client = client
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+    async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
+        raise EngineError(f"{self.client.engine_id} /update_weights_from_disk: Server disconnected")
+
+
+def test_a_push_repeated_without_a_failed_engine_verifies_against_the_first_attempt(world):
+    """Attempt 1 loads the new weights into engine A and fails on B; the repeat to A alone must compare A with
+    its scores from before attempt 1 (A already serves the new weights, which is not a dropped update) and
+    reuse the published files."""
+    old = Trainer(0, world["spec"], world["layouts"])
+    new = Trainer(6, world["spec"], world["layouts"])
+    a, b = world["fleet"]
+    failing = FleetEngine(FailsDiskLoad(b.engine), b.spec)
+    root = world["root"] / "disk-repeat"
+    transport = DiskTransport(world["specs"], TP, root, world["loop"], bucket_bytes=32 * 1024, keep_versions=2,
+                              template_dir=world["model_dir"])
+    verifier = make_verifier(world, old)
+    sync = WeightSyncCoordinator(transport, world["loop"], verifier)
+    try:
+        sync.push([a], old.shards, "30", old.hf)  # a verified push of the weights A serves
+        verifier.trainer_logprobs = new.logprobs
+        with pytest.raises(WeightSyncError, match="Server disconnected"):
+            sync.push([a, failing], new.shards, "31", new.hf, old.hf)
+        assert world["loop"].run(a.engine.weight_version()) == "31"
+        written = (root / "v31" / "model.safetensors.index.json").stat().st_mtime_ns
+        report = sync.push([a], new.shards, "31", new.hf, old.hf)
+        assert report.verify is not None and report.verify.logp_diff_max < 1e-4
+        assert (root / "v31" / "model.safetensors.index.json").stat().st_mtime_ns == written
     finally:
         sync.close()

@@ -159,6 +159,22 @@ def test_a_check_that_overlapped_the_start_of_an_update_is_not_counted():
     asyncio.run(main())
 
 
+def test_confirm_dead_declares_only_the_engines_that_fail_a_check_now():
+    async def main() -> None:
+        launcher = Launcher()
+        fleet = EngineFleet(_ft(failure_threshold=5), launcher)
+        a, b = await fleet.launch(2)
+        a.engine.mode = "dead"  # type: ignore[attr-defined]
+        dead = await fleet.confirm_dead([a, b])
+        assert dead == [a] and b.state is S.HEALTHY
+        assert [t.new for t in fleet.transitions if t.slot == 0][-1] is S.DEAD, "one check suffices, not five"
+        assert await fleet.wait_for(lambda: a.state is S.STALE, 5.0), "the dead engine is replaced"
+        assert await fleet.confirm_dead([b]) == []
+        await fleet.close()
+
+    asyncio.run(main())
+
+
 def test_restart_budget_exhausted_leaves_engine_dead_and_acquire_fails_fast():
     async def main() -> None:
         launcher = Launcher(mode="raise")
