@@ -212,8 +212,7 @@ class System:
             target = self.encode(format_solution(p) + eos)
             tokens.append(prompt + target)
             plens.append(len(prompt))
-        return TrainBatch(tokens, plens, [[0.0] * (len(t) - n) for t, n in zip(tokens, plens, strict=True)],
-                          [0.0] * len(tokens))
+        return TrainBatch.without_rollout(tokens, plens)
 
     def push_weights(self) -> tuple[SyncReport, float]:
         """Push the trainer's weights as the next version to every engine that serves or waits to.
@@ -239,11 +238,10 @@ class System:
             fleet.begin_weight_update(records)
             return records
 
-        async def finish(synced: bool) -> None:
-            fleet.end_weight_update(held, answered=synced)
-            if synced:
-                for r in records:
-                    fleet.mark_synced(r.engine_id, version)
+        async def finish(synced: Sequence[Any]) -> None:
+            fleet.end_weight_update(held, answered=bool(synced))
+            for r in synced:
+                fleet.mark_synced(r.engine_id, version)
 
         held = records = self.loop_thread.run(begin())
         try:
@@ -256,9 +254,9 @@ class System:
                     raise
                 report = self.sync.push(self._sync_targets(records), self.trainer.weight_shards, version)
         except BaseException:
-            self.loop_thread.run(finish(False))
+            self.loop_thread.run(finish([]))
             raise
-        self.loop_thread.run(finish(True))
+        self.loop_thread.run(finish(records))
         return report, time.perf_counter() - start
 
     def _sync_targets(self, records: Sequence[Any]) -> list[FleetEngine]:

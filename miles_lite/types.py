@@ -134,8 +134,9 @@ class TrainBatch:
                 )
 
     @classmethod
-    def for_scoring(cls, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> TrainBatch:
-        """A batch that only asks for log-probs of `sequences[i][prompt_lengths[i]:]` (no rollout data)."""
+    def without_rollout(cls, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> TrainBatch:
+        """`sequences` with no rollout data (zero log-probs and advantages): for scoring or SFT, where only
+        `tokens` and `prompt_lengths` are read."""
         seqs = [list(s) for s in sequences]
         plens = list(prompt_lengths)
         return cls(tokens=seqs, prompt_lengths=plens,

@@ -54,7 +54,7 @@ class LocalTrainer:
 
     def probe_logprobs(self, sequences: Any) -> list[list[float]]:
         """Logprobs of each probe sequence's tokens after its prompt (nats), under the current weights."""
-        probe = TrainBatch.for_scoring(sequences.sequences, sequences.prompt_lens)
+        probe = TrainBatch.without_rollout(sequences.sequences, sequences.prompt_lens)
         return self.actor.compute_logprobs(probe, quantized=False)
 
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:

@@ -345,7 +345,7 @@ class RayTrainerGroup:
 
     def probe_logprobs(self, sequences: Any) -> list[list[float]]:
         """Logprobs (nats) of each probe sequence's tokens after its prompt, under the current weights."""
-        probe = TrainBatch.for_scoring(sequences.sequences, sequences.prompt_lens)
+        probe = TrainBatch.without_rollout(sequences.sequences, sequences.prompt_lens)
         return self._all("compute_logprobs", probe, "policy", False)
 
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:

@@ -344,14 +344,17 @@ class EngineFleet:
             rec.last_error = "health check answered unhealthy"
         return bool(ok)
 
+    async def _probe_live(self, records: Sequence[EngineRecord]) -> list[tuple[EngineRecord, bool]]:
+        """Probe the healthy or stale `records` concurrently; (record, answered) for those still so after."""
+        live = (EngineState.HEALTHY, EngineState.STALE)
+        candidates = [r for r in records if r.state in live]
+        results = await asyncio.gather(*(self._probe(r) for r in candidates))
+        # An engine declared dead by a failed request while the probe ran is left out.
+        return [(rec, ok) for rec, ok in zip(candidates, results, strict=True) if rec.state in live]
+
     async def check_health(self) -> None:
         """Probe every healthy or stale engine once (concurrently) and apply the failure threshold."""
-        watched = [r for r in self.records
-                   if r.state in (EngineState.HEALTHY, EngineState.STALE) and not r.in_weight_update]
-        results = await asyncio.gather(*(self._probe(r) for r in watched))
-        for rec, ok in zip(watched, results, strict=True):
-            if rec.state not in (EngineState.HEALTHY, EngineState.STALE):
-                continue  # declared dead by a failed request while the probe ran
+        for rec, ok in await self._probe_live([r for r in self.records if not r.in_weight_update]):
             if rec.in_weight_update:
                 continue  # a push paused the engine while the probe waited: its answer says nothing
             if ok:
@@ -368,13 +371,9 @@ class EngineFleet:
         For a caller whose request failed on several engines at once (a weight push): an engine that
         also fails its health check died, one that passes it is alive and the failure was something else.
         """
-        candidates = [r for r in records if r.state in (EngineState.HEALTHY, EngineState.STALE)]
-        results = await asyncio.gather(*(self._probe(r) for r in candidates))
-        dead = []
-        for rec, ok in zip(candidates, results, strict=True):
-            if not ok and rec.state in (EngineState.HEALTHY, EngineState.STALE):
-                self._declare_dead(rec, f"failed a health check after a failed weight push: {rec.last_error}")
-                dead.append(rec)
+        dead = [rec for rec, ok in await self._probe_live(records) if not ok]
+        for rec in dead:
+            self._declare_dead(rec, f"failed a health check after a failed weight push: {rec.last_error}")
         return dead
 
     def begin_weight_update(self, records: Sequence[EngineRecord]) -> None:

@@ -135,7 +135,8 @@ class DiskTransport(WeightTransport):
         self.plan = full_tensor_plan(specs, trainer_tp)
         self.buckets = full_buckets(self.plan, bucket_bytes)
         self.trainer_tp = trainer_tp
-        self._published: str | None = None
+        # (version, bytes) of the last version this transport wrote.
+        self._published: tuple[str, int] | None = None
 
     def connect(self, fleet_engines: Sequence[FleetEngine]) -> None:
         """Nothing to open: remember the fleet (engines only need to see `root`)."""
@@ -147,23 +148,24 @@ class DiskTransport(WeightTransport):
         """Write `v<version>/` atomically, then load it on every engine concurrently.
 
         Pushing the version this transport published last again (a push repeated without an engine that
-        died during it; the trainer has not stepped since) loads the files already written.
+        died during it; the trainer has not stepped since) loads the files already written, without
+        gathering or converting the shards again.
         """
         self._require(TransportState.CONNECTED)
         version = str(version)
         report = PushReport(version, self.name, tuple(f.engine_id for f in self.fleet))
-        shards = resolve_shards(named_shards, report)
-        if len(shards) != self.trainer_tp:
-            raise WeightSyncError(f"disk push got {len(shards)} trainer shards for trainer tp={self.trainer_tp}")
-        with report.phase("convert"):
-            tensors = apply_rank_plan(self.plan, shards)
-        with report.phase("transfer"):
-            if version == self._published:
-                path = version_dir(self.root, version)
-            else:
+        if self._published is not None and self._published[0] == version:
+            path, report.bytes = version_dir(self.root, version), self._published[1]
+        else:
+            shards = resolve_shards(named_shards, report)
+            if len(shards) != self.trainer_tp:
+                raise WeightSyncError(f"disk push got {len(shards)} trainer shards for trainer tp={self.trainer_tp}")
+            with report.phase("convert"):
+                tensors = apply_rank_plan(self.plan, shards)
+            with report.phase("transfer"):
                 path = write_version(self.root, version, tensors, [b.names for b in self.buckets], self.template_dir)
-                self._published = version
-        report.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            report.bytes = sum(t.numel() * t.element_size() for t in tensors.values())
+            self._published = (version, report.bytes)
         report.buckets = len(self.buckets)
         with report.phase("load"):
             futures = {f.engine_id: self.loop.submit(f.engine.update_weights_from_disk(str(path), version))
