@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from miles_lite.rewards.numbers import find_numbers, numbers_equal, parse_number
+from miles_lite.rewards.numbers import answer_matches, find_numbers, numbers_equal, parse_number, parse_solution_number
 from miles_lite.rewards.registry import (
     REWARD_NAMES,
     REWARD_SETS,
@@ -22,11 +22,13 @@ __all__ = [
     "REWARD_SETS",
     "RewardFn",
     "RewardSet",
+    "answer_matches",
     "find_numbers",
     "get_reward_set",
     "numbers_equal",
     "parse_answer",
     "parse_number",
+    "parse_solution_number",
     "register_reward",
     "score",
     "score_completions",

@@ -5,9 +5,10 @@ A well-formed completion is::
     <start_working_out> ...reasoning... <end_working_out><SOLUTION>72</SOLUTION>
 
 Every reward returns a raw value in ``[0, 1]`` per completion (weights are applied by a
-reward set, see :mod:`miles_lite.rewards.registry`). Numbers are compared by value with a
-relative tolerance (``1,234 == 1234``, ``2.50 == 2.5``). The reference answer always comes
-from the dataset (the ``#### N`` line), never from tags in a reference text.
+reward set, see :mod:`miles_lite.rewards.registry`). A written number is graded against the
+reference answer exactly at the reference's written precision (:func:`answer_matches`: an integer
+answer needs the exact integer, ``1,234 == 1234``, ``2.50 == 2.5``). The reference answer always
+comes from the dataset (the ``#### N`` line), never from tags in a reference text.
 
 Each ``*_check`` function here has the batch reward signature::
 
@@ -22,7 +23,15 @@ import re
 from collections.abc import Callable, Sequence
 
 from miles_lite.data.prompts import ANSWER_TAGS, SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
-from miles_lite.rewards.numbers import contains_number, find_numbers, numbers_equal, parse_number
+from miles_lite.rewards.numbers import (
+    answer_matches,
+    contains_answer,
+    contains_number,
+    find_numbers,
+    numbers_equal,
+    parse_number,
+    parse_solution_number,
+)
 
 TAG_CREDIT = 0.125
 _FORMAT_RE = re.compile(
@@ -57,23 +66,32 @@ def score_format(completion: str) -> float:
 
 
 def score_correctness(completion: str, answer: float) -> float:
-    """1.0 if the first SOLUTION block holds just a number equal to ``answer``, else 0.0.
+    """1.0 if the first SOLUTION block holds the answer as a person would write it, else 0.0.
 
-    Surrounding whitespace is allowed; ``$``, units, words or a trailing period are not, and
-    an unclosed block scores 0.0.
+    One number graded by :func:`answer_matches`, with optional whitespace, ``$``, sign, ``%``, a
+    unit of at most two words and a closing period (``$1,234``, ``-$5``, ``50%``, ``18 dollars.``,
+    see :func:`parse_solution_number`). An expression, a second number or an unclosed block
+    scores 0.0.
     """
-    value = solution_number(completion)
-    return 1.0 if value is not None and numbers_equal(value, answer) else 0.0
+    text = solution_text(completion)
+    value = None if text is None else parse_solution_number(text)
+    return 1.0 if value is not None and answer_matches(value, answer) else 0.0
 
 
 def score_exact(completion: str, answer: float) -> float:
-    """1.0 if the format check passes and the SOLUTION number equals ``answer``, else 0.0."""
-    return score_format(completion) * score_correctness(completion, answer)
+    """1.0 if the format check passes and the SOLUTION block holds just the right number, else 0.0.
+
+    Stricter than :func:`score_correctness`: no ``$``, ``%`` or unit (only whitespace and commas).
+    """
+    value = solution_number(completion)
+    if value is None or not answer_matches(value, answer):
+        return 0.0
+    return score_format(completion)
 
 
 def score_lenient_correctness(completion: str, answer: float) -> float:
-    """1.0 if any number anywhere in the completion equals ``answer``, else 0.0."""
-    return 1.0 if contains_number(find_numbers(completion), answer) else 0.0
+    """1.0 if any number anywhere in the completion is the answer (:func:`answer_matches`), else 0.0."""
+    return 1.0 if contains_answer(find_numbers(completion), answer) else 0.0
 
 
 def score_tags(completion: str) -> float:
@@ -126,7 +144,7 @@ def score_steps(completion: str, answer: float, question: str, steps: Sequence[f
     if not relevant:
         return 0.0
     written = set(find_numbers(completion))
-    hits = sum(contains_number(written, step) for step in relevant)
+    hits = sum(contains_answer(written, step) for step in relevant)
     given = find_numbers(question)
     n_new = sum(not contains_number(given, value) for value in written)
     shrink = min(1.0, step_budget(len(relevant)) / n_new) if n_new else 1.0

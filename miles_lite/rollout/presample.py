@@ -22,7 +22,7 @@ from pathlib import Path
 from miles_lite.config.schema import PresampleConfig
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.rewards.math import score_exact
-from miles_lite.rewards.numbers import find_numbers, numbers_equal
+from miles_lite.rewards.numbers import answer_matches, find_numbers
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.prompt_spec import PromptSpec
 from miles_lite.types import Group, SamplingParams
@@ -45,9 +45,9 @@ def strict_correct(completion: str, answer: float) -> bool:
 
 
 def lenient_correct(completion: str, answer: float) -> bool:
-    """The last number written anywhere in the completion equals the answer."""
+    """The last number written anywhere in the completion is the answer (`answer_matches`)."""
     numbers = find_numbers(completion)
-    return bool(numbers) and numbers_equal(numbers[-1], answer)
+    return bool(numbers) and answer_matches(numbers[-1], answer)
 
 
 @dataclass(frozen=True)

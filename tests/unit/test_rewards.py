@@ -20,7 +20,15 @@ from miles_lite.rewards import (
     validate_reward_names,
 )
 from miles_lite.rewards.math import score_steps, step_budget
-from miles_lite.rewards.numbers import find_numbers, format_number, numbers_equal, parse_number
+from miles_lite.rewards.numbers import (
+    answer_matches,
+    decimal_places,
+    find_numbers,
+    format_number,
+    numbers_equal,
+    parse_number,
+    parse_solution_number,
+)
 
 PERFECT = "<start_working_out>3*4=12, 12*6=72<end_working_out><SOLUTION>72</SOLUTION>"
 QUESTION = "A box holds 3 rows of 4 eggs. How many eggs are in 6 boxes?"
@@ -52,14 +60,70 @@ def test_find_numbers_handles_commas_signs_and_trailing_periods() -> None:
     assert find_numbers("3*4=12, then 1,234.") == [3.0, 4.0, 12.0, 1234.0]
     assert find_numbers("It is -3 degrees, 5-3=2 and 2.50 dollars.") == [-3.0, 5.0, 3.0, 2.0, 2.5]
     assert find_numbers("pairs (3,4) and 12,3456") == [3.0, 4.0, 12.0, 3456.0]
+    assert find_numbers("lost -$5, then $-2 and $7") == [-5.0, -2.0, 7.0]
 
 
 def test_number_equivalences() -> None:
     assert numbers_equal(parse_number("1,234"), 1234)
     assert numbers_equal(parse_number("2.50"), 2.5)
-    assert numbers_equal(1e9, 1e9 + 1)  # within 1e-6 relative
+    assert not numbers_equal(1e9, 1e9 + 1)  # exact: no relative tolerance
     assert not numbers_equal(72, 72.01)
     assert numbers_equal(0.0, 0.0) and not numbers_equal(0.0, 1e-3)
+
+
+@pytest.mark.parametrize(
+    ("value", "reference", "right"),
+    [
+        (2_000_001, 2_000_000, False),  # a 5e-7 relative error: graded right by a 1e-6 tolerance before
+        (2_000_000, 2_000_000, True),
+        (9_007_199_254_740_000, 9_007_199_254_740_001, False),
+        (-3, -3, True), (3, -3, False), (-3.0, -3, True),
+        (2.0, 2, True), (2.4, 2, False), (1.9999999, 2, False),  # an integer answer is exact
+        (2.5, 2.5, True), (2.54, 2.5, True), (2.55, 2.5, False),  # rounded half-up at the answer's 1 place
+        (33.333, 33.33, True), (33.3, 33.33, False), (33.34, 33.33, False), (33.325, 33.33, True),
+        (-0.125, -0.13, True), (-0.135, -0.13, False), (0.1, 0.1, True), (0.10000001, 0.1, True),
+    ],
+)
+def test_answer_matches_integers_exactly_and_decimals_by_written_precision(value, reference, right) -> None:
+    assert answer_matches(float(value), float(reference)) is right
+
+
+def test_decimal_places_of_the_shortest_text() -> None:
+    assert [decimal_places(v) for v in (2.0, 2.5, 33.33, -0.125, 1e-7, 2_000_000.0)] == [0, 1, 2, 3, 7, 0]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("$1,234", 1234.0), ("-$5", -5.0), ("$-5", -5.0), ("50%", 50.0), ("18 dollars.", 18.0), ("+7", 7.0),
+     (" 3 square feet ", 3.0), ("\u22124", -4.0), ("$2.50", 2.5), ("72", 72.0)],
+)
+def test_parse_solution_number_reads_written_answers(text: str, expected: float) -> None:
+    assert parse_solution_number(text) == expected
+
+
+@pytest.mark.parametrize("text", ["$10 + $2", "--5", "-$-5", "12 apples and 3 pears", "5-3", "x", "", "1 2"])
+def test_parse_solution_number_rejects_expressions(text: str) -> None:
+    assert parse_solution_number(text) is None
+
+
+def test_large_integer_off_by_one_is_wrong_for_every_correctness_reward() -> None:
+    completion = "<start_working_out>1999999+2<end_working_out><SOLUTION>2,000,001</SOLUTION>"
+    result = score_one(completion, answer=2_000_000, steps=())
+    assert result["exact_check"] == result["correctness_check"] == result["lenient_correctness_check"] == 0.0
+    assert result["solution_number_check"] == 1.0
+    right = score_one(completion.replace("2,000,001", "2,000,000"), answer="2,000,000", steps=())
+    assert right["exact_check"] == right["correctness_check"] == right["lenient_correctness_check"] == 1.0
+
+
+def test_correctness_accepts_dollars_percent_and_units_exact_does_not() -> None:
+    for written in ("$72", "72 eggs", "72%", "72."):
+        result = score_one(f"<start_working_out>3*4=12, 12*6=72<end_working_out><SOLUTION>{written}</SOLUTION>")
+        assert result["correctness_check"] == 1.0, written
+        assert result["exact_check"] == result["solution_number_check"] == 0.0, written
+    negative = score_one("<start_working_out>5-8<end_working_out><SOLUTION>-$3</SOLUTION>", answer=-3, steps=())
+    assert negative["correctness_check"] == negative["lenient_correctness_check"] == 1.0
+    assert score_one("<start_working_out>5-8<end_working_out><SOLUTION>$3</SOLUTION>", answer=-3,
+                     steps=())["correctness_check"] == 0.0
 
 
 def test_format_number_drops_trailing_zero() -> None:
