@@ -6,10 +6,12 @@ for the same prompt are contiguous, so group ``g`` is ``rewards[g * G:(g + 1) * 
 after std normalisation); :func:`expand_to_tokens` broadcasts them to the padded ``[B, T]`` layout
 that the losses consume.
 
-A group whose rewards are all equal (e.g. 0/8 or 8/8 correct) carries no learning signal: every
-estimator returns exactly zero advantages for it, and :class:`AdvantageResult` reports those groups
-so the caller can drop them (DAPO-style dynamic sampling) instead of spending compute on zero
-gradients.
+A group whose rewards are all equal (e.g. 0/8 or 8/8 correct) carries no learning signal for a
+group baseline: every group estimator returns exactly zero advantages for it, and
+:class:`AdvantageResult` reports those groups so the caller can drop them (DAPO-style dynamic
+sampling) instead of spending compute on zero gradients. ``reinforce_pp`` has no group baseline
+(its baseline is the whole batch), so such a group still gets advantages there; it is reported all
+the same.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ class AdvantageEstimator(StrEnum):
     DR_GRPO = "dr_grpo"
     RLOO = "rloo"
     REINFORCE_PP_BASELINE = "reinforce_pp_baseline"
+    REINFORCE_PP = "reinforce_pp"
+
+
+# Estimators whose baseline is the prompt's own group: they need two or more samples per prompt.
+GROUP_ESTIMATORS = frozenset({AdvantageEstimator.GRPO, AdvantageEstimator.DR_GRPO, AdvantageEstimator.RLOO,
+                              AdvantageEstimator.REINFORCE_PP_BASELINE})
 
 
 @dataclass(frozen=True)
@@ -77,19 +85,19 @@ def _parse_estimator(estimator: AdvantageEstimator | str) -> AdvantageEstimator:
         raise ValueError(f"estimator={estimator!r} is not supported; choose one of {choices}") from None
 
 
-def _validate(rewards: Tensor, group_size: int, eps: float) -> Tensor:
+def _validate(rewards: Tensor, group_size: int, eps: float, min_group: int) -> Tensor:
     """Check shapes/values and return the rewards as a floating tensor."""
     if not isinstance(rewards, Tensor) or rewards.dim() != 1:
         shape = tuple(rewards.shape) if isinstance(rewards, Tensor) else type(rewards).__name__
         raise ValueError(f"rewards must be a 1-D tensor [B] (one reward per completion); got {shape}")
     if rewards.numel() == 0:
         raise ValueError("rewards is empty; pass at least one group of completions")
-    if not isinstance(group_size, int) or group_size < 2:
+    if not isinstance(group_size, int) or group_size < min_group:
         # With G = 1 the group baseline equals the reward itself, so every advantage would be 0
         # (and the unbiased std would be NaN): there is nothing to learn from.
         raise ValueError(
-            f"group_size must be an int >= 2 for a group baseline; got {group_size!r} "
-            "(sample at least 2 completions per prompt)"
+            f"group_size must be an int >= {min_group} for this estimator; got {group_size!r} "
+            "(sample at least 2 completions per prompt, or use estimator='reinforce_pp')"
         )
     if rewards.numel() % group_size != 0:
         raise ValueError(
@@ -131,11 +139,17 @@ def compute_advantages(
       completions of groups *with* signal only, and zero-signal groups stay exactly 0: whitening them
       too would shift their zero advantage by ``-mean / std`` and inject a spurious gradient.
       ``std_normalize`` is ignored.
+    * ``reinforce_pp``: REINFORCE++ (Hu et al., 2025) with outcome rewards: no per-prompt baseline;
+      the rewards are whitened over the whole batch ``b`` (every completion of every group),
+      ``(r_i - mean_b(r)) / (std_b(r) + eps)`` with the population std. Works with ``G = 1``. A
+      zero-signal group is not zeroed: all its members get the same advantage, positive when the
+      group is above the batch mean. (A KL penalty, which REINFORCE++ folds into the reward, is
+      ``algo.kl_coef`` in the loss here.) ``std_normalize`` is ignored.
 
     Args:
         rewards: ``[B]`` one scalar reward per completion (integer rewards are cast to float);
             groups of ``group_size`` are contiguous.
-        group_size: completions per prompt ``G`` (>= 2).
+        group_size: completions per prompt ``G`` (>= 2; >= 1 for ``reinforce_pp``).
         estimator: an :class:`AdvantageEstimator` or its string value.
         std_normalize: divide by the group std (``grpo`` only).
         eps: added to the std before dividing, guards near-constant groups (reward units).
@@ -149,11 +163,12 @@ def compute_advantages(
             non-finite rewards or an unknown estimator.
     """
     est = _parse_estimator(estimator)
-    rewards = _validate(rewards, group_size, eps)
+    rewards = _validate(rewards, group_size, eps, min_group=2 if est in GROUP_ESTIMATORS else 1)
     num_groups = rewards.numel() // group_size
     r = rewards.reshape(num_groups, group_size)
 
-    zero_signal = (r.amax(dim=1) - r.amin(dim=1)) <= zero_signal_atol  # [num_groups]
+    # A group of one has no spread to judge: never zero-signal.
+    zero_signal = ((r.amax(dim=1) - r.amin(dim=1)) <= zero_signal_atol) & (group_size > 1)  # [num_groups]
     zero_col = zero_signal.unsqueeze(1)  # [num_groups, 1], broadcasts over group members
     centered = r - r.mean(dim=1, keepdim=True)
 
@@ -166,6 +181,9 @@ def compute_advantages(
     elif est is AdvantageEstimator.RLOO:
         leave_one_out_mean = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
         adv = r - leave_one_out_mean
+    elif est is AdvantageEstimator.REINFORCE_PP:
+        centered_batch = r - r.mean()
+        adv = centered_batch / (centered_batch.square().mean().sqrt() + eps)
     else:  # REINFORCE_PP_BASELINE
         active = (~zero_col).expand_as(r).to(r.dtype)
         count = active.sum().clamp_min(1.0)
@@ -174,8 +192,9 @@ def compute_advantages(
         var = (((centered - mean) ** 2) * active).sum() / count
         adv = (centered - mean) / (var.sqrt() + eps)
 
-    # Exact zeros for zero-signal groups, whatever rounding the mean above produced.
-    adv = torch.where(zero_col, torch.zeros_like(adv), adv)
+    if est in GROUP_ESTIMATORS:
+        # Exact zeros for zero-signal groups, whatever rounding the mean above produced.
+        adv = torch.where(zero_col, torch.zeros_like(adv), adv)
     return AdvantageResult(
         advantages=adv.reshape(-1),
         zero_signal_mask=zero_signal,

@@ -144,7 +144,7 @@ class RolloutConfig:
 class AlgoConfig:
     """Advantage estimator, policy loss and train/inference mismatch correction."""
 
-    # grpo | dr_grpo | rloo | reinforce_pp_baseline
+    # grpo | dr_grpo | rloo | reinforce_pp_baseline | reinforce_pp (batch-normalised REINFORCE++; group_size >= 1)
     advantage_estimator: str = "grpo"
     std_normalize: bool = True
     # Drop groups whose rewards are all equal (they carry no learning signal); always counted.

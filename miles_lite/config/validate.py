@@ -39,7 +39,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "trainer.layer_spec": ("auto", "te", "local"),
     "trainer.lr_schedule": ("constant", "cosine", "linear"),
     "rollout.backend": ("reference", "sglang"),
-    "algo.advantage_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"),
+    "algo.advantage_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp"),
     "algo.policy_loss": ("ppo", "gspo"),
     "algo.kl_estimator": ("k1", "k2", "k3"),
     "algo.agg_mode": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),

@@ -10,16 +10,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from miles_lite.algo.advantages import (
-    AdvantageEstimator,
+    GROUP_ESTIMATORS,
     compute_advantages,
     drop_zero_signal,
     expand_to_tokens,
 )
 
-ALL_ESTIMATORS = [e.value for e in AdvantageEstimator]
+GROUP_BASELINES = sorted(e.value for e in GROUP_ESTIMATORS)
 
 
-@pytest.mark.parametrize("estimator", ALL_ESTIMATORS)
+@pytest.mark.parametrize("estimator", GROUP_BASELINES)
 @pytest.mark.parametrize("value", [0.0, 1.0, 0.1])
 def test_all_equal_group_has_exactly_zero_advantages(estimator: str, value: float) -> None:
     # Group 0 is 0/8 (or 8/8) right; group 1 has signal so the batch whitening is non-trivial.
@@ -85,6 +85,30 @@ def test_reinforce_pp_all_zero_signal_batch() -> None:
     res = compute_advantages(torch.ones(8), 4, "reinforce_pp_baseline")
     assert torch.equal(res.advantages, torch.zeros(8))
     assert res.zero_signal_share == 1.0
+
+
+def test_reinforce_pp_whitens_over_the_batch_hand_computed() -> None:
+    # Batch mean 3/8, population std sqrt(3/8 * 5/8): a right answer gets (5/8) / std = sqrt(5/3),
+    # a wrong one -(3/8) / std = -sqrt(3/5), whichever group it is in (no per-prompt baseline).
+    rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    adv = compute_advantages(rewards, 4, "reinforce_pp", eps=0.0).advantages
+    up, down = math.sqrt(5 / 3), -math.sqrt(3 / 5)
+    torch.testing.assert_close(adv, torch.tensor([up, up, down, down, up, down, down, down], dtype=torch.float64))
+    # The group baseline would give the two right answers of group 0 less than the one of group 1.
+    grpo = compute_advantages(rewards, 4, "grpo", eps=0.0).advantages
+    assert grpo[0] < grpo[4] and adv[0] == adv[4]
+
+
+def test_reinforce_pp_keeps_zero_signal_groups_and_accepts_groups_of_one() -> None:
+    res = compute_advantages(torch.tensor([1.0] * 4 + [0.0] * 4), 4, "reinforce_pp", eps=0.0)
+    torch.testing.assert_close(res.advantages, torch.tensor([1.0] * 4 + [-1.0] * 4))
+    assert res.zero_signal_share == 1.0  # still reported, and dropped with algo.drop_zero_signal
+    single = compute_advantages(torch.tensor([2.0, 0.0, 1.0], dtype=torch.float64), 1, "reinforce_pp", eps=0.0)
+    s = math.sqrt(1.5)  # (r - 1) / sqrt(2/3)
+    torch.testing.assert_close(single.advantages, torch.tensor([s, -s, 0.0], dtype=torch.float64))
+    assert single.zero_signal_share == 0.0
+    flat = compute_advantages(torch.ones(6), 2, "reinforce_pp").advantages
+    assert torch.equal(flat, torch.zeros(6))
 
 
 def test_near_equal_rewards_within_tolerance_are_zero_signal() -> None:

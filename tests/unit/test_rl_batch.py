@@ -55,6 +55,15 @@ def test_build_train_batch_has_one_sequence_per_completion_and_counts_zero_signa
     assert dropped is not None and dropped.num_sequences == 2 and stats["algo/trained_sequences"] == 2.0
 
 
+def test_reinforce_pp_config_whitens_the_train_batch_over_all_groups():
+    groups = [_group(0, ["1", "1"], [1.0, 0.0]), _group(1, ["1", "1"], [2.0, 2.0])]
+    batch, _ = build_train_batch(groups, AlgoConfig(advantage_estimator="reinforce_pp"))
+    # Batch mean 1.25, population std sqrt(0.6875): the all-2 group is above the mean, so it is trained up.
+    std = 0.6875 ** 0.5
+    assert batch is not None
+    assert batch.advantages == pytest.approx([-0.25 / std, -1.25 / std, 0.75 / std, 0.75 / std], rel=1e-5)
+
+
 def test_build_train_batch_of_nothing_and_of_unequal_groups():
     batch, stats = build_train_batch([], AlgoConfig())
     assert batch is None and stats["algo/groups"] == 0.0
