@@ -112,6 +112,9 @@ class TrainBatch:
     - `rollout_logprobs[i]`: R_i engine logprobs of the response tokens (nats).
     - `advantages[i]`: one float per completion (broadcast over its response tokens).
     - `ref_logprobs` / `teacher_logprobs`: optional R_i floats each, filled by the trainer.
+    - `old_logprobs`: optional R_i floats, the trainer's log-probs before the first of several
+      updates on this batch (PPO's "old" policy); filled by the trainer when
+      `algo.updates_per_rollout * algo.epochs_per_rollout > 1`.
     """
 
     tokens: list[list[int]]
@@ -120,6 +123,7 @@ class TrainBatch:
     advantages: list[float]
     ref_logprobs: list[list[float]] | None = None
     teacher_logprobs: list[list[float]] | None = None
+    old_logprobs: list[list[float]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
@@ -142,6 +146,16 @@ class TrainBatch:
         return cls(tokens=seqs, prompt_lengths=plens,
                    rollout_logprobs=[[0.0] * (len(s) - p) for s, p in zip(seqs, plens, strict=True)],
                    advantages=[0.0] * len(seqs))
+
+    def subset(self, indices: Sequence[int]) -> TrainBatch:
+        """The sequences at `indices`, in that order, with every per-sequence field."""
+        def rows(values: list[Any] | None) -> list[Any] | None:
+            return None if values is None else [values[i] for i in indices]
+
+        return TrainBatch(tokens=rows(self.tokens) or [], prompt_lengths=rows(self.prompt_lengths) or [],
+                          rollout_logprobs=rows(self.rollout_logprobs) or [], advantages=rows(self.advantages) or [],
+                          ref_logprobs=rows(self.ref_logprobs), teacher_logprobs=rows(self.teacher_logprobs),
+                          old_logprobs=rows(self.old_logprobs))
 
     @property
     def num_sequences(self) -> int:

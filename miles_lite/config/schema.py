@@ -169,6 +169,12 @@ class AlgoConfig:
     is_lower: float | None = None
     # On-policy distillation term weight (needs a teacher).
     distill_coef: float = 0.0
+    # Optimizer steps per rollout batch: the batch is split into this many mini-batches (shuffled), one
+    # step each. With more than one step in all, the trainer's log-probs before the first step are the
+    # PPO "old" policy of every step, so the ratio moves away from 1 and the clip range acts.
+    updates_per_rollout: int = 1
+    # Passes over each rollout batch (PPO epochs); every pass reshuffles the mini-batches.
+    epochs_per_rollout: int = 1
 
 
 @dataclass

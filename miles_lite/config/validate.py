@@ -88,7 +88,7 @@ def _check_positive(cfg: MilesConfig, problems: list[str]) -> None:
         "trainer.tp", "trainer.dp", "trainer.pp", "trainer.micro_batch_tokens", "trainer.logprob_chunk_tokens",
         "rollout.engines", "rollout.engine_tp", "rollout.prompts_per_step", "rollout.group_size",
         "rollout.max_new_tokens", "weight_sync.bucket_mib", "data.max_prompt_tokens",
-        "fault_tolerance.failure_threshold",
+        "fault_tolerance.failure_threshold", "algo.updates_per_rollout", "algo.epochs_per_rollout",
     ):
         value = _get(cfg, dotted)
         if not isinstance(value, int) or value < 1:

@@ -29,6 +29,7 @@ from miles_lite.trainer.optim import build_optimizer, build_scheduler, current_l
 from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batches, split_for_data_parallel
 from miles_lite.trainer.parallel import ParallelInfo, init_parallel, shutdown_parallel
 from miles_lite.trainer.rl_loss import BatchTotals, reduce_stats, rl_micro_loss, sft_micro_loss
+from miles_lite.trainer.updates import combine_update_stats, minibatch_plan
 from miles_lite.types import TrainBatch
 
 MODELS = ("policy", "reference", "teacher")
@@ -203,12 +204,20 @@ class TrainerActor:
     # ---- optimizer steps ------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL optimizer step on `batch` (all micro-batches accumulated, then one update).
+        """RL optimizer steps on `batch`: `algo.updates_per_rollout` mini-batches, `algo.epochs_per_rollout` times.
 
-        Reference / teacher log-probs are computed here when the loss needs them and the batch
-        lacks them. Returns float stats (identical on every rank): loss terms, policy and mismatch
-        metrics, entropy, grad_norm, lr, tokens, tokens_per_s, skipped, nonfinite_total.
+        With one step in all, the "old" policy of the PPO ratio is the trainer itself (`logp.detach()`,
+        ratio 1). With more, the policy's log-probs are computed once before the first step and every
+        step's ratio is taken against them, so later steps clip (`policy/clip_frac`). The LR schedule
+        advances once per call (per rollout batch), whatever the number of steps. Reference / teacher
+        log-probs are computed here when the loss needs them and the batch lacks them.
+
+        Returns float stats (identical on every rank): loss terms, policy and mismatch metrics, entropy
+        and grad_norm averaged over the steps (`*_max` / `*_min` over all of them), `policy/updates`,
+        `policy/clip_frac`, `policy/ratio_spread` (max - min ratio), lr, tokens, tokens_per_s, skipped
+        (steps skipped as non-finite), nonfinite_total.
         """
+        t0 = time.perf_counter()
         self._require_ready()
         self._check_tokens(batch)
         algo = self.cfg.algo
@@ -218,17 +227,33 @@ class TrainerActor:
         teacher = batch.teacher_logprobs
         if algo.distill_coef and teacher is None:
             teacher = self.compute_logprobs(batch, "teacher")
+        plan = minibatch_plan(batch.num_sequences, algo.updates_per_rollout, algo.epochs_per_rollout,
+                              seed=self.cfg.trainer.seed + self.steps_done)
+        old = batch.old_logprobs
+        if len(plan) > 1 and old is None:
+            old = self.compute_logprobs(batch, "policy")
+        full = TrainBatch(batch.tokens, batch.prompt_lengths, batch.rollout_logprobs, batch.advantages,
+                          ref_logprobs=ref, teacher_logprobs=teacher, old_logprobs=old)
+        t0 = time.perf_counter()
+        per_update = []
+        for k, indices in enumerate(plan):
+            part = full if len(plan) == 1 else full.subset(indices)
+            per_update.append(self._rl_update(part, advance_schedule=k == len(plan) - 1))
+        return combine_update_stats(per_update, batch, time.perf_counter() - t0)
+
+    def _rl_update(self, batch: TrainBatch, advance_schedule: bool) -> dict[str, float]:
+        """One optimizer step on `batch` (its own ref / teacher / old log-probs, if any)."""
+        algo = self.cfg.algo
         totals = BatchTotals.of(batch)
 
         def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
             # The entropy enters the loss only with algo.entropy_coef != 0; otherwise it is a statistic
             # and the log-prob backward skips its gradient term.
             lp, ent = response_logprobs(self.policy, mb, self.logprob_options, with_entropy=True)
-            loss, stats = rl_micro_loss(lp, ent, mb, batch, algo, ref, teacher)
+            loss, stats = rl_micro_loss(lp, ent, mb, batch, algo, batch.ref_logprobs, batch.teacher_logprobs)
             return loss, stats, totals.share(mb, algo.agg_mode)
 
-        stats = self._step(batch, micro_loss, lr=None)
-        return stats
+        return self._step(batch, micro_loss, lr=None, advance_schedule=advance_schedule)
 
     def sft_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         """One supervised step: token-mean cross-entropy on the response tokens.
@@ -264,7 +289,8 @@ class TrainerActor:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return flag.item() == 0.0
 
-    def _step(self, batch: TrainBatch, micro_loss: MicroLoss, lr: float | None) -> dict[str, float]:
+    def _step(self, batch: TrainBatch, micro_loss: MicroLoss, lr: float | None,
+              advance_schedule: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         parts: list[tuple[float, dict[str, float]]] = []
         with cpu_compat.device_mode():
@@ -288,7 +314,7 @@ class TrainerActor:
                 if lr is not None:
                     set_lr(self.optimizer, lr)
                 _, grad_norm, _ = self.optimizer.step()
-                if lr is None:
+                if lr is None and advance_schedule:
                     self.scheduler.step(increment=1)
                 self.steps_done += 1
                 self.nonfinite_in_a_row = 0

@@ -84,13 +84,15 @@ def rl_micro_loss(
         algo: loss, KL, entropy, distillation and importance-sampling settings.
         ref_logprobs / teacher_logprobs: per-sequence floats for the whole batch, or None.
 
-    The "old" policy is the trainer itself before this step (`logp.detach()`): one optimizer step
-    per batch means the PPO ratio starts at 1 and the rollout/trainer gap is handled by the
-    importance weights of `algo.is_*`.
+    The "old" policy of the PPO ratio is `batch.old_logprobs` (the trainer before the first of several
+    updates on this batch) when set, else the trainer itself now (`logp.detach()`, ratio 1). The
+    rollout/trainer gap (sampling mismatch, stale weights) is handled by the importance weights of
+    `algo.is_*`, taken between that old policy and the engine's log-probs.
     """
     idx = mb.seq_indices
     logp, mask = to_padded(logp_flat, mb.response_lengths)
-    old = logp.detach()
+    old_rows = _rows(batch.old_logprobs, idx)
+    old = logp.detach() if old_rows is None else padded_floats(old_rows).to(logp.device)
     rollout = padded_floats(_rows(batch.rollout_logprobs, idx) or []).to(logp.device)
     adv = expand_to_tokens(torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32,
                                         device=logp.device), mask)

@@ -82,6 +82,25 @@ def test_train_step_moves_logprobs_with_the_advantage(single: dict[str, Any]) ->
         assert (sum(after) - sum(before)) * adv > 0
 
 
+def test_one_update_per_rollout_never_clips(single: dict[str, Any]) -> None:
+    stats = single["train"]["stats"]
+    assert stats["policy/updates"] == 1.0
+    assert stats["policy/clip_frac"] == 0.0 and stats["policy/ratio_spread"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_several_updates_per_rollout_clip_against_the_old_policy(single: dict[str, Any]) -> None:
+    ppo = single["ppo"]
+    stats = ppo["stats"]
+    assert stats["policy/updates"] == 6.0 and ppo["optimizer_steps"] == 6 and stats["skipped"] == 0.0
+    # The first update starts at ratio 1; later ones see the policy moved by earlier ones (lr 1e-2).
+    assert stats["policy/clip_frac"] > 0 and stats["policy/ratio_spread"] > 0.2
+    assert stats["policy/approx_kl"] > 0
+    # The LR schedule advances once per rollout batch, not once per optimizer step.
+    assert ppo["lr_after"] == pytest.approx(ppo["lr_before"] * 0.9)
+    for before, after, adv in zip(ppo["before"], ppo["after"], [1, -1, 1, -1, 1, -1], strict=True):
+        assert (sum(after) - sum(before)) * adv > 0
+
+
 def test_tp2_and_dp2_train_steps_equal_tp1(single: dict[str, Any], two: list[dict[str, Any]]) -> None:
     ref = single["train"]
     for key in ("train_tp2", "train_dp2"):

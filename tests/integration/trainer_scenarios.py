@@ -145,6 +145,7 @@ def make_checkpoints(rank: int, root: str) -> tuple[dict[str, str], str]:
 def scenario_single(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """TP=1, one process: conversion for every arch; train step, NaN guard, reference, teacher, checkpoint."""
     from miles_lite.trainer.actor import NonFiniteStepError, TrainerActor
+    from miles_lite.trainer.optim import current_lr
 
     ckpts, teacher = make_checkpoints(rank, root)
     out: dict[str, Any] = {}
@@ -184,6 +185,16 @@ def scenario_single(rank: int, world_size: int, root: str) -> dict[str, Any]:
     except NonFiniteStepError as err:
         out["nan_limit_error"] = str(err)
     out["nan_weights_finite"] = all(bool(torch.isfinite(t).all()) for _, t, _ in actor.named_shards())
+    actor.close()
+
+    # PPO updates: 3 mini-batches x 2 epochs on one rollout batch, all against the log-probs from before.
+    cfg = make_config(ckpts["qwen2"], lr_schedule="linear", lr_decay_steps=10)
+    cfg.algo.updates_per_rollout, cfg.algo.epochs_per_rollout = 3, 2
+    actor = TrainerActor(cfg, rank, world_size)
+    lr0 = current_lr(actor.optimizer)
+    out["ppo"] = train_checks(actor, batch)
+    out["ppo"]["lr_before"], out["ppo"]["lr_after"] = lr0, current_lr(actor.optimizer)
+    out["ppo"]["optimizer_steps"] = actor.steps_done
     actor.close()
     return out
 
