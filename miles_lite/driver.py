@@ -32,9 +32,11 @@ from miles_lite.data.source import PromptSource
 from miles_lite.evaluation import EvalResult, evaluate
 from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rollout_stats
 from miles_lite.rollout.pipeline import RolloutPipeline
-from miles_lite.run_io import RunIO
+from miles_lite.run_io import RunIO, finished_summary
+from miles_lite.run_lock import RunLock
 from miles_lite.stop import StopRequest
 from miles_lite.system import System, load_problems
+from miles_lite.trainer.guard import TrainingHalted
 from miles_lite.warmup import presample_filter, run_warmup
 
 
@@ -48,6 +50,8 @@ class RunSummary:
     before: dict[str, float] = field(default_factory=dict)
     after: dict[str, float] = field(default_factory=dict)
     stopped_by_signal: bool = False
+    # Why the run ended before `experiment.steps` (the signal, or the guard that halted training).
+    stopped_reason: str | None = None
 
 
 def run_name(cfg: MilesConfig) -> str:
@@ -62,41 +66,77 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
     """
     start = time.perf_counter()
     run_dir = Path(cfg.experiment.output_dir) / run_name(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
     stop = stop or StopRequest().install()
-    train_problems, held_out = load_problems(cfg)
-    data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
+    train_problems, held_out = load_problems(cfg)  # a data error ends the run before it has a directory
+    locks = [RunLock(run_dir)]
     try:
-        with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg)) as io:
-            first_step = io.resume(system, data)
-            summary = RunSummary(str(run_dir), first_step, 0.0)
-            if first_step == 0:
-                run_warmup(system, train_problems, io)
-                io.report_sync(*system.push_weights())
-                if held_out:  # experiment.eval_size=0 skips evaluation
-                    summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
-                presample_filter(system, data, train_problems, io)
-            rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size)
-            try:
-                for step in range(first_step, cfg.experiment.steps):
-                    rl_step(system, data, io, rollouts, step)
-                    summary.steps_done = step + 1
-                    if stop.requested:
-                        summary.stopped_by_signal = True
-                        break
-            finally:
-                untrained = rollouts.close()
-                if untrained is not None:  # the next step's prompts go back to the stream
-                    data.load_state_dict(untrained)
-            io.save_checkpoint(system, data, summary.steps_done, final=True)
-            if held_out and not summary.stopped_by_signal:
-                summary.after = io.report_eval("after RL", eval_now(system, held_out))
+        if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(run_dir.resolve()):
+            locks.append(RunLock(cfg.checkpoint.dir, "checkpoint.dir"))
+        done = finished_summary(cfg, run_dir)
+        if done is not None:
+            print(f"miles-lite: {run_dir} already finished {done['steps_done']} steps (experiment.steps="
+                  f"{cfg.experiment.steps}); nothing to do. Raise experiment.steps to train further.", flush=True)
+            return RunSummary(**{k: v for k, v in done.items() if k in RunSummary.__dataclass_fields__})
+        return _train(cfg, run_dir, stop, train_problems, held_out, start)
+    finally:
+        for lock in reversed(locks):
+            lock.release()
+        stop.restore()
+
+
+def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: list, held_out: list,
+           start: float) -> RunSummary:
+    (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
+    with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg)) as io:
+        first_step = io.resume(system, data)
+        summary = RunSummary(str(run_dir), first_step, 0.0)
+        if first_step == 0 and not prepare_rl(system, data, train_problems, held_out, io, stop, summary):
+            # A checkpoint at step 0 would be resumed as a fresh run, warm-up included, on warmed weights.
+            summary.stopped_by_signal = True
+            summary.stopped_reason = f"{stop.name} before the first RL step"
+            io.log(f"stopped by {stop.name} before the first RL step: no checkpoint written; the next start "
+                   "begins with the warm-up again")
             summary.wall_seconds = time.perf_counter() - start
             io.finish(summary)
-    finally:
-        stop.restore()
+            return summary
+        rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size)
+        try:
+            for step in range(first_step, cfg.experiment.steps):
+                rl_step(system, data, io, rollouts, step)
+                summary.steps_done = step + 1
+                if stop.requested:
+                    summary.stopped_by_signal = True
+                    summary.stopped_reason = stop.name
+                    break
+        except TrainingHalted as halt:
+            # The trainer refused the step and kept the last good weights: save those, say why, end.
+            summary.stopped_reason = str(halt)
+            io.log(f"training stopped: {halt}")
+        finally:
+            untrained = rollouts.close()
+            if untrained is not None:  # the next step's prompts go back to the stream
+                data.load_state_dict(untrained)
+        io.save_checkpoint(system, data, summary.steps_done, final=True)
+        if held_out and summary.stopped_reason is None:
+            summary.after = io.report_eval("after RL", eval_now(system, held_out))
+        summary.wall_seconds = time.perf_counter() - start
+        io.finish(summary)
     return summary
+
+
+def prepare_rl(system: System, data: PromptSource, train_problems: list, held_out: list, io: RunIO,
+               stop: StopRequest, summary: RunSummary) -> bool:
+    """Warm-up, first push, evaluation and presample filter; False when a stop signal cut them short."""
+    if stop.requested or not run_warmup(system, train_problems, io, lambda: stop.requested):
+        return False
+    io.report_sync(*system.push_weights())
+    if held_out and not stop.requested:  # experiment.eval_size=0 skips evaluation
+        summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
+    if stop.requested:
+        return False
+    presample_filter(system, data, train_problems, io)
+    return not stop.requested
 
 
 def eval_now(system: System, held_out: list) -> EvalResult:

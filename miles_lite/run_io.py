@@ -45,6 +45,39 @@ class PhaseTimer:
         return out
 
 
+def checkpoint_root(cfg: MilesConfig, run_dir: Path) -> Path:
+    """Where the run's checkpoints go: `checkpoint.dir`, else `<run_dir>/checkpoints`."""
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def finished_summary(cfg: MilesConfig, run_dir: Path) -> dict[str, Any] | None:
+    """The summary of a run in `run_dir` that already did `experiment.steps` steps, or None.
+
+    Finished means: `summary.json` records at least `experiment.steps` steps and, with
+    `checkpoint.resume=auto`, the run's newest intact checkpoint is of that step or later (so the
+    configuration asks for nothing the run has not done). A re-run, e.g. a requeue after completion,
+    is then a no-op.
+    """
+    from miles_lite.checkpoint.layout import list_step_dirs
+    from miles_lite.checkpoint.resume import newest_intact
+
+    path = run_dir / "summary.json"
+    if cfg.checkpoint.resume != "auto" or not path.is_file():
+        return None
+    try:
+        summary = json.loads(path.read_text())
+        done = int(summary["steps_done"])
+    except (ValueError, KeyError, TypeError):
+        return None
+    root = checkpoint_root(cfg, run_dir)
+    if done < cfg.experiment.steps or not any(step >= cfg.experiment.steps for step, _ in list_step_dirs(root)):
+        return None
+    newest = newest_intact(root)
+    if newest is None or int(newest.name.split("_")[-1]) < cfg.experiment.steps:
+        return None
+    return summary
+
+
 class RunIO:
     """Outputs of one run under `run_dir`; a context manager that starts and stops the exporter."""
 
@@ -52,7 +85,7 @@ class RunIO:
         if cfg.checkpoint.dir is None:
             # Checkpoints live with the run unless a shared directory is configured.
             cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
-                                                                          dir=str(run_dir / "checkpoints")))
+                                                                          dir=str(checkpoint_root(cfg, run_dir))))
         self.cfg = cfg
         self.run_dir = run_dir
         self.metrics = MetricsRegistry(run_name, "driver")
@@ -151,7 +184,10 @@ class RunIO:
 
         stats = save_run(self.cfg, system, data, steps_done, self.metrics, final=final)
         if stats is not None and final:
-            self.log(f"checkpoint step {steps_done}: {stats.path} (training blocked {stats.blocked_s:.2f} s)")
+            self.log(f"checkpoint step {steps_done}: {stats.path} (training blocked {stats.blocked_s:.2f} s)"
+                     + ("; it replaced an older checkpoint of that step" if stats.replaced else ""))
+        elif final and self.cfg.checkpoint.dir:
+            self.log(f"checkpoint step {steps_done} already exists (the run resumed from it): not written again")
 
     # ---- the end ------------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from miles_lite.data.gsm8k import MathProblem
@@ -24,18 +24,32 @@ def _should_log(step: int, steps: int) -> bool:
     return step % max(steps // 5, 1) == 0 or step == steps - 1
 
 
-def run_warmup(system: Any, problems: Sequence[MathProblem], io: Any) -> None:
-    """`experiment.warmup`: `sft` (see `run_sft`), `opd` (see `run_opd`) or `none`."""
+def _never() -> bool:
+    return False
+
+
+def run_warmup(system: Any, problems: Sequence[MathProblem], io: Any,
+               should_stop: Callable[[], bool] = _never) -> bool:
+    """`experiment.warmup`: `sft` (see `run_sft`), `opd` (see `run_opd`) or `none`.
+
+    `should_stop` is asked after every step; returns False when it cut the warm-up short.
+    """
     exp = system.cfg.experiment
     if exp.warmup == "sft":
-        run_sft(system, problems, io)
-    elif exp.warmup == "opd":
-        run_opd(system, problems, io)
-    elif exp.warmup != "none":
+        return run_sft(system, problems, io, should_stop)
+    if exp.warmup == "opd":
+        return run_opd(system, problems, io, should_stop)
+    if exp.warmup != "none":
         raise ValueError(f"experiment.warmup={exp.warmup!r} is not one of sft, opd, none")
+    return True
 
 
-def run_sft(system: Any, problems: Sequence[MathProblem], io: Any) -> None:
+def _stopped(io: Any, mode: str, step: int, steps: int) -> bool:
+    io.log(f"{mode} warm-up stopped after step {step + 1}/{steps}")
+    return False
+
+
+def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: Callable[[], bool] = _never) -> bool:
     """`warmup_steps` cross-entropy steps on (prompt, reference solution) pairs at `experiment.warmup_lr`.
 
     The worklog's lesson: RL from a model that never emits the answer format has no reward signal;
@@ -48,12 +62,15 @@ def run_sft(system: Any, problems: Sequence[MathProblem], io: Any) -> None:
         batch = system.sft_batch(rng.sample(list(problems), min(exp.warmup_batch_size, len(problems))))
         stats = system.trainer.sft_step(batch, lr=exp.warmup_lr)
         loss = stats.get("loss/sft", stats.get("loss/total", loss))
-        _record(system, "sft", step, {"loss": loss})
+        _record(system, "sft", step, {"loss": loss, **{k: stats[k] for k in ("update_ratio", "skipped") if k in stats}})
         if _should_log(step, exp.warmup_steps):
             io.log(f"sft warm-up {step + 1}/{exp.warmup_steps}: loss {loss:.3f}")
+        if should_stop():
+            return _stopped(io, "sft", step, exp.warmup_steps)
+    return True
 
 
-def run_opd(system: Any, problems: Sequence[MathProblem], io: Any) -> None:
+def run_opd(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: Callable[[], bool] = _never) -> bool:
     """`warmup_steps` steps of on-policy distillation from the teacher at `experiment.teacher_path`.
 
     Each step the engines sample one completion from the student for each of `warmup_batch_size`
@@ -79,6 +96,8 @@ def run_opd(system: Any, problems: Sequence[MathProblem], io: Any) -> None:
         batch = distill_batch(groups)
         if batch is None:
             io.log(f"opd warm-up {step + 1}/{exp.warmup_steps}: every completion was empty; step skipped")
+            if should_stop():
+                return _stopped(io, "opd", step, exp.warmup_steps)
             continue
         batch = dataclasses.replace(batch, teacher_logprobs=system.trainer.compute_logprobs(batch, model="teacher"))
         stats = system.trainer.train_step(batch)
@@ -88,6 +107,9 @@ def run_opd(system: Any, problems: Sequence[MathProblem], io: Any) -> None:
                                       "response_tokens": stats.get("response_tokens", 0.0)})
         if _should_log(step, exp.warmup_steps):
             io.log(f"opd warm-up {step + 1}/{exp.warmup_steps}: reverse KL to the teacher {kl:.3f} nats/token")
+        if should_stop():
+            return _stopped(io, "opd", step, exp.warmup_steps)
+    return True
 
 
 def presample_filter(system: Any, data: PromptSource, problems: Sequence[MathProblem], io: Any) -> None:

@@ -66,6 +66,8 @@ class SaveStats:
     flush_s: float | None = None
     commit_s: float | None = None
     total_bytes: int | None = None
+    # The save replaced an existing checkpoint of the same step (rank 0).
+    replaced: bool = False
 
     @property
     def complete(self) -> bool:
@@ -259,7 +261,7 @@ class AsyncCheckpointer:
         assert self._pending is not None and self._result is not None
         res = self._result
         self.last = replace(self._pending, path=res.path, flush_s=res.flush_s, commit_s=res.commit_s,
-                            total_bytes=res.total_bytes if self.rank == 0 else 0)
+                            total_bytes=res.total_bytes if self.rank == 0 else 0, replaced=res.replaced)
         self._pending = None
         self.state = SaverState.IDLE
         return self.last

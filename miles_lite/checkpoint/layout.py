@@ -33,6 +33,8 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 SHARED_OBJECTS = "shared.pkl"
 ASSETS_DIR = "hf"
+# Checkpoints newer than the one a run resumed from are moved here (see `resume.set_aside_newer`).
+SUPERSEDED_DIR = "superseded"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _TMP_PREFIX = "tmp-"
 _HASH_CHUNK = 16 << 20
@@ -175,27 +177,34 @@ def read_latest(root: Path) -> str | None:
     return name or None
 
 
-def commit(tmp_dir: Path, manifest: Manifest) -> Path:
+def commit(tmp_dir: Path, manifest: Manifest) -> tuple[Path, bool]:
     """Publish a fully written temporary checkpoint directory as `step_N` and point `latest` at it.
 
     Order: manifest written and fsynced -> tmp dir fsynced -> rename to `step_N` -> root fsynced ->
-    `latest.tmp` written and renamed over `latest` -> root fsynced. Returns the final path.
+    `latest.tmp` written and renamed over `latest` -> root fsynced. Returns the final path and whether
+    an existing `step_N` was replaced.
 
-    Raises FileExistsError when `step_N` already exists (a step is saved once; delete it to redo).
+    An existing `step_N` (a run re-done from an earlier checkpoint reaches the same step again) is
+    replaced: it is first renamed to a temporary name, which start-up clean-up removes should a crash
+    come before the new directory is in place; the older checkpoints stay intact throughout.
     """
     root = tmp_dir.parent
     final = root / step_dir_name(manifest.step)
-    if final.exists():
-        raise FileExistsError(f"checkpoint {final} already exists; each step is saved once (remove it to save again)")
     write_file_durable(tmp_dir / MANIFEST, manifest.to_json().encode())
     fsync_dir(tmp_dir)
+    replaced = None
+    if final.exists():
+        replaced = root / f"{_TMP_PREFIX}replaced-{final.name}-{uuid.uuid4().hex[:12]}"
+        os.rename(final, replaced)
     os.rename(tmp_dir, final)
     fsync_dir(root)
     pointer_tmp = root / f"{LATEST}.{uuid.uuid4().hex[:8]}.tmp"
     write_file_durable(pointer_tmp, final.name.encode())
     os.replace(pointer_tmp, root / LATEST)
     fsync_dir(root)
-    return final
+    if replaced is not None:
+        shutil.rmtree(replaced, ignore_errors=True)
+    return final, replaced is not None
 
 
 def list_step_dirs(root: Path) -> list[tuple[int, Path]]:

@@ -1,15 +1,18 @@
 """Finding the checkpoint to resume from, and reading it back with every file's checksum verified.
 
-`checkpoint.resume`: `auto` takes the newest *complete* checkpoint under `checkpoint.dir`
-(manifest present, parseable, every listed file present at its size; temporary directories are
-never considered), `none` starts fresh, anything else is a path: a checkpoint directory, or a root
-whose newest complete checkpoint is taken.
+`checkpoint.resume`: `auto` takes the newest *intact* checkpoint under `checkpoint.dir` (manifest
+valid, every listed file present with its recorded size and sha256; temporary directories are never
+considered; a damaged newest checkpoint is reported and the one before it is tried), `none` starts
+fresh, anything else is a path: a checkpoint directory, or a root whose newest intact checkpoint is
+taken.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +23,7 @@ from miles_lite.checkpoint.layout import (
     ASSETS_DIR,
     MANIFEST,
     SHARED_OBJECTS,
+    SUPERSEDED_DIR,
     Manifest,
     check_complete,
     list_step_dirs,
@@ -47,26 +51,71 @@ def newest_complete(root: str | Path) -> Path | None:
     return None
 
 
-def resolve_resume(cfg: CheckpointConfig) -> Path | None:
+def verify_checkpoint(path: str | Path) -> Manifest:
+    """Read every file of checkpoint `path` and check its size and sha256 against the manifest.
+
+    Raises FileNotFoundError (incomplete), ValueError (bad manifest) or ChecksumMismatchError, naming
+    the file and the expected and actual values.
+    """
+    return CheckpointReader(path).manifest
+
+
+def newest_intact(root: str | Path, log: Callable[[str], None] = print) -> Path | None:
+    """The newest checkpoint under `root` whose every file verifies, saying why each newer one was passed over."""
+    for _, path in reversed(list_step_dirs(Path(root))):
+        try:
+            verify_checkpoint(path)
+        except (OSError, ValueError, ChecksumMismatchError) as err:
+            log(f"checkpoint {path} cannot be resumed ({err}); trying the one before")
+            continue
+        return path
+    return None
+
+
+def resolve_resume(cfg: CheckpointConfig, log: Callable[[str], None] = print) -> Path | None:
     """The checkpoint directory `checkpoint.resume` selects, or None to start fresh.
 
-    Raises FileNotFoundError when `resume` names a path holding no complete checkpoint.
+    `auto` and a root directory take the newest checkpoint whose files all verify (sha256), falling back
+    past damaged ones; an explicit checkpoint directory is taken as named (its reader verifies it).
+    Raises FileNotFoundError when `resume` names a path holding no intact checkpoint.
     """
     choice = cfg.resume.strip()
     if choice in ("", "none"):
         return None
     if choice == "auto":
-        return newest_complete(cfg.dir) if cfg.dir else None
+        return newest_intact(cfg.dir, log) if cfg.dir else None
     path = Path(choice)
     if (path / MANIFEST).is_file():
         return path
-    found = newest_complete(path) if path.is_dir() else None
+    found = newest_intact(path, log) if path.is_dir() else None
     if found is None:
         raise FileNotFoundError(
             f"checkpoint.resume={choice!r} is neither a checkpoint directory (with {MANIFEST}) nor a root "
-            "holding a complete step_N checkpoint; set checkpoint.resume=auto|none or a valid path"
+            "holding an intact step_N checkpoint; set checkpoint.resume=auto|none or a valid path"
         )
     return found
+
+
+def set_aside_newer(root: str | Path, step: int, log: Callable[[str], None] = print) -> list[Path]:
+    """Move the `step_N` directories of `root` newer than `step` to `root/superseded/`; returns their new paths.
+
+    A run resumed from step `step` writes its own checkpoints after it: the newer ones belong to the
+    continuation it replaces (or are damaged) and must not be taken by a later `resume=auto`, nor
+    make retention delete the new checkpoints as the older ones. They are moved, never deleted.
+    """
+    newer = [(s, p) for s, p in list_step_dirs(Path(root)) if s > step]
+    if not newer:
+        return []
+    target = Path(root) / SUPERSEDED_DIR / time.strftime("%Y%m%d-%H%M%S")
+    target.mkdir(parents=True, exist_ok=True)
+    moved = []
+    for _, path in newer:
+        dest = target / path.name
+        os.rename(path, dest)
+        moved.append(dest)
+    log(f"resuming at step {step}: the newer checkpoints {', '.join(p.name for _, p in newer)} were moved to "
+        f"{target} (the run continues from step {step} and writes its own; delete them when not needed)")
+    return moved
 
 
 class CheckpointReader:

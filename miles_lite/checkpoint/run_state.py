@@ -13,7 +13,7 @@ from typing import Any
 
 from miles_lite.checkpoint.async_ckpt import AsyncCheckpointer, SaveStats
 from miles_lite.checkpoint.driver_state import DriverState, capture_rng, restore_rng
-from miles_lite.checkpoint.resume import CheckpointReader, resolve_resume
+from miles_lite.checkpoint.resume import CheckpointReader, resolve_resume, set_aside_newer
 from miles_lite.checkpoint.trainer_state import checkpoint_payload, hf_assets, restore_actor
 from miles_lite.config.schema import MilesConfig
 
@@ -134,12 +134,20 @@ def resume_run(cfg: MilesConfig, system: Any, data: Any, log: Callable[[str], No
     """Restore the checkpoint `checkpoint.resume` selects; returns the step to continue from (0: fresh).
 
     Restores the trainer (any TP/DP), the data cursor, the driver's RNG streams and weight version,
-    then pushes the restored weights to the engines (they start from the initial model).
+    then pushes the restored weights to the engines (they start from the initial model). Checkpoints
+    in `checkpoint.dir` newer than the one resumed (a roll-back, or damaged ones passed over) are
+    moved aside, so that the run's own later checkpoints are the ones auto-resume and retention see.
     """
-    path = resolve_resume(cfg.checkpoint)
+    path = resolve_resume(cfg.checkpoint, log)
     if path is None:
         return 0
     driver = system.trainer.restore_checkpoint(str(path))
+    step = driver.step if driver is not None else 0
+    if cfg.checkpoint.dir:
+        set_aside_newer(cfg.checkpoint.dir, step, log)
+        if path.parent.resolve() == Path(cfg.checkpoint.dir).resolve():
+            # This step's checkpoint exists where the run writes: a final save at this step is skipped.
+            system.last_checkpoint_step = step
     if driver is None:
         log(f"checkpoint {path}: weights loaded (no driver state: an initial checkpoint); starting at step 0")
         return 0

@@ -91,6 +91,8 @@ class FlushResult:
     flush_s: float
     commit_s: float
     total_bytes: int
+    # An existing checkpoint of the same step was replaced (known on rank 0).
+    replaced: bool = False
 
 
 def write_rank_files(tmp_dir: Path, rank: int, snap: Snapshot) -> RankReport:
@@ -179,7 +181,7 @@ class Flusher:
             report = RankReport(rank=self.rank, error=f"rank {self.rank}: {type(exc).__name__}: {exc}")
         flush_s = time.perf_counter() - t0
         reports = self._gather(report)
-        status, total = None, 0
+        status, total, replaced = None, 0, False
         t1 = time.perf_counter()
         if self.rank == 0:
             assert reports is not None
@@ -187,7 +189,7 @@ class Flusher:
             status = "; ".join(errors) if errors else None
             if status is None:
                 try:
-                    total = self._commit(step, tmp_dir, snap.meta, reports)
+                    total, replaced = self._commit(step, tmp_dir, snap.meta, reports)
                 except Exception as exc:
                     status = f"commit of step {step}: {type(exc).__name__}: {exc}"
             if status is not None:
@@ -197,16 +199,16 @@ class Flusher:
         if status != "ok":
             raise CheckpointSaveError(f"checkpoint of step {step} failed: {status}")
         return FlushResult(path=self.root / step_dir_name(step), flush_s=flush_s,
-                           commit_s=time.perf_counter() - t1, total_bytes=total)
+                           commit_s=time.perf_counter() - t1, total_bytes=total, replaced=replaced)
 
     def _commit(self, step: int, tmp_dir: Path, meta: Mapping[str, Any],
-                reports: list[RankReport]) -> int:
+                reports: list[RankReport]) -> tuple[int, bool]:
         files: dict[str, FileEntry] = {}
         for r in reports:
             files.update(r.files)
         manifest = Manifest(step=step, world_size=self.world_size, files=files,
                             global_tensors=build_tensor_index(reports), meta=dict(meta),
                             created_unix=time.time())
-        commit(tmp_dir, manifest)
+        _, replaced = commit(tmp_dir, manifest)
         apply_retention(self.root, self.keep_last, self.keep_every)
-        return sum(e.bytes for e in files.values())
+        return sum(e.bytes for e in files.values()), replaced

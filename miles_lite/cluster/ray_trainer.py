@@ -157,7 +157,9 @@ def _init_ray(cfg: MilesConfig, cpus: float) -> bool:
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
     else:
-        ray.init(num_cpus=max(1, math.ceil(cpus)), include_dashboard=False, log_to_driver=False)
+        # "local": a Ray of this run's own, never a cluster some earlier `ray start` left recorded on the
+        # machine (with num_cpus given, joining that one fails, or it is stale and the call hangs).
+        ray.init(address="local", num_cpus=max(1, math.ceil(cpus)), include_dashboard=False, log_to_driver=False)
     return True
 
 

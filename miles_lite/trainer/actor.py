@@ -22,6 +22,7 @@ from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.checkpoint_state import capture_rng, restore_rng
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
+from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, UpdateGuard
 from miles_lite.trainer.hf_convert import gather_hf_state
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
@@ -40,10 +41,6 @@ class ActorState(StrEnum):
     READY = "ready"
     FAILED = "failed"
     CLOSED = "closed"
-
-
-class NonFiniteStepError(RuntimeError):
-    """Too many consecutive optimizer steps had a non-finite loss or gradient."""
 
 
 MicroLoss = Callable[[PackedMicroBatch], tuple[Tensor, dict[str, float], float]]
@@ -66,6 +63,8 @@ class TrainerActor:
         self.steps_done = 0
         self.nonfinite_in_a_row = 0
         self.nonfinite_total = 0
+        self.diverged_in_a_row = 0
+        self.diverged_total = 0
         try:
             self._setup(rank, world_size, init_method, total_steps)
         except BaseException:
@@ -95,6 +94,7 @@ class TrainerActor:
             self._finalize_grads = finalize_model_grads
             self.optimizer = build_optimizer(self.ddp, trainer, self.runtime)
             self.scheduler = build_scheduler(self.optimizer, trainer, total_steps or self.cfg.experiment.steps)
+            self.guard = UpdateGuard(self.optimizer, trainer.max_update_ratio) if trainer.max_update_ratio > 0 else None
             self.reference: dict[str, Tensor] | None = None
             if trainer.keep_reference or self.cfg.algo.kl_coef > 0:
                 # Host copy of the initial weights; swapped into the policy model when asked for.
@@ -311,14 +311,7 @@ class TrainerActor:
                 self._skip_nonfinite()
                 stats.update(skipped=1.0, grad_norm=float("nan"))
             else:
-                if lr is not None:
-                    set_lr(self.optimizer, lr)
-                _, grad_norm, _ = self.optimizer.step()
-                if lr is None and advance_schedule:
-                    self.scheduler.step(increment=1)
-                self.steps_done += 1
-                self.nonfinite_in_a_row = 0
-                stats.update(skipped=0.0, grad_norm=float(grad_norm or 0.0))
+                stats.update(self._apply_step(lr, advance_schedule))
         elapsed = time.perf_counter() - t0
         stats.update(
             lr=current_lr(self.optimizer) if lr is None else lr,
@@ -327,8 +320,46 @@ class TrainerActor:
             tokens_per_s=batch.num_tokens / max(elapsed, 1e-9),
             step_time_s=elapsed,
             nonfinite_total=float(self.nonfinite_total),
+            diverged_total=float(self.diverged_total),
         )
         return stats
+
+    def _apply_step(self, lr: float | None, advance_schedule: bool) -> dict[str, float]:
+        """The optimizer step (and the RL schedule's), undone when the update guard finds it diverged."""
+        if lr is not None:
+            set_lr(self.optimizer, lr)
+        if self.guard is not None:
+            self.guard.snapshot()
+        _, grad_norm, _ = self.optimizer.step()
+        out = {"skipped": 0.0, "grad_norm": float(grad_norm or 0.0)}
+        if self.guard is not None:
+            ratio = self.guard.update_ratio()
+            out["update_ratio"] = ratio
+            if not ratio <= self.guard.max_ratio:  # also NaN
+                self.guard.restore()
+                self._skip_diverged(ratio)
+                out["skipped"] = 1.0
+                return out
+        if lr is None and advance_schedule:
+            self.scheduler.step(increment=1)
+        self.steps_done += 1
+        self.nonfinite_in_a_row = 0
+        self.diverged_in_a_row = 0
+        return out
+
+    def _skip_diverged(self, ratio: float) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        self.diverged_in_a_row += 1
+        self.diverged_total += 1
+        limit = self.cfg.trainer.max_diverged_skips
+        if self.diverged_in_a_row >= limit:
+            raise DivergedStepError(
+                f"{self.diverged_in_a_row} optimizer steps in a row moved the weights by {ratio:.3g} of their norm "
+                f"(trainer.max_update_ratio={self.cfg.trainer.max_update_ratio:g}, trainer.max_diverged_skips="
+                f"{limit}); each was undone, the weights are those of the last good step. Lower trainer.lr "
+                "(or experiment.warmup_lr), or raise trainer.max_update_ratio if such steps are intended"
+            )
 
     def _skip_nonfinite(self) -> None:
         self.ddp.zero_grad_buffer()
@@ -376,7 +407,7 @@ class TrainerActor:
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rng(),
             "counters": {"steps_done": self.steps_done, "nonfinite_in_a_row": self.nonfinite_in_a_row,
-                         "nonfinite_total": self.nonfinite_total},
+                         "nonfinite_total": self.nonfinite_total, "diverged_total": self.diverged_total},
             "parallel": {"tp_rank": self.par.tp_rank, "tp_size": self.par.tp_size,
                          "dp_rank": self.par.dp_rank, "dp_size": self.par.dp_size},
         }
@@ -403,3 +434,4 @@ class TrainerActor:
         self.steps_done = int(counters["steps_done"])
         self.nonfinite_in_a_row = int(counters["nonfinite_in_a_row"])
         self.nonfinite_total = int(counters["nonfinite_total"])
+        self.diverged_total = int(counters.get("diverged_total", 0))
