@@ -163,7 +163,7 @@ class MetricsRegistry:
         self.grad_norm = gauge("grad_norm", "Global gradient L2 norm before clipping")
         self.loss = gauge("loss", "Total loss of the last optimizer step")
         self.nonfinite_skipped = counter("nonfinite_skipped_steps",
-                                         "Optimizer steps skipped for a non-finite loss or gradient")
+                                         "Optimizer steps skipped: a non-finite loss or gradient, or a diverged update")
         self.logp_diff_mean = gauge("logp_diff_mean_nats",
                                     "Mean |trainer - rollout| log-prob of sampled tokens")
         self.logp_diff_max = gauge("logp_diff_max_nats", "Max |trainer - rollout| log-prob of sampled tokens")

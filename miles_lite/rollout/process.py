@@ -8,6 +8,9 @@ The child runs in its own session (`start_new_session=True`), so `stop()` signal
 (SGLang's scheduler and detokenizer children included): SIGTERM, a grace period, then SIGKILL. Output goes
 to a log file whose tail is attached to every startup error.
 
+Engines die with their run: each server runs under `lifeline.py`, a supervisor that stops it when this
+process is gone however it ended (SIGKILL included), and whose death kills the server too.
+
 Ports without races: when the server can take an inherited socket (the reference engine's `--listen-fd`),
 the parent binds port 0 itself and passes the bound socket, so no other process can take the port in
 between. Servers that must bind by number (SGLang) get a port probed free just before spawning; if the
@@ -23,10 +26,13 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
+
+from miles_lite.rollout import lifeline
 
 # (port, fd of an inherited bound socket or None) -> argv of the server.
 CommandFactory = Callable[[int, int | None], list[str]]
@@ -77,6 +83,8 @@ class EngineProcess:
         self._env = dict(env) if env is not None else None
         self._port_retries = port_retries
         self._proc: subprocess.Popen | None = None
+        # Write end of the pipe whose end-of-file tells the engine's supervisor that this process is gone.
+        self._lifeline: int | None = None
         self._state = EngineState.CREATED
         self.port: int | None = None
         self.failure: str | None = None
@@ -142,13 +150,26 @@ class EngineProcess:
         fd = sock.fileno() if sock is not None else None
         argv = self._command(self.port, fd)
         env = {**os.environ, **self._env} if self._env is not None else None
-        with open(self.log_path, "ab") as log:
-            log.write(f"$ {' '.join(argv)}\n".encode())
-            log.flush()
-            self._proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True, env=env, pass_fds=(fd,) if fd is not None else ())
-        if sock is not None:
-            sock.close()  # the child holds its own copy
+        self._close_lifeline()
+        lifeline_read, self._lifeline = os.pipe()
+        # The supervisor (stdlib only: -I ignores the engine's PYTHONPATH) stops the server if this process dies.
+        supervised = [sys.executable, "-I", lifeline.__file__, str(lifeline_read), "--", *argv]
+        try:
+            with open(self.log_path, "ab") as log:
+                log.write(f"$ {' '.join(argv)}\n".encode())
+                log.flush()
+                self._proc = subprocess.Popen(supervised, stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True, env=env,
+                                              pass_fds=(lifeline_read,) if fd is None else (lifeline_read, fd))
+        finally:
+            os.close(lifeline_read)  # the supervisor holds its own copy; this process keeps the write end
+            if sock is not None:
+                sock.close()  # the child holds its own copy
+
+    def _close_lifeline(self) -> None:
+        if self._lifeline is not None:
+            fd, self._lifeline = self._lifeline, None
+            os.close(fd)
 
     def _health(self, timeout_s: float) -> bool:
         try:
@@ -211,6 +232,7 @@ class EngineProcess:
         # Children that outlive the leader (or a leader that ignored SIGTERM) are killed.
         _signal_group(pgid, signal.SIGKILL)
         self._proc.wait()
+        self._close_lifeline()
         self._to(EngineState.STOPPED)
         return self._proc.returncode
 

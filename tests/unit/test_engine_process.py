@@ -152,3 +152,68 @@ def test_illegal_transitions_raise(tmp_path) -> None:
     assert proc.stop() is None and proc.state is EngineState.STOPPED
     with pytest.raises(RuntimeError, match="illegal transition stopped -> starting"):
         proc.start()
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                if entry.isdigit() and int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    out.append(int(entry))
+        except OSError:
+            continue
+    return out
+
+
+def _gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # poll interval of the check above
+    return not any(_alive(p) for p in pids)
+
+
+# A run that starts an engine (server + grandchild) and then blocks; the test SIGKILLs it.
+RUN = r"""
+import sys
+from miles_lite.rollout.process import EngineProcess
+server, log = sys.argv[1], sys.argv[2]
+proc = EngineProcess("e", lambda port, fd: [sys.executable, "-c", server, str(port), "-1", "0", "1"], log)
+proc.start()
+proc.wait_ready(timeout_s=60)
+print(proc.pid, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_engine_dies_with_a_sigkilled_run(tmp_path) -> None:
+    import subprocess
+
+    run = subprocess.Popen([sys.executable, "-c", RUN, SERVER, str(tmp_path / "e.log")], stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert run.stdout is not None
+        supervisor = int(run.stdout.readline())
+        servers = _children(supervisor)
+        log = (tmp_path / "e.log").read_text().splitlines()
+        grandchild = int(next(line for line in log if line.startswith("grandchild")).split()[1])
+        assert len(servers) == 1 and _alive(servers[0]) and _alive(grandchild)
+        run.kill()  # no clean-up code of the run runs
+        run.wait()
+        assert _gone([supervisor, *servers, grandchild], 20), "an engine process outlived its run"
+        assert "the run that started this engine is gone" in (tmp_path / "e.log").read_text()
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+
+
+def test_server_dies_with_a_sigkilled_supervisor(tmp_path) -> None:
+    proc = EngineProcess("e", _factory(grandchild=True), str(tmp_path / "e.log"))
+    proc.start()
+    proc.wait_ready(timeout_s=30)
+    servers = _children(proc.pid)
+    assert len(servers) == 1
+    os.kill(proc.pid, signal.SIGKILL)
+    assert _gone(servers, 10)
+    proc.stop()
