@@ -23,8 +23,11 @@ MANAGED_KEYS = (
     "model.hf_path", "rollout.backend", "rollout.engines", "rollout.engine_urls", "rollout.engine_tp",
     "checkpoint.dir", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.resume",
     "fault_tolerance.max_engine_restarts", "observability.metrics_port", "observability.metrics_host",
-    "cluster", "cluster.mode", "cluster.ray_address",
+    "cluster", "cluster.mode", "cluster.ray_address", "experiment.output_dir", "weight_sync.disk_dir",
 )
+# Weight transports that cross pods: the distributed group (the trainer's Service address) and, with a
+# volume both roles mount, the disk. CUDA IPC needs the engines on the trainer's own GPUs (one pod).
+POD_TRANSPORTS = ("distributed", "disk")
 # SGLang flags the renderer owns (the pod's address and the weights location).
 MANAGED_SGLANG_ARGS = ("model_path", "host", "port")
 
@@ -68,6 +71,36 @@ def _override_key(override: str) -> str:
     return override.lstrip("+~").split("=", 1)[0].strip()
 
 
+def weight_transport(job: JobSpec) -> str | None:
+    """The weight transport the user's overrides select (`weight_sync=X` or `weight_sync.transport=X`, last
+    wins), or None for the recipe's own choice (the distributed group in every shipped recipe)."""
+    transport = None
+    for o in job.overrides:
+        key, _, value = o.partition("=")
+        if _override_key(key) in ("weight_sync", "weight_sync.transport") and not o.startswith("~"):
+            transport = value.strip().strip("'\"")
+    return transport
+
+
+def shares_volume(job: JobSpec) -> bool:
+    """Whether engine pods mount the job's checkpoint volume too (the disk transport's shared directory)."""
+    return weight_transport(job) == "disk"
+
+
+def _transport_problems(job: JobSpec) -> list[str]:
+    transport = weight_transport(job)
+    if transport is None or transport == "distributed":
+        return []
+    where = "spec.overrides: weight_sync"
+    if transport not in POD_TRANSPORTS:
+        return [f"{where}.transport={transport}: engine pods are not on the trainer's GPUs; use "
+                "weight_sync=distributed (or weight_sync=disk with a shared volume)"]
+    if not job.checkpoint.claim_name:
+        return [f"{where}.transport=disk: trainer and engine pods need one shared volume; set "
+                "spec.checkpoint.volume.claimName to a ReadWriteMany PVC, or use weight_sync=distributed"]
+    return []
+
+
 def resolved_overrides(job: JobSpec) -> list[str]:
     """The user's overrides followed by the ones the deployment dictates; raises SpecError on a conflict."""
     problems = []
@@ -76,6 +109,7 @@ def resolved_overrides(job: JobSpec) -> list[str]:
         if key in MANAGED_KEYS:
             problems.append(f"spec.overrides[{i}]: {key} is set by the operator from the MilesJob spec; "
                             "remove it and use the matching spec field")
+    problems += _transport_problems(job)
     if problems:
         raise SpecError(problems)
     urls = ",".join(f"'{u}'" for u in engine_urls(job))
@@ -88,6 +122,8 @@ def resolved_overrides(job: JobSpec) -> list[str]:
         f"rollout.engine_urls=[{urls}]",
         f"rollout.engine_tp={engine_tp(job)}",
         f"checkpoint.dir={job.checkpoint.mount_path}/checkpoints",
+        # Metrics, rollout tables and the summary outlive the pod on the job's volume.
+        f"experiment.output_dir={job.checkpoint.mount_path}/outputs",
         f"checkpoint.interval={job.checkpoint.interval}",
         f"checkpoint.keep_last={job.checkpoint.keep_last}",
         # Every (re)start resumes from the newest complete checkpoint, so a restarted trainer continues.
@@ -96,6 +132,8 @@ def resolved_overrides(job: JobSpec) -> list[str]:
         f"observability.metrics_port={job.metrics_port}",
         "observability.metrics_host=0.0.0.0",
     ]
+    if shares_volume(job):
+        managed.append(f"weight_sync.disk_dir={job.checkpoint.mount_path}/weights")
     if job.trainer.replicas > 1:
         # Trainer pods form one Ray cluster headed by pod 0; the engines are external.
         managed += ["cluster=ray", "cluster.ray_address=auto"]

@@ -23,7 +23,7 @@ from launcher import status as st
 from launcher.commands import trainer_name
 from launcher.kube import Conflict, KubeApi
 from launcher.render import HASH_ANNOTATION, render_job, selector
-from launcher.spec import JobSpec, SpecError, parse_job
+from launcher.spec import API_VERSION, KIND, JobSpec, SpecError, gpu_variant, parse_job, uses_gpus
 
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 
@@ -33,6 +33,8 @@ class OperatorConfig:
     """Operator knobs: reconcile cadence (seconds) and where trainer progress is read from."""
 
     interval_s: float = 10.0
+    # Image given to jobs without spec.image (the GPU variant, NAME:TAG-gpu, to jobs with GPUs); None: none.
+    job_image: str | None = None
     step_metric: str = "miles_lite_step"
     checkpoint_metric: str = "miles_lite_checkpoint_step"
     scrape_timeout_s: float = 1.0
@@ -94,9 +96,25 @@ class Reconciler:
         self.config = config
         self.log = logger or logging.getLogger("launcher")
 
+    def stamp_image(self, body: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Write the operator's default image into a job without spec.image, once: later operator upgrades
+        leave running jobs' pods alone. Returns the body as stored after the write."""
+        spec = body.get("spec") or {}
+        if spec.get("image") or not self.config.job_image:
+            return body
+        try:
+            image = gpu_variant(self.config.job_image) if uses_gpus(spec) else self.config.job_image
+        except ValueError as err:
+            raise SpecError([f"spec.image: unset, and {err}"]) from err
+        m = body["metadata"]
+        self.api.patch(API_VERSION, KIND, m["namespace"], m["name"], {"spec": {"image": image}})
+        self.log.info("%s/%s: spec.image set to the operator's default %s", m["namespace"], m["name"], image)
+        return {**body, "spec": {**spec, "image": image}}
+
     # ---- create / resume / update: apply everything, count nothing ----
     def apply_all(self, body: Mapping[str, Any]) -> list[str]:
         """Apply every rendered object of the job (idempotent); returns 'Kind/name: action' lines."""
+        body = self.stamp_image(body)
         job = parse_job(body)
         out = []
         for obj in render_job(job, body):
@@ -135,6 +153,7 @@ class Reconciler:
         if phase in st.TERMINAL:
             return {}
         try:
+            body = self.stamp_image(body)
             job = parse_job(body)
             objs = render_job(job, body)
         except SpecError as err:

@@ -103,7 +103,7 @@ def _volumes(job: JobSpec, role: str, gpus: int) -> tuple[list[dict[str, Any]], 
         if job.model.pvc_sub_path:
             mount["subPath"] = job.model.pvc_sub_path
         mounts.append(mount)
-    if role == "trainer":
+    if role == "trainer" or commands.shares_volume(job):
         if job.checkpoint.claim_name:
             volumes.append({"name": "checkpoints",
                             "persistentVolumeClaim": {"claimName": job.checkpoint.claim_name}})
@@ -128,7 +128,6 @@ def _env(job: JobSpec, role: str) -> list[dict[str, Any]]:
         {"name": "MILES_LITE_TRAINER_REPLICAS", "value": str(job.trainer.replicas)},
         {"name": "POD_NAME", **field_ref("metadata.name")},
         {"name": "POD_NAMESPACE", **field_ref("metadata.namespace")},
-        {"name": "POD_IP", **field_ref("status.podIP")},
         *copy.deepcopy(job.env),
     ]
 
@@ -168,6 +167,12 @@ def _pod_spec(job: JobSpec, role: str, command: list[str], ports: list[dict[str,
     if scheduler:
         spec["schedulerName"] = scheduler
     return spec
+
+
+def scrape_annotations(job: JobSpec) -> dict[str, str]:
+    """Prometheus' conventional pod annotations: scrape the trainer's exporter on the metrics port."""
+    return {"prometheus.io/scrape": "true", "prometheus.io/port": str(job.metrics_port),
+            "prometheus.io/path": "/metrics"}
 
 
 def render_config_map(job: JobSpec, body: Mapping[str, Any]) -> dict[str, Any]:
@@ -236,7 +241,8 @@ def render_trainer_job(job: JobSpec, config_hash: str = "") -> dict[str, Any]:
             "backoffLimit": 0,
             "template": {
                 "metadata": {"labels": {**labels(job, "trainer"), **gang.pod_labels},
-                             "annotations": {**gang.pod_annotations, CONFIG_HASH_ANNOTATION: config_hash}},
+                             "annotations": {**gang.pod_annotations, **scrape_annotations(job),
+                                             CONFIG_HASH_ANNOTATION: config_hash}},
                 "spec": pod_spec,
             },
         },

@@ -35,6 +35,20 @@ class SpecError(ValueError):
         super().__init__("invalid MilesJob:\n  - " + "\n  - ".join(problems))
 
 
+def uses_gpus(spec: Mapping[str, Any]) -> bool:
+    """Whether a MilesJob spec (as submitted) needs the GPU image: SGLang engines or GPU trainer pods."""
+    rollout, trainer = spec.get("rollout") or {}, spec.get("trainer") or {}
+    return rollout.get("backend", "sglang") == "sglang" or int(trainer.get("gpusPerReplica") or 0) > 0
+
+
+def gpu_variant(image: str) -> str:
+    """The GPU image beside a CPU image: NAME:TAG -> NAME:TAG-gpu (scripts/build-image.sh tags both)."""
+    name, sep, tag = image.rpartition(":")
+    if "@" in image or not sep or "/" in tag:
+        raise ValueError(f"image {image!r} has no tag to derive the GPU image from; give spec.image")
+    return f"{name}:{tag}-gpu"
+
+
 @dataclass(frozen=True)
 class Placement:
     """Where a role's pods may run and what each container asks for."""
@@ -198,7 +212,8 @@ def parse_job(body: Mapping[str, Any]) -> JobSpec:
     spec = r.section(body, "spec", "")
     image = r.string(spec, "image", "spec", None)
     if image is None:
-        problems.append("spec.image: required; set it to an image holding miles-lite (and SGLang for GPU jobs)")
+        problems.append("spec.image: required; set it to an image holding miles-lite (and SGLang for GPU jobs), "
+                        "or run the operator with a default (--job-image, or its own image in a pod)")
     overrides = [str(o) for o in r.listing(spec, "overrides", "spec")]
     for i, o in enumerate(overrides):
         if not o or o[0].isspace() or "\n" in o:

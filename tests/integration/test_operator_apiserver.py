@@ -37,6 +37,8 @@ K8S = Path(__file__).resolve().parents[2] / "k8s"
 NS = "default"
 # Seconds between reconcile passes; waits allow several passes on a loaded 2-core machine.
 INTERVAL_S = 0.5
+# The operator's image for jobs without spec.image (the examples name none).
+DEFAULT_IMAGE = "registry.example/miles-lite:1.0"
 WAIT_S = 45.0
 
 
@@ -92,7 +94,7 @@ class _Records(logging.Handler):
 
 @pytest.fixture(scope="module")
 def operator(api: KubeApi) -> Iterator[KopfRunner]:
-    reconciler = Reconciler(api, OperatorConfig(interval_s=INTERVAL_S, scrape_timeout_s=0.2))
+    reconciler = Reconciler(api, OperatorConfig(interval_s=INTERVAL_S, job_image=DEFAULT_IMAGE, scrape_timeout_s=0.2))
     records = _Records()
     kopf_logger = logging.getLogger("kopf")
     kopf_logger.addHandler(records)
@@ -146,7 +148,7 @@ def uid(obj: dict[str, Any] | None) -> str | None:
 
 def test_invalid_milesjob_is_rejected_with_every_schema_error(api: KubeApi):
     bad = example("gsm8k-gpu.yaml", "bad")
-    del bad["spec"]["image"]
+    bad["spec"]["image"] = ""
     bad["spec"]["trainer"]["replicas"] = 0
     bad["spec"]["rollout"]["backend"] = "tgi"
     bad["spec"]["gang"]["scheduler"] = "slurm"
@@ -177,6 +179,8 @@ def test_server_defaults_equal_offline_defaults(api: KubeApi):
 def test_operator_renders_heals_and_reports(api: KubeApi, operator: KopfRunner):
     created = api.create(example("tiny-cpu.yaml", "tiny"))
     owner_uid = created["metadata"]["uid"]
+    # The example names no image: the operator writes its default into the spec once.
+    wait_for(lambda: milesjob(api, "tiny")["spec"].get("image") == DEFAULT_IMAGE, "spec.image defaulted")
 
     # Everything the renderer emits exists, current, and owned by the MilesJob.
     expected = render(milesjob(api, "tiny"))

@@ -20,6 +20,8 @@ K8S = Path(__file__).resolve().parents[2] / "k8s"
 def example(name: str, **spec_updates: object) -> dict:
     body = yaml.safe_load((K8S / "examples" / name).read_text())
     body["metadata"].update(namespace="research", uid="uid-123", generation=1)
+    # The examples leave spec.image to the operator's default (tests/unit/test_pods_together.py).
+    body["spec"]["image"] = "registry.example/miles-lite:1.0"
     body["spec"].update(copy.deepcopy(spec_updates))
     return body
 
