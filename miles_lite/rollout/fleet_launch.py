@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher
 from miles_lite.rollout.launcher import EngineLauncher
@@ -56,16 +58,41 @@ async def start_fleet(
     return fleet
 
 
+def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1.0) -> Launcher:
+    """The fleet's `launcher(index, incarnation)` for engines started elsewhere: the replacement of a dead
+    engine is whatever answers at its URL again (the operator recreates a failed engine pod under the same
+    DNS name), awaited for up to `rollout.startup_timeout_s`. The fleet then admits it as stale, and the
+    next weight push brings it to the current version. Stopping it is not this process's business.
+    """
+    from miles_lite.rollout.http_client import HttpEngine
+
+    async def launch(index: int, incarnation: int) -> EngineHandle:
+        engine = HttpEngine(f"engine-{index}", urls[index], request_timeout_s=rollout.request_timeout_s)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + rollout.startup_timeout_s
+        while not await engine.health(timeout_s=min(5.0, rollout.startup_timeout_s)):
+            if loop.time() > deadline:
+                await engine.close()
+                raise TimeoutError(f"engine-{index} at {urls[index]} did not answer /health_generate within "
+                                   f"rollout.startup_timeout_s={rollout.startup_timeout_s}s after it died")
+            await asyncio.sleep(poll_s)  # the poll period between health checks
+        return EngineHandle(engine)
+
+    return launch
+
+
 async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: list[str], *,
                        health_checks: bool = True) -> EngineFleet:
     """A fleet of engines started elsewhere (`rollout.engine_urls`, e.g. pods of the Kubernetes operator).
 
-    The fleet does not own these servers: it health-checks them and stops routing to dead ones, but
-    replacing them is the job of whoever started them (the operator recreates failed engine pods).
+    The fleet does not own these servers: it health-checks them and stops routing to dead ones; whoever
+    started them replaces them (the operator recreates failed engine pods), and the fleet re-admits an
+    engine whose URL answers again (`reattach_launcher`), up to `fault_tolerance.max_engine_restarts`.
     """
     from miles_lite.rollout.http_client import HttpEngine
 
-    fleet = EngineFleet(ft, None, max_inflight_per_engine=rollout.max_inflight_per_engine)
+    fleet = EngineFleet(ft, reattach_launcher(rollout, urls),
+                        max_inflight_per_engine=rollout.max_inflight_per_engine)
     try:
         for i, url in enumerate(urls):
             engine = HttpEngine(f"engine-{i}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s)

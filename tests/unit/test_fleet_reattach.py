@@ -1,0 +1,58 @@
+"""A fleet attached to engines started elsewhere re-admits a dead engine once its URL answers again (the
+operator recreated its pod under the same name): as stale, counted against max_engine_restarts."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp import web
+
+from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.rollout.engine_state import EngineState
+from miles_lite.rollout.fleet_launch import attach_fleet
+
+
+async def _serve(port: int, version: str) -> web.AppRunner:
+    app = web.Application()
+    app.router.add_get("/health_generate", lambda _: web.Response(text="ok"))
+    app.router.add_get("/model_info", lambda _: web.json_response({"weight_version": version}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def _wait(predicate, timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not predicate():
+        assert loop.time() < deadline, "condition not reached"
+        await asyncio.sleep(0.05)
+
+
+def test_dead_attached_engine_is_readmitted_stale_when_its_url_answers_again():
+    async def scenario() -> None:
+        first = await _serve(0, "3")
+        port = first.addresses[0][1]
+        rollout = RolloutConfig(startup_timeout_s=20.0)
+        ft = FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=1,
+                                  max_engine_restarts=1)
+        fleet = await attach_fleet(rollout, ft, [f"http://127.0.0.1:{port}"])
+        try:
+            (rec,) = fleet.records
+            assert rec.state is EngineState.HEALTHY and fleet.current_version == "3"
+            await first.cleanup()  # the engine pod dies
+            await _wait(lambda: rec.state is EngineState.REPLACING)
+            assert fleet.restarts == 1
+            second = await _serve(port, "0")  # its replacement pod answers at the same address
+            try:
+                await _wait(lambda: rec.state is EngineState.STALE)
+                assert rec.version == "0" and fleet.healthy_engines() == []
+                # The next push (version 3) makes it serve again.
+                assert fleet.mark_synced(rec, "3")
+            finally:
+                await second.cleanup()
+        finally:
+            await fleet.close()
+
+    asyncio.run(scenario())
