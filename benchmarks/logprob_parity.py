@@ -36,7 +36,7 @@ from train_step import (
 )
 
 from miles_lite.config.schema import RolloutConfig
-from miles_lite.rollout.launcher import EngineLauncher
+from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.trainer.actor import TrainerActor
 from miles_lite.types import SamplingParams, TrainBatch
 

@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.engines.fleet_launch import start_fleet
 from miles_lite.rollout.fleet import EngineFleet
-from miles_lite.rollout.fleet_launch import start_fleet
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.trainer.tiny_hf import QWEN25_05B_SHAPE, QWEN25_VOCAB, make_tiny_hf_model
 from miles_lite.types import SamplingParams

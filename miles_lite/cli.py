@@ -21,8 +21,8 @@ from collections.abc import Sequence
 # subcommand -> (module implementing it, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("miles_lite.train_cli", "run RL training; arguments are Hydra overrides (trainer.tp=2 ...)"),
-    "presample": ("miles_lite.rollout.presample_cli", "k samples per question: pass@k and a filtered data set"),
-    "engine": ("miles_lite.rollout.serve", "serve the CPU reference engine (SGLang's HTTP API)"),
+    "presample": ("miles_lite.presample_cli", "k samples per question: pass@k and a filtered data set"),
+    "engine": ("miles_lite.engines.serve", "serve the CPU reference engine (SGLang's HTTP API)"),
     "eval": ("miles_lite.eval_cli", "greedy evaluation of a model or checkpoint on a data set"),
     "convert": ("miles_lite.checkpoint.convert_cli", "convert checkpoints to and from HF safetensors"),
     "report": ("miles_lite.observability.report", "write a self-contained HTML report of a run directory"),

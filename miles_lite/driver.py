@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.config import MilesConfig, to_yaml
+from miles_lite.data.problems import load_problems
 from miles_lite.data.source import PromptSource
 from miles_lite.evaluation import EvalResult, evaluate
 from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rollout_stats
@@ -35,7 +36,7 @@ from miles_lite.rollout.pipeline import RolloutPipeline
 from miles_lite.run_io import RunIO, finished_summary
 from miles_lite.run_lock import RunLock
 from miles_lite.stop import StopRequest
-from miles_lite.system import System, load_problems
+from miles_lite.system import System
 from miles_lite.trainer.guard import TrainingHalted
 from miles_lite.warmup import presample_filter, run_warmup
 

@@ -37,11 +37,11 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from miles_lite.config import load_config
+    from miles_lite.data.problems import read_problems
     from miles_lite.data.prompts import render_prompt
+    from miles_lite.engines.fleet_launch import start_fleet
     from miles_lite.evaluation import evaluate
-    from miles_lite.rollout.fleet_launch import start_fleet
     from miles_lite.rollout.manager import RolloutManager
-    from miles_lite.rollout.presample_cli import load_problems
     from miles_lite.rollout.prompt_spec import sampling_from_config
     from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.rollout.engines = args.engines
     if args.max_new_tokens is not None:
         cfg.rollout.max_new_tokens = args.max_new_tokens
-    problems = load_problems(args.data, args.n if args.n or args.data != "synthetic" else 64, cfg)
+    problems = read_problems(args.data, args.n if args.n or args.data != "synthetic" else 64, cfg)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     with EventLoopThread() as loop:

@@ -6,21 +6,18 @@ the driver only calls the methods here, so it reads like the step it runs.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from miles_lite.config.schema import MilesConfig
-from miles_lite.config.validate import tokenizer_problem
-from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems
-from miles_lite.data.gsm8k import MathProblem, load_gsm8k
+from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.prompts import render_prompt
-from miles_lite.data.tokenizer import load_or_build_tokenizer
+from miles_lite.engines.fleet_launch import attach_fleet, start_fleet
+from miles_lite.model_assets import prepare_model
 from miles_lite.rewards import get_reward_set, score
 from miles_lite.rollout.fleet import EngineFleet
-from miles_lite.rollout.fleet_launch import attach_fleet, start_fleet
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.prompt_spec import PromptSpec, sampling_from_config
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
@@ -28,53 +25,6 @@ from miles_lite.types import Group, TrainBatch
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
 from miles_lite.weight_sync.plan import EngineSpec
 from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, WeightSyncError
-
-
-def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
-    """Resolve the model directory and tokenizer; a tiny random model is written under the run dir.
-
-    Returns the config with `model.hf_path` pointing at the directory both roles load, and the tokenizer.
-    """
-    from transformers import AutoTokenizer
-
-    from miles_lite.trainer.tiny_hf import make_tiny_hf_model
-
-    if cfg.model.hf_path:
-        problem = tokenizer_problem(cfg)
-        if problem:
-            raise ValueError(problem)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
-        return cfg, tokenizer
-    cache = Path(cfg.experiment.output_dir) / ".cache" / "tokenizers"
-    tokenizer = load_or_build_tokenizer(cache, vocab_size=cfg.model.vocab_size, seed=0)
-    if len(tokenizer) > cfg.model.vocab_size:
-        raise ValueError(f"the offline tokenizer has {len(tokenizer)} tokens but model.vocab_size="
-                         f"{cfg.model.vocab_size}; raise model.vocab_size")
-    model_dir = run_dir / "initial_model"
-    if not (model_dir / "config.json").is_file():
-        make_tiny_hf_model(cfg.model.arch, cfg.model.shape, cfg.model.vocab_size, model_dir,
-                           seed=cfg.model.shape.init_seed)
-        tokenizer.save_pretrained(str(model_dir))
-    model = dataclasses.replace(cfg.model, hf_path=str(model_dir), tokenizer_path=str(model_dir))
-    return dataclasses.replace(cfg, model=model), tokenizer
-
-
-def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem]]:
-    """Training and held-out problems: GSM8K files, or seeded synthetic ones (disjoint seeds)."""
-    if cfg.data.source == "gsm8k":
-        train = load_gsm8k(str(cfg.data.train_path))
-        held_out = load_gsm8k(str(cfg.data.eval_path)) if cfg.data.eval_path else train[-cfg.experiment.eval_size:]
-        return train, held_out[: cfg.experiment.eval_size]
-    syn = cfg.data.synthetic
-
-    def spec(seed: int) -> ArithmeticSpec:
-        return ArithmeticSpec(min_steps=syn.min_steps, max_steps=syn.max_steps, min_operand=syn.min_operand,
-                              max_operand=syn.max_operand, ops=tuple(syn.ops), seed=seed)
-
-    train = generate_problems(syn.train_size, spec(syn.seed))
-    seen = {p.question for p in train}
-    held_out = [p for p in generate_problems(syn.eval_size * 3, spec(syn.seed + 7919)) if p.question not in seen]
-    return train, held_out[: syn.eval_size]
 
 
 class System:

@@ -18,16 +18,16 @@ import torch
 _FORMAT = 1
 
 
-def capture_rng() -> dict[str, Any]:
+def capture_driver_rng() -> dict[str, Any]:
     """Python, NumPy and torch (CPU) global RNG states."""
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put back what `capture_rng` returned."""
+def restore_driver_rng(state: dict[str, Any]) -> None:
+    """Put back what `capture_driver_rng` returned."""
     for key in ("python", "numpy", "torch"):
         if key not in state:
-            raise KeyError(f"driver RNG state lacks {key!r}; the checkpoint was not written by capture_rng")
+            raise KeyError(f"driver RNG state lacks {key!r}; the checkpoint was not written by capture_driver_rng")
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -41,7 +41,7 @@ class DriverState:
         step: optimizer steps completed (the next step to run).
         weight_version: version of the weights last pushed to the engines.
         data: `PromptSource.state_dict()` (data cursor and epoch order).
-        rng: `capture_rng()` of the driver process.
+        rng: `capture_driver_rng()` of the driver process.
         presample_keep: dataset indices the presample filter kept (None: no filter applied).
         rollout_buffer: rollouts generated ahead of training (one-step-off async), picklable.
         extra: anything else a caller records (JSON-like values).
@@ -50,7 +50,7 @@ class DriverState:
     step: int
     weight_version: int
     data: dict[str, Any]
-    rng: dict[str, Any] = field(default_factory=capture_rng)
+    rng: dict[str, Any] = field(default_factory=capture_driver_rng)
     presample_keep: list[int] | None = None
     rollout_buffer: list[Any] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)

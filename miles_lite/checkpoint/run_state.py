@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.checkpoint.async_ckpt import AsyncCheckpointer, SaveStats
-from miles_lite.checkpoint.driver_state import DriverState, capture_rng, restore_rng
+from miles_lite.checkpoint.driver_state import DriverState, capture_driver_rng, restore_driver_rng
 from miles_lite.checkpoint.resume import CheckpointReader, resolve_resume, set_aside_newer
 from miles_lite.checkpoint.trainer_state import checkpoint_payload, hf_assets, restore_actor
 from miles_lite.config.schema import MilesConfig
@@ -120,7 +120,7 @@ def save_run(cfg: MilesConfig, system: Any, data: Any, steps_done: int, metrics:
             metrics.checkpoint_committed(stats.flush_s, int(stats.total_bytes or stats.bytes), stats.step)
         return stats
     driver = DriverState(step=steps_done, weight_version=int(getattr(system, "version", 0)),
-                         data=data.state_dict(), rng=capture_rng())
+                         data=data.state_dict(), rng=capture_driver_rng())
     stats = system.trainer.save_checkpoint(cfg, steps_done, driver, final)
     system.last_checkpoint_step = steps_done
     if metrics is not None:
@@ -152,7 +152,7 @@ def resume_run(cfg: MilesConfig, system: Any, data: Any, log: Callable[[str], No
         log(f"checkpoint {path}: weights loaded (no driver state: an initial checkpoint); starting at step 0")
         return 0
     data.load_state_dict(driver.data)
-    restore_rng(driver.rng)
+    restore_driver_rng(driver.rng)
     system.version = driver.weight_version
     if getattr(system, "sync", None) is not None:
         system.push_weights()

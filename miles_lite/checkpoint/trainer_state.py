@@ -25,7 +25,7 @@ from miles_lite.trainer.layout import LayoutKind, ParamLayout
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
 # Files an HF tokenizer directory may hold; those present are stored with the checkpoint.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+TOKENIZER_ASSETS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
 
 
@@ -169,7 +169,7 @@ def restore_actor(actor: Any, reader: CheckpointReader) -> dict[str, Any]:
     loads weights only and keeps the actor's fresh optimizer and schedule.
     Returns the shared tree (holds the `driver` state the run saved, or None).
     """
-    from miles_lite.trainer.checkpoint_state import capture_rng
+    from miles_lite.trainer.rng import capture_rank_rng
 
     shared = reader.shared()
     par = actor.par
@@ -183,7 +183,7 @@ def restore_actor(actor: Any, reader: CheckpointReader) -> dict[str, Any]:
         "optimizer": _optimizer_state(actor, reader, shared["optimizer"]) if has_optim
         else actor.optimizer.state_dict(),
         "scheduler": shared["scheduler"] if "scheduler" in shared else actor.scheduler.state_dict(),
-        "rng": local["rng"] if local is not None else capture_rng(),
+        "rng": local["rng"] if local is not None else capture_rank_rng(),
         "counters": shared.get("counters", {"steps_done": 0, "nonfinite_in_a_row": 0, "nonfinite_total": 0}),
         "parallel": {"tp_rank": par.tp_rank, "tp_size": par.tp_size},
     }
@@ -196,7 +196,7 @@ def hf_assets(hf_config: Mapping[str, Any], tokenizer_dir: str | Path | None) ->
     assets: dict[str, bytes | Path] = {"config.json": json.dumps(dict(hf_config), indent=2, default=str).encode()}
     if tokenizer_dir is not None:
         root = Path(tokenizer_dir)
-        assets.update({f: root / f for f in TOKENIZER_FILES if (root / f).is_file()})
+        assets.update({f: root / f for f in TOKENIZER_ASSETS if (root / f).is_file()})
     return assets
 
 

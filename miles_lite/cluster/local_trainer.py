@@ -16,8 +16,8 @@ class LocalTrainer:
     """A `TrainerActor` of world size 1 with the calls the driver and weight sync make."""
 
     def __init__(self, cfg: MilesConfig) -> None:
+        from miles_lite.ports import free_port
         from miles_lite.trainer.actor import TrainerActor
-        from miles_lite.weight_sync.distributed import free_port
 
         self.actor = TrainerActor(cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",
                                   total_steps=max(cfg.experiment.steps, 1))

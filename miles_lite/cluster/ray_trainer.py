@@ -68,7 +68,7 @@ class TrainerRank:
         """`tcp://<this node's address>:<free port>`: the process-group rendezvous rank 0 will host."""
         import ray
 
-        from miles_lite.weight_sync.distributed import free_port
+        from miles_lite.ports import free_port
 
         address = ray.util.get_node_ip_address()
         return f"tcp://{address}:{free_port(address)}"

@@ -101,7 +101,7 @@ def _check_positive(cfg: MilesConfig, problems: list[str]) -> None:
 
 
 # Any of these makes a directory loadable by `AutoTokenizer.from_pretrained`.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+LOADABLE_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 def tokenizer_problem(cfg: MilesConfig) -> str | None:
@@ -111,10 +111,10 @@ def tokenizer_problem(cfg: MilesConfig) -> str | None:
     encodes every prompt to no tokens; this names the field instead.
     """
     tokenizer_dir = cfg.model.tokenizer_path or cfg.model.hf_path
-    if not tokenizer_dir or any((Path(tokenizer_dir) / f).is_file() for f in TOKENIZER_FILES):
+    if not tokenizer_dir or any((Path(tokenizer_dir) / f).is_file() for f in LOADABLE_TOKENIZER_FILES):
         return None
     field_name = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.hf_path"
-    return (f"{field_name}={tokenizer_dir!r} has no tokenizer ({', '.join(TOKENIZER_FILES)}); set "
+    return (f"{field_name}={tokenizer_dir!r} has no tokenizer ({', '.join(LOADABLE_TOKENIZER_FILES)}); set "
             "model.tokenizer_path to the directory of the model's tokenizer")
 
 

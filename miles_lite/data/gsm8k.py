@@ -15,11 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lite.rewards.numbers import numbers_equal, parse_number
+from miles_lite.answer_format import numbers_equal, parse_final_answer, parse_number
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
-_FINAL_MARKER = "####"
-_FINAL_HINT = "GSM8K answers end with '#### <number>'"
 _ANNOTATION_RE = re.compile(r"<<([^<>]*)>>")
 
 
@@ -54,30 +52,6 @@ class MathProblem:
             answer=parse_final_answer(solution, where=where),
             steps=extract_steps(solution),
         )
-
-
-def parse_final_answer(text: str, *, where: str = "problem") -> float:
-    """Read the final answer written after the last ``#### `` marker of a reference solution.
-
-    Commas, a sign and decimals are allowed (``#### 1,234``, ``#### -3``, ``#### 2.50``). Tags
-    such as ``<SOLUTION>`` are never consulted: the ``####`` line is the only source of truth.
-
-    Raises:
-        ValueError: the marker is missing or not followed by a number; the message starts with
-            ``where`` (e.g. ``"data.jsonl: line 7: field 'answer'"``) so the record can be found.
-    """
-    index = text.rfind(_FINAL_MARKER)
-    if index < 0:
-        raise ValueError(f"{where} has no '#### N' final answer; {_FINAL_HINT}")
-    tail = text[index + len(_FINAL_MARKER):].strip()
-    token = tail.splitlines()[0] if tail else ""
-    value = parse_number(token)
-    if value is None:
-        raise ValueError(
-            f"{where} has {token!r} after '####', which is not a number; {_FINAL_HINT} "
-            "(commas, a sign and decimals are fine, units and '$' are not)"
-        )
-    return value
 
 
 def extract_steps(text: str) -> tuple[float, ...]:

@@ -1,27 +1,18 @@
-"""Prompt format: the system prompt, the answer tags, and rendering of prompts and targets.
+"""Prompt format: the system prompt and rendering of prompts and targets in the answer format.
 
-The model is asked to reason between ``<start_working_out>`` and ``<end_working_out>`` and
-then to give only the final number between ``<SOLUTION>`` and ``</SOLUTION>``. The reward
-functions score completions against exactly this format.
+The tags and number formatting come from `miles_lite.answer_format`, which the reward functions
+score completions against.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from miles_lite.rewards.numbers import format_number
+from miles_lite.answer_format import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START, format_number
+from miles_lite.data.gsm8k import MathProblem, strip_annotations
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-    from miles_lite.data.gsm8k import MathProblem
-
-WORK_START = "<start_working_out>"
-WORK_END = "<end_working_out>"
-SOLUTION_START = "<SOLUTION>"
-SOLUTION_END = "</SOLUTION>"
-# In the order they must appear in a well-formed completion.
-ANSWER_TAGS = (WORK_START, WORK_END, SOLUTION_START, SOLUTION_END)
 
 SYSTEM_PROMPT = (
     "You are given a math problem. Think about it and write your working out between "
@@ -64,10 +55,6 @@ def format_solution(problem: MathProblem) -> str:
     ``<<...>>`` calculator annotations removed (``3*4=<<3*4=12>>12`` becomes ``3*4=12``); the
     solution block holds the final answer formatted without a trailing ``.0``.
     """
-    # Imported here: the reward package imports this module's tags while miles_lite.data.gsm8k
-    # may still be initialising (it imports the reward package's number parser).
-    from miles_lite.data.gsm8k import strip_annotations
-
     body = problem.solution
     marker = body.rfind("####")
     if marker >= 0:

@@ -16,8 +16,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from miles_lite.answer_format import ANSWER_TAGS
 from miles_lite.data.arithmetic import SUPPORTED_OPS, ArithmeticSpec, generate_problems
-from miles_lite.data.prompts import ANSWER_TAGS, SYSTEM_PROMPT, format_solution, render_plain_prompt
+from miles_lite.data.prompts import SYSTEM_PROMPT, format_solution, render_plain_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

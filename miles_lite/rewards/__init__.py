@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from miles_lite.rewards.numbers import answer_matches, find_numbers, numbers_equal, parse_number, parse_solution_number
+from miles_lite.answer_format import (
+    answer_matches,
+    find_numbers,
+    numbers_equal,
+    parse_final_answer,
+    parse_number,
+    parse_solution_number,
+)
 from miles_lite.rewards.registry import (
     REWARD_NAMES,
     REWARD_SETS,
@@ -48,9 +55,6 @@ def parse_answer(answer: float | int | str) -> float:
     """
     if isinstance(answer, str):
         if "####" in answer:
-            # Imported here because miles_lite.data itself imports this package's modules.
-            from miles_lite.data.gsm8k import parse_final_answer
-
             return parse_final_answer(answer, where="reference answer")
         value = parse_number(answer)
         if value is None:

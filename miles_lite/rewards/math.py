@@ -22,8 +22,12 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
-from miles_lite.data.prompts import ANSWER_TAGS, SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
-from miles_lite.rewards.numbers import (
+from miles_lite.answer_format import (
+    ANSWER_TAGS,
+    SOLUTION_END,
+    SOLUTION_START,
+    WORK_END,
+    WORK_START,
     answer_matches,
     contains_answer,
     contains_number,

@@ -2,7 +2,7 @@
 
 Both engine kinds (stock SGLang servers and the CPU reference engine) speak SGLang's HTTP API, so
 one HTTP client (`miles_lite.rollout.http_client.HttpEngine`) implements this protocol for both; they
-differ only in how their server process is launched (`sglang_engine.py`, `reference_engine.py`).
+differ only in how their server process is launched (`miles_lite/engines/`).
 """
 
 from __future__ import annotations

@@ -240,7 +240,7 @@ class HttpEngine:
         """`/update_weights_from_tensor`: one serialized payload per engine TP rank.
 
         SGLang takes `MultiprocessingSerializer.serialize(named_tensors, output_str=True)` strings; the reference
-        engine takes `reference_model.serialize_named_tensors` strings.
+        engine takes `engines.reference.model.serialize_named_tensors` strings.
         """
         await self._post_checked("/update_weights_from_tensor", {
             "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,

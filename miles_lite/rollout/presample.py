@@ -19,10 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from miles_lite.answer_format import answer_matches, find_numbers
 from miles_lite.config.schema import PresampleConfig
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.rewards.math import score_exact
-from miles_lite.rewards.numbers import answer_matches, find_numbers
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.prompt_spec import PromptSpec
 from miles_lite.types import Group, SamplingParams

@@ -32,6 +32,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 
+from miles_lite.ports import free_port
 from miles_lite.rollout import lifeline
 
 # (port, fd of an inherited bound socket or None) -> argv of the server.
@@ -40,7 +41,7 @@ CommandFactory = Callable[[int, int | None], list[str]]
 _PORT_CLASH = ("address already in use", "errno 98", "eaddrinuse")
 
 
-class EngineState(enum.Enum):
+class ProcessState(enum.Enum):
     CREATED = "created"
     STARTING = "starting"
     READY = "ready"
@@ -49,25 +50,18 @@ class EngineState(enum.Enum):
     FAILED = "failed"
 
 
-_TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    EngineState.CREATED: frozenset({EngineState.STARTING, EngineState.STOPPED}),
-    EngineState.STARTING: frozenset({EngineState.READY, EngineState.FAILED, EngineState.STOPPING}),
-    EngineState.READY: frozenset({EngineState.STOPPING, EngineState.FAILED}),
-    EngineState.FAILED: frozenset({EngineState.STOPPING, EngineState.STOPPED}),
-    EngineState.STOPPING: frozenset({EngineState.STOPPED}),
-    EngineState.STOPPED: frozenset(),
+_TRANSITIONS: dict[ProcessState, frozenset[ProcessState]] = {
+    ProcessState.CREATED: frozenset({ProcessState.STARTING, ProcessState.STOPPED}),
+    ProcessState.STARTING: frozenset({ProcessState.READY, ProcessState.FAILED, ProcessState.STOPPING}),
+    ProcessState.READY: frozenset({ProcessState.STOPPING, ProcessState.FAILED}),
+    ProcessState.FAILED: frozenset({ProcessState.STOPPING, ProcessState.STOPPED}),
+    ProcessState.STOPPING: frozenset({ProcessState.STOPPED}),
+    ProcessState.STOPPED: frozenset(),
 }
 
 
 class EngineStartError(RuntimeError):
     """The server exited or did not become healthy in time; the message carries its log tail."""
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free a moment ago (probe by binding port 0)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class EngineProcess:
@@ -85,17 +79,17 @@ class EngineProcess:
         self._proc: subprocess.Popen | None = None
         # Write end of the pipe whose end-of-file tells the engine's supervisor that this process is gone.
         self._lifeline: int | None = None
-        self._state = EngineState.CREATED
+        self._state = ProcessState.CREATED
         self.port: int | None = None
         self.failure: str | None = None
 
     # ---- state -----------------------------------------------------------------------------------------------
 
     @property
-    def state(self) -> EngineState:
+    def state(self) -> ProcessState:
         return self._state
 
-    def _to(self, new: EngineState) -> None:
+    def _to(self, new: ProcessState) -> None:
         if new not in _TRANSITIONS[self._state]:
             raise RuntimeError(f"engine {self.name}: illegal transition {self._state.value} -> {new.value}")
         self._state = new
@@ -117,9 +111,9 @@ class EngineProcess:
     def alive(self) -> bool:
         """True while the child runs; a READY engine whose child exited becomes FAILED."""
         running = self._proc is not None and self._proc.poll() is None
-        if not running and self._state is EngineState.READY:
+        if not running and self._state is ProcessState.READY:
             self.failure = f"exited with code {self.returncode}"
-            self._to(EngineState.FAILED)
+            self._to(ProcessState.FAILED)
         return running
 
     def log_tail(self, lines: int = 40) -> str:
@@ -134,7 +128,7 @@ class EngineProcess:
 
     def start(self) -> None:
         """Spawn the server (non-blocking); then call `wait_ready`."""
-        self._to(EngineState.STARTING)
+        self._to(ProcessState.STARTING)
         self._spawn()
 
     def _spawn(self) -> None:
@@ -180,7 +174,7 @@ class EngineProcess:
 
     def wait_ready(self, timeout_s: float, poll_interval_s: float = 0.5) -> None:
         """Poll `/health_generate` until 200; raise EngineStartError (with the log tail) on exit or timeout."""
-        if self._state is not EngineState.STARTING:
+        if self._state is not ProcessState.STARTING:
             raise RuntimeError(f"engine {self.name}: wait_ready in state {self._state.value}")
         deadline = time.monotonic() + timeout_s
         retries = self._port_retries
@@ -198,7 +192,7 @@ class EngineProcess:
                 self._fail(f"engine {self.name} not healthy after {timeout_s:.0f}s (pid {self.pid}); "
                            f"log {self.log_path}:\n{self.log_tail()}")
             if self._health(min(max(remaining, 0.1), 30.0)):
-                self._to(EngineState.READY)
+                self._to(ProcessState.READY)
                 return
             time.sleep(min(poll_interval_s, max(deadline - time.monotonic(), 0.0)))
 
@@ -208,20 +202,20 @@ class EngineProcess:
 
     def _fail(self, message: str) -> None:
         self.failure = message
-        self._to(EngineState.FAILED)
+        self._to(ProcessState.FAILED)
         raise EngineStartError(message)
 
     # ---- stop ------------------------------------------------------------------------------------------------
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the process group, wait `grace_s`, then SIGKILL whatever is left; returns the exit code."""
-        if self._state is EngineState.STOPPED:
+        if self._state is ProcessState.STOPPED:
             return self.returncode
-        if self._state is EngineState.CREATED:
-            self._to(EngineState.STOPPED)
+        if self._state is ProcessState.CREATED:
+            self._to(ProcessState.STOPPED)
             return None
-        if self._state is not EngineState.STOPPING:
-            self._to(EngineState.STOPPING)
+        if self._state is not ProcessState.STOPPING:
+            self._to(ProcessState.STOPPING)
         assert self._proc is not None
         pgid = self._proc.pid  # session leader: its pid is the group id
         _signal_group(pgid, signal.SIGTERM)
@@ -233,7 +227,7 @@ class EngineProcess:
         _signal_group(pgid, signal.SIGKILL)
         self._proc.wait()
         self._close_lifeline()
-        self._to(EngineState.STOPPED)
+        self._to(ProcessState.STOPPED)
         return self._proc.returncode
 
     async def stop_async(self, grace_s: float = 10.0) -> int | None:

@@ -19,7 +19,6 @@ from torch import Tensor
 
 from miles_lite.config.schema import MilesConfig
 from miles_lite.trainer import cpu_compat
-from miles_lite.trainer.checkpoint_state import capture_rng, restore_rng
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
 from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, UpdateGuard
@@ -30,6 +29,7 @@ from miles_lite.trainer.optim import build_optimizer, build_scheduler, current_l
 from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batches, split_for_data_parallel
 from miles_lite.trainer.parallel import ParallelInfo, init_parallel, shutdown_parallel
 from miles_lite.trainer.rl_loss import BatchTotals, reduce_stats, rl_micro_loss, sft_micro_loss
+from miles_lite.trainer.rng import capture_rank_rng, restore_rank_rng
 from miles_lite.trainer.updates import combine_update_stats, minibatch_plan
 from miles_lite.types import TrainBatch
 
@@ -405,7 +405,7 @@ class TrainerActor:
             "model": {n: p.detach() for n, p in self.policy.model.named_parameters()},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "rng": capture_rng(),
+            "rng": capture_rank_rng(),
             "counters": {"steps_done": self.steps_done, "nonfinite_in_a_row": self.nonfinite_in_a_row,
                          "nonfinite_total": self.nonfinite_total, "diverged_total": self.diverged_total},
             "parallel": {"tp_rank": self.par.tp_rank, "tp_size": self.par.tp_size,
@@ -429,7 +429,7 @@ class TrainerActor:
         with cpu_compat.device_mode():
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        restore_rng(state["rng"])
+        restore_rank_rng(state["rng"])
         counters = state["counters"]
         self.steps_done = int(counters["steps_done"])
         self.nonfinite_in_a_row = int(counters["nonfinite_in_a_row"])

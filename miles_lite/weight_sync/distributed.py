@@ -22,7 +22,6 @@ and on the senders, then builds a fresh one under a new group name and port.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -30,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_lite.rollout.weight_group import init_custom_process_group
+from miles_lite.ports import free_port
 from miles_lite.weight_sync.buckets import Bucket, full_buckets, shard_buckets
 from miles_lite.weight_sync.plan import ParamSpec, RankPlan, ReshardPlan, apply_rank_plan, build_plan, full_tensor_plan
 from miles_lite.weight_sync.senders import ShardSenders
@@ -46,15 +45,9 @@ from miles_lite.weight_sync.transport import (
     WeightTransport,
     resolve_shards,
 )
+from miles_lite.weight_sync.weight_group import init_custom_process_group
 
 MODES = ("full", "shard")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free at the time of asking (the rendezvous binds it right after)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 class DistributedTransport(WeightTransport):

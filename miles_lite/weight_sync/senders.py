@@ -18,8 +18,8 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from miles_lite.rollout.weight_group import init_custom_process_group
 from miles_lite.weight_sync.shard_protocol import RankSchedule, SendStats, send_bucket
+from miles_lite.weight_sync.weight_group import init_custom_process_group
 
 
 class ShardSenders(Protocol):

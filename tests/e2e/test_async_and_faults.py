@@ -104,7 +104,7 @@ def test_engine_sigkilled_mid_training_is_replaced_and_the_run_completes(tmp_pat
 
     try:
         _wait(lambda: len(_records(run)) >= 1, 900, "the first RL step", proc)
-        engines = [(pid, cmd) for pid, cmd in _children(proc.pid) if "miles_lite.rollout.reference_engine" in cmd]
+        engines = [(pid, cmd) for pid, cmd in _children(proc.pid) if "miles_lite.engines.reference.engine" in cmd]
         assert len(engines) == 2, engines
         victim = engines[0][0]
         os.kill(victim, signal.SIGKILL)

@@ -34,9 +34,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 from engine_contract import GREEDY, PROMPT, SGLANG_TEST_ARGS, EngineContract, run  # noqa: E402
 
 from miles_lite.config.schema import RolloutConfig, TinyModelShape  # noqa: E402
+from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine  # noqa: E402
+from miles_lite.engines.sglang.command import sglang_available  # noqa: E402
 from miles_lite.rollout.http_client import HttpEngine  # noqa: E402
-from miles_lite.rollout.launcher import EngineLauncher, LaunchedEngine  # noqa: E402
-from miles_lite.rollout.sglang_engine import sglang_available  # noqa: E402
 from miles_lite.rollout.sync_api import EventLoopThread  # noqa: E402
 from miles_lite.trainer.hf_convert import layout_for, read_hf_state  # noqa: E402
 from miles_lite.trainer.model import padded_vocab_size, spec_from_hf_config  # noqa: E402

@@ -22,9 +22,9 @@ import pytest
 import torch
 
 from miles_lite.config.schema import RolloutConfig
+from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine
+from miles_lite.engines.sglang.command import sglang_available
 from miles_lite.rollout.engine import RolloutEngine
-from miles_lite.rollout.launcher import EngineLauncher, LaunchedEngine
-from miles_lite.rollout.sglang_engine import sglang_available
 from miles_lite.types import SamplingParams
 
 ENGINE_KINDS = [

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from miles_lite.config import load_config
-from miles_lite.rollout.fleet_launch import attach_fleet
+from miles_lite.engines.fleet_launch import attach_fleet
+from miles_lite.model_assets import prepare_model
 from miles_lite.rollout.process import EngineProcess
 from miles_lite.rollout.sync_api import EventLoopThread
-from miles_lite.system import prepare_model
 from miles_lite.types import SamplingParams
 
 pytestmark = pytest.mark.slow

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig, TinyModelShape
+from miles_lite.engines.fleet_launch import fleet_launcher
+from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, EngineState
-from miles_lite.rollout.fleet_launch import fleet_launcher
-from miles_lite.rollout.launcher import EngineLauncher, LaunchedEngine
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.trainer.tiny_hf import make_tiny_hf_model
 from miles_lite.types import Group
@@ -206,7 +206,7 @@ def test_start_fleet_gives_engines_their_own_environment(models: tuple[str, str]
     """`rollout.engine_env` reaches the engine process (e.g. PYTHONPATH of a separate SGLang install)."""
     from dataclasses import replace
 
-    from miles_lite.rollout.fleet_launch import start_fleet
+    from miles_lite.engines.fleet_launch import start_fleet
 
     rollout = replace(_rollout(), engine_env={"MILES_LITE_ENGINE_MARK": "engine-env-test"})
 

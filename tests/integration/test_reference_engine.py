@@ -1,6 +1,6 @@
 """The reference engine: the RolloutEngine contract, plus batching, weight transports and fault injection.
 
-Every server here is a real `python -m miles_lite.rollout.reference_engine` process on a tiny random Qwen2.
+Every server here is a real `python -m miles_lite.engines.reference.engine` process on a tiny random Qwen2.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ from engine_contract import (  # noqa: E402
     running_engine,
 )
 
+from miles_lite.engines.launcher import LaunchedEngine  # noqa: E402
+from miles_lite.engines.reference.model import serialize_named_tensors  # noqa: E402
+from miles_lite.ports import free_port  # noqa: E402
 from miles_lite.rollout.engine import EngineError  # noqa: E402
-from miles_lite.rollout.launcher import LaunchedEngine  # noqa: E402
-from miles_lite.rollout.process import free_port  # noqa: E402
-from miles_lite.rollout.reference_model import serialize_named_tensors  # noqa: E402
-from miles_lite.rollout.weight_group import init_custom_process_group  # noqa: E402
 from miles_lite.types import SamplingParams  # noqa: E402
+from miles_lite.weight_sync.weight_group import init_custom_process_group  # noqa: E402
 
 
 class TestEngineContract(EngineContract):

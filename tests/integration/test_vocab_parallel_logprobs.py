@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from miles_lite.ports import free_port
 from miles_lite.trainer.logprobs import vocab_parallel_logprobs
-from miles_lite.weight_sync.distributed import free_port
 
 REAL_VOCAB = 13  # 2 ranks x 8 columns: rank 1 holds 5 real columns and 3 padding columns
 COLS = 8

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from miles_lite.config.schema import RolloutConfig, TinyModelShape
+from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.rollout.engine import EngineError
-from miles_lite.rollout.launcher import EngineLauncher
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.hf_convert import layout_for
 from miles_lite.trainer.model import padded_vocab_size, spec_from_hf_config

@@ -15,8 +15,8 @@ from shard_senders import ProcessSenders
 from test_weight_sync_reference import SHAPE, VOCAB, Trainer, make_verifier, megatron_locals
 
 from miles_lite.config.schema import RolloutConfig
-from miles_lite.rollout.launcher import EngineLauncher
-from miles_lite.rollout.reference_model import serialize_named_tensors
+from miles_lite.engines.launcher import EngineLauncher
+from miles_lite.engines.reference.model import serialize_named_tensors
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.hf_convert import layout_for
 from miles_lite.trainer.model import padded_vocab_size, spec_from_hf_config

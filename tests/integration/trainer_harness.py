@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,11 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from miles_lite.ports import free_port
 
 
 def _entry(rank: int, world_size: int, port: int, scenario: Callable[..., Any], kwargs: dict[str, Any],
@@ -37,7 +32,7 @@ def _entry(rank: int, world_size: int, port: int, scenario: Callable[..., Any], 
 def run_ranks(scenario: Callable[..., Any], world_size: int, out_dir: Path, **kwargs: Any) -> list[Any]:
     """Run `scenario(rank, world_size, **kwargs)` in `world_size` fresh processes; return each rank's result."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_entry, args=(world_size, _free_port(), scenario, kwargs, str(out_dir)), nprocs=world_size, join=True)
+    mp.spawn(_entry, args=(world_size, free_port(), scenario, kwargs, str(out_dir)), nprocs=world_size, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

@@ -21,7 +21,7 @@ from miles_lite.checkpoint import (
     newest_complete,
     resolve_resume,
 )
-from miles_lite.checkpoint.driver_state import capture_rng, restore_rng
+from miles_lite.checkpoint.driver_state import capture_driver_rng, restore_driver_rng
 from miles_lite.checkpoint.layout import read_latest, retention_victims, step_dir_name
 from miles_lite.config.schema import CheckpointConfig
 from miles_lite.data.gsm8k import MathProblem
@@ -171,7 +171,7 @@ def test_driver_state_round_trip_restores_data_order_and_rng(tmp_path: Path) -> 
     random.seed(11)
     np.random.seed(12)
     torch.manual_seed(13)
-    state = DriverState(step=7, weight_version=7, data=source.state_dict(), rng=capture_rng(),
+    state = DriverState(step=7, weight_version=7, data=source.state_dict(), rng=capture_driver_rng(),
                         presample_keep=[1, 2, 3, 5, 7, 9], rollout_buffer=[{"prompt": 1, "ids": [3, 4]}])
     expected = ([i for i, _ in source.next_batch(8)], random.random(), float(np.random.rand()), float(torch.rand(1)))
     saver = AsyncCheckpointer(tmp_path)
@@ -183,7 +183,7 @@ def test_driver_state_round_trip_restores_data_order_and_rng(tmp_path: Path) -> 
     back = DriverState.from_tree(CheckpointReader(tmp_path / step_dir_name(7)).shared()["driver"])
     fresh = PromptSource(problems, seed=3)
     fresh.load_state_dict(back.data)
-    restore_rng(back.rng)
+    restore_driver_rng(back.rng)
     got = ([i for i, _ in fresh.next_batch(8)], random.random(), float(np.random.rand()), float(torch.rand(1)))
     assert got == expected
     assert (back.step, back.weight_version, back.presample_keep) == (7, 7, [1, 2, 3, 5, 7, 9])

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from miles_lite.rollout.process import EngineProcess, EngineStartError, EngineState
+from miles_lite.rollout.process import EngineProcess, EngineStartError, ProcessState
 
 # A stand-in server: answers /health_generate with 200, optionally serving on an inherited socket,
 # optionally ignoring SIGTERM and optionally leaving a grandchild that shares its process group.
@@ -54,14 +54,14 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("pass_socket", [False, True])
 def test_lifecycle_ready_then_stopped(tmp_path, pass_socket: bool) -> None:
     proc = EngineProcess("fake", _factory(), str(tmp_path / "e.log"), pass_socket=pass_socket)
-    assert proc.state is EngineState.CREATED and proc.pid is None
+    assert proc.state is ProcessState.CREATED and proc.pid is None
     proc.start()
-    assert proc.state is EngineState.STARTING
+    assert proc.state is ProcessState.STARTING
     proc.wait_ready(timeout_s=30)
-    assert proc.state is EngineState.READY and proc.alive()
+    assert proc.state is ProcessState.READY and proc.alive()
     assert proc.url == f"http://127.0.0.1:{proc.port}"
     assert proc.stop(grace_s=10) == -signal.SIGTERM
-    assert proc.state is EngineState.STOPPED and not proc.alive()
+    assert proc.state is ProcessState.STOPPED and not proc.alive()
     assert "serving" in proc.log_tail()
 
 
@@ -73,9 +73,9 @@ def test_exit_during_startup_raises_with_log_tail(tmp_path) -> None:
     proc.start()
     with pytest.raises(EngineStartError, match="exited with code 3(.|\n)*model weights are missing"):
         proc.wait_ready(timeout_s=30)
-    assert proc.state is EngineState.FAILED
+    assert proc.state is ProcessState.FAILED
     proc.stop()
-    assert proc.state is EngineState.STOPPED
+    assert proc.state is ProcessState.STOPPED
 
 
 def test_never_healthy_times_out_and_stop_kills(tmp_path) -> None:
@@ -115,9 +115,9 @@ def test_dead_ready_engine_becomes_failed(tmp_path) -> None:
     os.kill(proc.pid, signal.SIGKILL)
     proc._proc.wait()
     assert not proc.alive()
-    assert proc.state is EngineState.FAILED and "exited with code -9" in proc.failure
+    assert proc.state is ProcessState.FAILED and "exited with code -9" in proc.failure
     proc.stop()
-    assert proc.state is EngineState.STOPPED
+    assert proc.state is ProcessState.STOPPED
 
 
 def test_port_clash_is_retried_on_a_fresh_port(tmp_path) -> None:
@@ -136,7 +136,7 @@ def test_port_clash_is_retried_on_a_fresh_port(tmp_path) -> None:
     try:
         proc.start()
         proc.wait_ready(timeout_s=30)
-        assert len(calls) == 2 and proc.state is EngineState.READY
+        assert len(calls) == 2 and proc.state is ProcessState.READY
         assert "Address already in use" in proc.log_tail(100)
     finally:
         proc.stop()
@@ -149,7 +149,7 @@ def test_illegal_transitions_raise(tmp_path) -> None:
         proc.wait_ready(timeout_s=1)
     with pytest.raises(RuntimeError, match="no URL before start"):
         _ = proc.url
-    assert proc.stop() is None and proc.state is EngineState.STOPPED
+    assert proc.stop() is None and proc.state is ProcessState.STOPPED
     with pytest.raises(RuntimeError, match="illegal transition stopped -> starting"):
         proc.start()
 

@@ -8,8 +8,8 @@ import asyncio
 from aiohttp import web
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.engines.fleet_launch import attach_fleet
 from miles_lite.rollout.engine_state import EngineState
-from miles_lite.rollout.fleet_launch import attach_fleet
 
 
 async def _serve(port: int, version: str) -> web.AppRunner:

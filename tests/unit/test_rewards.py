@@ -8,6 +8,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from miles_lite.answer_format import (
+    answer_matches,
+    decimal_places,
+    find_numbers,
+    format_number,
+    numbers_equal,
+    parse_number,
+    parse_solution_number,
+)
 from miles_lite.rewards import (
     REWARD_NAMES,
     RewardSet,
@@ -20,15 +29,6 @@ from miles_lite.rewards import (
     validate_reward_names,
 )
 from miles_lite.rewards.math import score_steps, step_budget
-from miles_lite.rewards.numbers import (
-    answer_matches,
-    decimal_places,
-    find_numbers,
-    format_number,
-    numbers_equal,
-    parse_number,
-    parse_solution_number,
-)
 
 PERFECT = "<start_working_out>3*4=12, 12*6=72<end_working_out><SOLUTION>72</SOLUTION>"
 QUESTION = "A box holds 3 rows of 4 eggs. How many eggs are in 6 boxes?"

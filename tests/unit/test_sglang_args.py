@@ -9,10 +9,10 @@ import sys
 import pytest
 
 from miles_lite.config.schema import RolloutConfig
-from miles_lite.rollout.launcher import EngineLauncher
-from miles_lite.rollout.reference_engine import add_reference_arguments, build_reference_command, reference_flags
-from miles_lite.rollout.serve import add_arguments, sglang_argv
-from miles_lite.rollout.sglang_engine import (
+from miles_lite.engines.launcher import EngineLauncher
+from miles_lite.engines.reference.engine import add_reference_arguments, build_reference_command, reference_flags
+from miles_lite.engines.serve import add_arguments, sglang_argv
+from miles_lite.engines.sglang.command import (
     build_sglang_command,
     check_sglang_command,
     sglang_flag_args,
@@ -134,7 +134,7 @@ def test_reference_flags_map_and_parse() -> None:
     cmd = build_reference_command("/m", 5000, {"max_batch_size": 8, "drop_weight_updates": True,
                                                "return_original_logprob": False, "fail_mode": "hang",
                                                "fail_after": 3}, listen_fd=7, python="py")
-    assert cmd[:3] == ["py", "-m", "miles_lite.rollout.reference_engine"]
+    assert cmd[:3] == ["py", "-m", "miles_lite.engines.reference.engine"]
     parser = argparse.ArgumentParser()
     add_reference_arguments(parser)
     ns = parser.parse_args(cmd[3:])

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import miles_lite.data.tokenizer as tokenizer_module
+from miles_lite.answer_format import ANSWER_TAGS
 from miles_lite.data import build_tokenizer, load_or_build_tokenizer, render_prompt
-from miles_lite.data.prompts import ANSWER_TAGS, SYSTEM_PROMPT
+from miles_lite.data.prompts import SYSTEM_PROMPT
 from miles_lite.data.tokenizer import CONTROL_TOKENS, tokenizer_cache_key
 
 

@@ -10,7 +10,6 @@ import enum
 import json
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -19,6 +18,8 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from miles_lite.ports import free_port
 
 APT_ENV = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
 
@@ -51,13 +52,6 @@ def ensure_prometheus_installed(timeout_s: float = 600.0) -> tuple[str, str]:
     if not (prom and tool):
         raise PrometheusUnavailable("apt-get installed 'prometheus' but prometheus/promtool are not on PATH")
     return prom, tool
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape_config(targets: list[str], interval_s: int = 1) -> str:

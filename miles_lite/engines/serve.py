@@ -4,7 +4,7 @@
     miles-lite engine --backend sglang --model-path DIR --port 30000 --tp 1 \
         --sglang-args '{"skip_tokenizer_init": true, "mem_fraction_static": 0.6}'
 
-The reference backend takes every flag of `python -m miles_lite.rollout.reference_engine`; the sglang backend
+The reference backend takes every flag of `python -m miles_lite.engines.reference.engine`; the sglang backend
 replaces this process with `python -m sglang.launch_server` built from `--sglang-args` (a JSON object in
 `rollout.sglang_args` form), so signals reach SGLang directly.
 """
@@ -16,8 +16,8 @@ import json
 import os
 import sys
 
-from miles_lite.rollout.reference_engine import add_reference_arguments, run_from_args
-from miles_lite.rollout.sglang_engine import build_sglang_command, check_sglang_command
+from miles_lite.engines.reference.engine import add_reference_arguments, run_from_args
+from miles_lite.engines.sglang.command import build_sglang_command, check_sglang_command
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +51,7 @@ def prepare_job_model(overrides: list[str], model_dir: str) -> str:
     from pathlib import Path
 
     from miles_lite.config import load_config
-    from miles_lite.system import prepare_model
+    from miles_lite.model_assets import prepare_model
 
     cfg, _ = prepare_model(load_config(list(overrides)), Path(model_dir))
     return str(cfg.model.hf_path)

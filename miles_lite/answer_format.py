@@ -1,4 +1,9 @@
-"""Number parsing shared by the dataset loaders and the reward functions.
+"""The answer format shared by the data (prompts, reference solutions) and the rewards: the tags a
+completion is asked to write, and how numbers are read and written. It imports nothing of the package:
+data and rewards both build on it.
+
+The model is asked to reason between ``<start_working_out>`` and ``<end_working_out>`` and then to
+give only the final number between ``<SOLUTION>`` and ``</SOLUTION>``.
 
 A *number token* is an optional ``-`` sign, an integer part written either as plain digits
 (``1234``) or with comma thousands separators (``1,234``), and an optional decimal part
@@ -20,6 +25,16 @@ import math
 import re
 from collections.abc import Iterable
 from decimal import ROUND_HALF_UP, Decimal
+
+WORK_START = "<start_working_out>"
+WORK_END = "<end_working_out>"
+SOLUTION_START = "<SOLUTION>"
+SOLUTION_END = "</SOLUTION>"
+# In the order they must appear in a well-formed completion.
+ANSWER_TAGS = (WORK_START, WORK_END, SOLUTION_START, SOLUTION_END)
+# A reference solution (GSM8K) ends with this marker and the final number.
+_FINAL_MARKER = "####"
+_FINAL_HINT = "GSM8K answers end with '#### <number>'"
 
 # Integer part: comma-grouped thousands (only when every group has exactly three digits and no
 # digit follows, so "12,3456" is two numbers) or a plain digit run.
@@ -145,3 +160,27 @@ def format_number(value: float) -> str:
         return str(int(value))
     text = f"{value:.10f}".rstrip("0").rstrip(".")
     return "0" if text in ("-0", "") else text
+
+
+def parse_final_answer(text: str, *, where: str = "problem") -> float:
+    """Read the final answer written after the last ``#### `` marker of a reference solution.
+
+    Commas, a sign and decimals are allowed (``#### 1,234``, ``#### -3``, ``#### 2.50``). Tags
+    such as ``<SOLUTION>`` are never consulted: the ``####`` line is the only source of truth.
+
+    Raises:
+        ValueError: the marker is missing or not followed by a number; the message starts with
+            ``where`` (e.g. ``"data.jsonl: line 7: field 'answer'"``) so the record can be found.
+    """
+    index = text.rfind(_FINAL_MARKER)
+    if index < 0:
+        raise ValueError(f"{where} has no '#### N' final answer; {_FINAL_HINT}")
+    tail = text[index + len(_FINAL_MARKER):].strip()
+    token = tail.splitlines()[0] if tail else ""
+    value = parse_number(token)
+    if value is None:
+        raise ValueError(
+            f"{where} has {token!r} after '####', which is not a number; {_FINAL_HINT} "
+            "(commas, a sign and decimals are fine, units and '$' are not)"
+        )
+    return value

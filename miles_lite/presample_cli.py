@@ -25,10 +25,10 @@ from typing import Any
 
 from miles_lite.config.compose import load_config
 from miles_lite.config.schema import MilesConfig
-from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems
-from miles_lite.data.gsm8k import MathProblem, load_gsm8k
+from miles_lite.data.gsm8k import MathProblem
+from miles_lite.data.problems import read_problems
 from miles_lite.data.prompts import render_prompt
-from miles_lite.rollout.fleet_launch import start_fleet
+from miles_lite.engines.fleet_launch import start_fleet
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.presample import SCORINGS, PresampleReport, presample, write_filtered
 from miles_lite.rollout.prompt_spec import sampling_from_config
@@ -80,19 +80,6 @@ def _config(args: argparse.Namespace) -> MilesConfig:
     return cfg
 
 
-def load_problems(data: str, n: int | None, cfg: MilesConfig) -> list[MathProblem]:
-    """The questions to presample: a GSM8K-format file, or `n` synthetic problems of `data.synthetic`."""
-    if n is not None and n < 1:
-        raise ValueError(f"--n must be >= 1, got {n}")
-    if data == "synthetic":
-        syn = cfg.data.synthetic
-        spec = ArithmeticSpec(min_steps=syn.min_steps, max_steps=syn.max_steps, min_operand=syn.min_operand,
-                              max_operand=syn.max_operand, ops=tuple(syn.ops), seed=syn.seed)
-        return generate_problems(n if n is not None else syn.train_size, spec)
-    problems = load_gsm8k(data)
-    return problems[:n] if n is not None else problems
-
-
 async def _presample(cfg: MilesConfig, problems: list[MathProblem], tokenizer: Any, log_dir: str, seed: int,
                      chunk: int) -> PresampleReport:
     fleet = await start_fleet(cfg.rollout, cfg.fault_tolerance, str(cfg.model.hf_path), log_dir)
@@ -118,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the presampling job; returns the process exit code (2 for bad arguments)."""
     try:
         cfg = _config(args)
-        problems = load_problems(args.data, args.n, cfg)
+        problems = read_problems(args.data, args.n, cfg)
     except ValueError as exc:
         print(f"miles-lite presample: error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@ Logprob semantics (checked against SGLang 0.5.10's `layers/sampler.py` and `laye
 - Output tokens, greedy (T < 1e-6, which SGLang rewrites to T = 1, top_k = 1): `log_softmax(logits)[token]`.
 - With the environment variable SGLANG_RETURN_ORIGINAL_LOGPROB=1, SGLang reports the raw `log_softmax(logits)` for
   every request; the reference engine's `--return-original-logprob` flag does the same.
-- Input tokens (`logprob_start_len`): raw `log_softmax(logits)` (no temperature), see `reference_model.py`.
+- Input tokens (`logprob_start_len`): raw `log_softmax(logits)` (no temperature), see `model.py`.
 """
 
 from __future__ import annotations

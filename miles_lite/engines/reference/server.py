@@ -17,11 +17,11 @@ from typing import Any
 
 from aiohttp import web
 
-from miles_lite.rollout.reference_model import ReferenceModel, deserialize_named_tensors, read_safetensors
-from miles_lite.rollout.reference_ranks import EngineRanks
-from miles_lite.rollout.reference_sampling import RequestSampling
-from miles_lite.rollout.reference_scheduler import GenRequest, PauseMode, Scheduler
-from miles_lite.rollout.reference_shards import ShardedWeights
+from miles_lite.engines.reference.model import ReferenceModel, deserialize_named_tensors, read_safetensors
+from miles_lite.engines.reference.ranks import EngineRanks
+from miles_lite.engines.reference.sampling import RequestSampling
+from miles_lite.engines.reference.scheduler import GenRequest, PauseMode, Scheduler
+from miles_lite.engines.reference.shards import ShardedWeights
 from miles_lite.weight_sync.sglang_payloads import SHARD_LOAD_FORMAT
 
 log = logging.getLogger("miles_lite.reference_engine")
@@ -31,7 +31,7 @@ FAIL_MODES = ("none", "hang", "error")
 
 @dataclass
 class ServerOptions:
-    """Everything the reference server is started with (see `reference_engine.add_reference_arguments`)."""
+    """Everything the reference server is started with (see `engine.add_reference_arguments`)."""
 
     model_path: str
     dtype: str = "float32"

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 
-def capture_rng() -> dict[str, Any]:
+def capture_rank_rng() -> dict[str, Any]:
     """Every RNG stream this rank draws from (CPU generator, CUDA generator, megatron tracker)."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
@@ -20,8 +20,8 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
-    """Put back what `capture_rng` returned."""
+def restore_rank_rng(state: dict[str, Any]) -> None:
+    """Put back what `capture_rank_rng` returned."""
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     torch.set_rng_state(state["torch"])

@@ -1,8 +1,8 @@
 """The CPU reference engine: an HF transformers model behind SGLang 0.5.10's HTTP API.
 
-Run as `python -m miles_lite.rollout.reference_engine --model-path DIR --port N` (or `miles-lite engine`).
-It serves token ids in, token ids + logprobs out, with continuous batching (`reference_scheduler.py`), weight
-updates from disk, from serialized tensors and over a torch.distributed group (`reference_server.py`).
+Run as `python -m miles_lite.engines.reference.engine --model-path DIR --port N` (or `miles-lite engine`).
+It serves token ids in, token ids + logprobs out, with continuous batching (`scheduler.py`), weight
+updates from disk, from serialized tensors and over a torch.distributed group (`server.py`).
 `reference_args` of the rollout config map to its flags (`max_batch_size` -> `--max-batch-size`).
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from miles_lite.rollout.reference_server import FAIL_MODES, ReferenceServer, ServerOptions
+from miles_lite.engines.reference.server import FAIL_MODES, ReferenceServer, ServerOptions
 
 log = logging.getLogger("miles_lite.reference_engine")
 
@@ -89,7 +89,7 @@ def build_reference_command(model_path: str, port: int, reference_args: Mapping[
                             listen_fd: int | None = None, host: str = "127.0.0.1",
                             python: str = sys.executable) -> list[str]:
     """The command line of one reference engine server listening on `host:port` (or on `listen_fd`)."""
-    cmd = [python, "-m", "miles_lite.rollout.reference_engine", "--model-path", model_path,
+    cmd = [python, "-m", "miles_lite.engines.reference.engine", "--model-path", model_path,
            "--host", host, "--port", str(port)]
     if listen_fd is not None:
         cmd += ["--listen-fd", str(listen_fd)]
@@ -134,8 +134,8 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m miles_lite.rollout.reference_engine`."""
-    parser = argparse.ArgumentParser(prog="miles_lite.rollout.reference_engine", description=__doc__)
+    """Entry point of `python -m miles_lite.engines.reference.engine`."""
+    parser = argparse.ArgumentParser(prog="miles_lite.engines.reference.engine", description=__doc__)
     add_reference_arguments(parser)
     return run_from_args(parser.parse_args(argv))
 

@@ -3,7 +3,7 @@
 Both kinds are server processes speaking SGLang's HTTP API, launched through `EngineProcess` and reached
 through `HttpEngine`; they differ only in the command line:
 
-- `reference`: `python -m miles_lite.rollout.reference_engine`, on a socket the launcher binds (no port race),
+- `reference`: `python -m miles_lite.engines.reference.engine`, on a socket the launcher binds (no port race),
   `rollout.reference_args` as flags, `--tp` from `rollout.engine_tp`, and a distinct sampling seed per engine index;
 - `sglang`: `python -m sglang.launch_server` with `rollout.sglang_args` passed through, `--tp-size` from
   `rollout.engine_tp`, and `--base-gpu-id index * engine_tp` unless `sglang_args` sets `base_gpu_id` (on a Ray
@@ -18,10 +18,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from miles_lite.config.schema import RolloutConfig
+from miles_lite.engines.reference.engine import build_reference_command
+from miles_lite.engines.sglang.command import build_sglang_command, check_sglang_command
 from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.process import CommandFactory, EngineProcess
-from miles_lite.rollout.reference_engine import build_reference_command
-from miles_lite.rollout.sglang_engine import build_sglang_command, check_sglang_command
 
 BACKENDS = ("reference", "sglang")
 

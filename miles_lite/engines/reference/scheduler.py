@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from miles_lite.rollout.reference_model import KVBatch, ReferenceModel
-from miles_lite.rollout.reference_sampling import RequestSampling, make_generator, sample_next
+from miles_lite.engines.reference.model import KVBatch, ReferenceModel
+from miles_lite.engines.reference.sampling import RequestSampling, make_generator, sample_next
 
 
 class ReqState(enum.Enum):

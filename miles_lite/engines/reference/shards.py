@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-from miles_lite.rollout.reference_model import ReferenceModel
+from miles_lite.engines.reference.model import ReferenceModel
 from miles_lite.weight_sync.engine_layout import Store, assemble, make_stores, place_shard, shard_full
 from miles_lite.weight_sync.plan import EngineSpec, ParamSpec
 

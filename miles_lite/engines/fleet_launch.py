@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher
-from miles_lite.rollout.launcher import EngineLauncher
 
 
 def fleet_launcher(launcher: EngineLauncher, stop_grace_s: float = 10.0) -> Launcher:

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from miles_lite.rollout.weight_group import broadcast_receive, init_custom_process_group
 from miles_lite.weight_sync.engine_layout import shard_full
 from miles_lite.weight_sync.plan import EngineSpec, ParamSpec
 from miles_lite.weight_sync.shard_protocol import receive_shards
+from miles_lite.weight_sync.weight_group import broadcast_receive, init_custom_process_group
 
 Shards = list[tuple[str, torch.Tensor]]
 

@@ -1,0 +1,38 @@
+"""The problems a run works on, from the configuration: GSM8K files or seeded synthetic problems."""
+
+from __future__ import annotations
+
+from miles_lite.config.schema import MilesConfig, SyntheticDataConfig
+from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems
+from miles_lite.data.gsm8k import MathProblem, load_gsm8k
+
+
+def synthetic_spec(syn: SyntheticDataConfig, seed: int) -> ArithmeticSpec:
+    """The generator spec of `data.synthetic` with its seed replaced by `seed`."""
+    return ArithmeticSpec(min_steps=syn.min_steps, max_steps=syn.max_steps, min_operand=syn.min_operand,
+                          max_operand=syn.max_operand, ops=tuple(syn.ops), seed=seed)
+
+
+def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem]]:
+    """Training and held-out problems: GSM8K files, or seeded synthetic ones (disjoint seeds)."""
+    if cfg.data.source == "gsm8k":
+        train = load_gsm8k(str(cfg.data.train_path))
+        held_out = load_gsm8k(str(cfg.data.eval_path)) if cfg.data.eval_path else train[-cfg.experiment.eval_size:]
+        return train, held_out[: cfg.experiment.eval_size]
+    syn = cfg.data.synthetic
+    train = generate_problems(syn.train_size, synthetic_spec(syn, syn.seed))
+    seen = {p.question for p in train}
+    held_out = [p for p in generate_problems(syn.eval_size * 3, synthetic_spec(syn, syn.seed + 7919))
+                if p.question not in seen]
+    return train, held_out[: syn.eval_size]
+
+
+def read_problems(data: str, n: int | None, cfg: MilesConfig) -> list[MathProblem]:
+    """The questions of a command-line tool: a GSM8K-format file, or `n` synthetic problems of `data.synthetic`."""
+    if n is not None and n < 1:
+        raise ValueError(f"--n must be >= 1, got {n}")
+    if data == "synthetic":
+        syn = cfg.data.synthetic
+        return generate_problems(n if n is not None else syn.train_size, synthetic_spec(syn, syn.seed))
+    problems = load_gsm8k(data)
+    return problems[:n] if n is not None else problems

@@ -1,0 +1,143 @@
+"""The package's shape, read from the source: imports point one way and files stay readable.
+
+Layers, top to bottom: the entry points (`driver`, `system`, the CLIs) -> the roles and engines
+(trainer, cluster, rollout client, weight_sync, checkpoint, observability, engines) -> the libraries
+(types, answer format, ports, config, data, rewards, algo). Every `import` counts, also those inside
+functions: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "miles_lite"
+REPO = PACKAGE.parent
+MAX_LINES = 500
+
+ENTRY_POINTS = {"driver", "system", "cli", "train_cli", "eval_cli", "presample_cli"}
+LIBRARIES = {"types", "answer_format", "ports", "config", "data", "rewards", "algo"}
+ENGINES = {"engines"}
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _unit(module: str) -> str:
+    """The package-level node of a module: `miles_lite.rollout.fleet` -> `rollout`, `miles_lite.system` -> `system`."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def import_edges() -> dict[str, set[str]]:
+    """module -> the `miles_lite` modules it imports (anywhere in its body)."""
+    edges: dict[str, set[str]] = defaultdict(set)
+    for path in PACKAGE.rglob("*.py"):
+        module = _module_name(path)
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [node.module]
+            else:
+                continue
+            edges[module].update(t for t in targets if t == "miles_lite" or t.startswith("miles_lite."))
+    return edges
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, dict[str, list[str]]]:
+    """unit -> unit it imports -> the module-level imports behind that arrow."""
+    graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for src, targets in edges.items():
+        for dst in targets:
+            a, b = _unit(src), _unit(dst)
+            if a != b:
+                graph[a][b].append(f"{src} -> {dst}")
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, list[str]]]) -> list[list[str]]:
+    """The strongly connected components with more than one unit (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_cycle_finder_sees_a_loop() -> None:
+    graph = {"a": {"b": ["x"]}, "b": {"c": ["y"]}, "c": {"a": ["z"]}, "d": {"a": ["w"]}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b": ["x"]}}) == []
+
+
+def test_no_import_loops_between_packages() -> None:
+    graph = package_graph(import_edges())
+    loops = cycles(graph)
+    detail = [f"{loop}: " + "; ".join(e for a in loop for b in loop for e in graph[a].get(b, [])) for loop in loops]
+    assert not loops, "package-level import loops:\n" + "\n".join(detail)
+
+
+def test_layers_point_down() -> None:
+    graph = package_graph(import_edges())
+    assert {"rollout", "weight_sync", "engines", "trainer"} <= set(graph), "the graph misses packages"
+    wrong = []
+    for src, targets in graph.items():
+        for dst, why in targets.items():
+            if src in LIBRARIES and dst not in LIBRARIES:
+                wrong.append(f"library {src} imports {dst}: {why}")
+            if src not in ENTRY_POINTS and dst in ENTRY_POINTS:
+                wrong.append(f"{src} imports the entry point {dst}: {why}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_rollout_client_never_imports_an_engine() -> None:
+    graph = package_graph(import_edges())
+    assert "engines" not in graph["rollout"], graph["rollout"]["engines"]
+
+
+def test_no_file_over_the_line_limit() -> None:
+    files = [p for d in ("miles_lite", "tests", "benchmarks", "launcher") for p in (REPO / d).rglob("*.py")]
+    assert len(files) > 100
+    long = {str(p.relative_to(REPO)): n for p in files if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"files over {MAX_LINES} lines (split them by responsibility): {long}"
+
+
+@pytest.mark.parametrize("module", ["miles_lite.data", "miles_lite.rewards", "miles_lite.answer_format"])
+def test_libraries_import_alone_and_light(module: str) -> None:
+    # Each library works as the first import of a process and does not pull in transformers.
+    code = f"import {module}, sys; assert 'transformers' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
