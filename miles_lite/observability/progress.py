@@ -65,7 +65,8 @@ class RunProgress:
         if total_steps < 1:
             raise ValueError(f"experiment.steps must be >= 1 for a progress bar, got {total_steps}")
         self.total_steps = total_steps
-        self.console = console or Console(stderr=True)
+        # soft_wrap: a line longer than the console (80 columns when piped to a file) stays one line.
+        self.console = console or Console(stderr=True, soft_wrap=True)
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             TimeRemainingColumn(), console=self.console, disable=not enabled, transient=False)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import io
+import json
+import subprocess
+import sys
 
 import pytest
 from rich.console import Console
@@ -38,3 +41,14 @@ def test_progress_prints_one_line_per_step() -> None:
     assert len(progress.lines) == 3 and progress.lines[-1].startswith("step 3/3 | reward 2.414")
     with pytest.raises(ValueError, match="experiment.steps"):
         RunProgress(0, console=console)
+
+
+def test_summary_lines_stay_whole_when_piped_to_a_file(tmp_path) -> None:
+    code = ("from miles_lite.observability import RunProgress; import json, sys; stats = json.loads(sys.argv[1]); "
+            "p = RunProgress(2, enabled=False); p.__enter__(); [p.step_done(s, stats) for s in (1, 2)]; p.__exit__(); "
+            "p.console.print('x' * 150, markup=False)")
+    with open(tmp_path / "log.txt", "w") as log:  # a file, not a terminal
+        subprocess.run([sys.executable, "-c", code, json.dumps(STATS)], stderr=log, check=True, timeout=60)
+    lines = (tmp_path / "log.txt").read_text().splitlines()
+    assert lines == [format_summary(1, 2, STATS), format_summary(2, 2, STATS), "x" * 150]
+    assert len(lines[0]) > 80
