@@ -22,6 +22,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-name", default="config", help="top-level config file name without .yaml")
 
 
+def explain_override_error(err: Exception) -> str:
+    """One line naming the field, the value given and the type the schema wants (Hydra reports only
+    "Error merging override" and keeps the field in the exception it wraps)."""
+    import dataclasses
+
+    cause = err.__cause__
+    key = getattr(cause, "full_key", None)
+    if not key:
+        return str(err)
+    wanted = "value"
+    ref_type = getattr(cause, "ref_type", None)
+    if dataclasses.is_dataclass(ref_type):
+        wanted = str({f.name: f.type for f in dataclasses.fields(ref_type)}.get(key.rsplit(".", 1)[-1], wanted))
+    return f"{key}={getattr(cause, 'value', None)!r} is not of type {wanted}; set {key}=<{wanted}>"
+
+
 def compose_or_explain(args: argparse.Namespace):
     """Compose and validate the configuration; print a readable error and return None on bad input."""
     from hydra.errors import HydraException
@@ -32,7 +48,7 @@ def compose_or_explain(args: argparse.Namespace):
     try:
         cfg = load_config(args.overrides, args.config_dir, args.config_name)
     except (HydraException, OmegaConfBaseException) as err:
-        print(f"miles-lite train: configuration error: {err}", file=sys.stderr)
+        print(f"miles-lite train: configuration error: {explain_override_error(err)}", file=sys.stderr)
         return None
     try:
         validate(cfg)

@@ -115,6 +115,10 @@ def test_cli_reports_bad_override_and_bad_value(capsys):
     assert "trainer.tpp" in capsys.readouterr().err
     assert main(["train", "--cfg", "job", "trainer.tp=3"]) == 2
     assert "must divide" in capsys.readouterr().err
+    # A value of the wrong type names the field, the value and the type (Hydra says only "Error merging override").
+    assert main(["train", "--cfg", "job", "trainer.tp=abc"]) == 2
+    assert capsys.readouterr().err.strip() == ("miles-lite train: configuration error: trainer.tp='abc' is not of "
+                                               "type int; set trainer.tp=<int>")
 
 
 def test_cli_help_and_argument_errors(capsys):
