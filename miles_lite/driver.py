@@ -90,6 +90,7 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
     with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg)) as io:
+        system.report_fleet_events(io.log)
         first_step = io.resume(system, data)
         summary = RunSummary(str(run_dir), first_step, 0.0)
         if first_step == 0 and not prepare_rl(system, data, train_problems, held_out, io, stop, summary):

@@ -7,7 +7,7 @@ the driver only calls the methods here, so it reads like the step it runs.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -218,6 +218,11 @@ class System:
         sync_ids = [r.engine_id if r.incarnation == 0 else f"{r.engine_id}.{r.incarnation}" for r in records]
         return [FleetEngine(r.engine, EngineSpec(sid, self.cfg.rollout.engine_tp, pad))
                 for r, sid in zip(records, sync_ids, strict=True)]
+
+    def report_fleet_events(self, log: Callable[[str], None]) -> None:
+        """Send the fleet's notable events (an engine died, a replacement admitted after push N) to `log`."""
+        assert self.fleet is not None
+        self.fleet.on_event = log
 
     def fleet_stats(self) -> dict[str, float]:
         assert self.fleet is not None

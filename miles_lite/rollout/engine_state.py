@@ -65,6 +65,20 @@ class Transition:
     reason: str
 
 
+def console_line(t: Transition, current_version: str | None) -> str | None:
+    """What a user reading the console should see of a transition (None: routine, e.g. a first start)."""
+    where = f"engine slot {t.slot} ({t.engine_id})"
+    if t.new is EngineState.DEAD:
+        return f"fleet: {where} is dead: {t.reason}"
+    if t.new is EngineState.REPLACING:
+        return f"fleet: {where}: starting a replacement ({t.reason})"
+    if t.new is EngineState.STALE:
+        return f"fleet: {where}: replacement up; it serves after the next weight push"
+    if t.old is EngineState.STALE and t.new is EngineState.HEALTHY:
+        return f"fleet: {where}: replacement admitted after push {current_version}"
+    return None
+
+
 @dataclass(frozen=True)
 class EngineLease:
     """One reserved request slot on one incarnation of an engine (from `EngineFleet.acquire`)."""

@@ -33,6 +33,7 @@ from miles_lite.rollout.engine_state import (
     IllegalTransition,
     Launcher,
     Transition,
+    console_line,
 )
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,8 @@ class EngineFleet:
         self._health_task: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._closed = False
+        # Called (on the fleet's loop) with the console line of each notable transition.
+        self.on_event: Callable[[str], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -125,6 +128,9 @@ class EngineFleet:
         logger.info("engine %s (slot %d): %s -> %s (%s)", rec.engine_id, rec.index, rec.state.value,
                     new.value, reason)
         rec.state = new
+        line = console_line(self.transitions[-1], self.current_version)
+        if line is not None and self.on_event is not None:
+            self.on_event(line)
         self._spawn(self._notify())
 
     def _spawn(self, coro: Awaitable[None]) -> None:

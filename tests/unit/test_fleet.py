@@ -74,8 +74,11 @@ def test_failed_health_checks_kill_replace_and_admit_after_sync():
     async def main() -> None:
         launcher = Launcher()
         fleet = EngineFleet(_ft(), launcher, current_version="0")
+        console: list[str] = []
+        fleet.on_event = console.append
         a, b = await fleet.launch(2)
         assert [r.state for r in fleet.records] == [S.HEALTHY, S.HEALTHY]
+        assert console == []  # first starts are routine
         fleet.set_current_version("3")  # a training step happened; both engines then got version 3
         assert fleet.mark_synced(a.engine, "3") and fleet.mark_synced("e1.0", "3")
         assert fleet.engines_needing_weights() == []
@@ -98,6 +101,10 @@ def test_failed_health_checks_kill_replace_and_admit_after_sync():
         path = [(t.old, t.new) for t in fleet.transitions if t.slot == 0]
         assert path == [(S.STARTING, S.HEALTHY), (S.HEALTHY, S.DEAD), (S.DEAD, S.REPLACING),
                         (S.REPLACING, S.STALE), (S.STALE, S.HEALTHY)]
+        # What the console shows of it, one line per event.
+        assert len(console) == 4 and all(line.startswith("fleet: engine slot 0 (") for line in console)
+        assert "is dead" in console[0] and "starting a replacement (restart 1/" in console[1]
+        assert "replacement up" in console[2] and console[3].endswith("replacement admitted after push 3")
         stats = fleet.stats()
         assert stats["restarts"] == 1 and stats["engines_healthy"] == 2 and stats["failed_health_checks"] == 2
         await fleet.close()
