@@ -118,6 +118,8 @@ def test_engine_sigkilled_mid_training_is_replaced_and_the_run_completes(tmp_pat
         log.close()
     summary = json.loads((run / "summary.json").read_text())
     assert summary["stopped_by_signal"] and summary["steps_done"] < steps
+    console = (tmp_path / "driver.log").read_text()
+    assert "is dead" in console and "replacement admitted after push" in console  # the user sees the events
     records = _records(run)
     assert [r["step"] for r in records] == list(range(summary["steps_done"])), "every step ran, none twice"
     during = [r for r in records if r["fleet/restarts"] >= 1 and r["fleet/engines_healthy"] == 1]
