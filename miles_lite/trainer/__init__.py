@@ -4,6 +4,10 @@ Heavy modules (megatron, transformers) load on first use: import from the submod
 `from miles_lite.trainer.actor import TrainerActor`.
 """
 
+from miles_lite.trainer.cpu_warnings import filter_expected_cpu_warnings
 from miles_lite.trainer.layout import HFPiece, LayoutKind, ParamLayout, merge_shards
+
+# Before any submodule imports megatron (they all import this package first).
+filter_expected_cpu_warnings()
 
 __all__ = ["HFPiece", "LayoutKind", "ParamLayout", "merge_shards"]

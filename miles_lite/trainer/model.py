@@ -226,6 +226,8 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig, runtime:
         apply_rope_fusion=False,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
+        # Megatron's default ("full") is deprecated in favour of this equivalent and warns on every start.
+        cuda_graph_scope=[],
     )
     if runtime.layer_spec == "local":
         # Per-sequence RoPE positions for packed rows (see the module docstring).
