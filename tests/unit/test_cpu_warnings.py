@@ -8,13 +8,14 @@ import sys
 
 import torch
 
-# Imports megatron the way a trainer rank does, builds a layer spec and a TransformerConfig.
+# Imports megatron the way a trainer rank does (through miles_lite.trainer), builds a layer spec and a
+# TransformerConfig.
 SCRIPT = """
-from transformers import Qwen2Config
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-from miles_lite.config.schema import TrainerConfig
 from miles_lite.trainer.actor import TrainerActor
 from miles_lite.trainer.model import build_transformer_config, resolve_runtime, spec_from_hf_config
+from miles_lite.config.schema import TrainerConfig
+from transformers import Qwen2Config
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 import warnings
 get_gpt_layer_local_spec(qk_layernorm=False, normalization="RMSNorm")
 trainer = TrainerConfig(device="cpu", layer_spec="local")
