@@ -61,8 +61,8 @@ def compose_or_explain(args: argparse.Namespace):
 def run(args: argparse.Namespace) -> int:
     """Compose, validate, then print (`--cfg`) or train.
 
-    Exit codes: 0 done (or stopped by a signal, with a checkpoint), 2 bad input (configuration, run
-    directory held by another run), 3 training halted by a guard (diverged or non-finite steps).
+    Exit codes: 0 done (or stopped by a signal, with a checkpoint), 2 bad input (configuration, data
+    files, run directory held by another run), 3 training halted by a guard (diverged or non-finite steps).
     """
     cfg = compose_or_explain(args)
     if cfg is None:
@@ -76,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
     # Installed before the heavy imports below: a pre-emption signal during start-up still stops cleanly.
     stop = StopRequest().install()
+    from miles_lite.data.gsm8k import DatasetError
     from miles_lite.driver import train
     from miles_lite.run_lock import RunDirInUseError
 
@@ -83,6 +84,10 @@ def run(args: argparse.Namespace) -> int:
         summary = train(cfg, stop)
     except RunDirInUseError as err:
         print(f"miles-lite train: {err}", file=sys.stderr)
+        return 2
+    except DatasetError as err:  # raised before the run has a directory
+        detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        print(f"miles-lite train: data error: {detail} (check data.train_path / data.eval_path)", file=sys.stderr)
         return 2
     if summary.stopped_reason is not None and not summary.stopped_by_signal:
         return 3  # a guard halted training; the final checkpoint holds the last good weights

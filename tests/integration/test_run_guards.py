@@ -70,6 +70,17 @@ def test_second_writer_of_a_run_directory_is_refused(tmp_path: Path) -> None:
     RunLock(run).release()
 
 
+def test_data_error_is_one_line_with_exit_2_and_no_run_directory(tmp_path: Path) -> None:
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "2 #### 2"}\n{"question": "2+2?", "answer": "four"}\n')
+    proc = _train(tmp_path / "out", "data.source=gsm8k", f"data.train_path={data}", "experiment.steps=1")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("miles-lite train: data error: ") and str(data) in err[0], proc.stderr
+    assert "####" in err[0]  # what the record lacks
+    assert not (tmp_path / "out" / "run").exists()
+
+
 def test_local_ray_ignores_a_stale_recorded_cluster() -> None:
     # A short directory: Ray's unix sockets live under it (path length limit).
     with tempfile.TemporaryDirectory(prefix="rt", dir="/tmp") as tmp:
