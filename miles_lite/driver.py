@@ -31,7 +31,7 @@ from miles_lite.config import MilesConfig, to_yaml
 from miles_lite.data.problems import load_problems
 from miles_lite.data.source import PromptSource
 from miles_lite.evaluation import EvalResult, evaluate
-from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rollout_stats
+from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rl_distill_coef, rollout_stats
 from miles_lite.rollout.pipeline import RolloutPipeline
 from miles_lite.run_io import RunIO, finished_summary
 from miles_lite.run_lock import RunLock
@@ -102,7 +102,8 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
             summary.wall_seconds = time.perf_counter() - start
             io.finish(summary)
             return summary
-        rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size)
+        rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size,
+                                   **refill_hooks(system, data))
         try:
             for step in range(first_step, cfg.experiment.steps):
                 rl_step(system, data, io, rollouts, step)
@@ -130,7 +131,7 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
 def prepare_rl(system: System, data: PromptSource, train_problems: list, held_out: list, io: RunIO,
                stop: StopRequest, summary: RunSummary) -> bool:
     """Warm-up, first push, evaluation and presample filter; False when a stop signal cut them short."""
-    if stop.requested or not run_warmup(system, train_problems, io, lambda: stop.requested):
+    if stop.requested or not run_warmup(system, train_problems, io, lambda: stop.requested, data):
         return False
     io.report_sync(*system.push_weights())
     if held_out and not stop.requested:  # experiment.eval_size=0 skips evaluation
@@ -162,6 +163,15 @@ def start_rollouts(system: System, data: PromptSource, rollouts: RolloutPipeline
     rollouts.start(system.prompt_specs(data.next_batch(system.cfg.rollout.prompts_per_step)), tag=cursor)
 
 
+def refill_hooks(system: System, data: PromptSource) -> dict[str, Any]:
+    """With `rollout.dynamic_sampling` (DAPO): groups are scored as they complete, and zero-signal ones are
+    replaced by groups of fresh prompts from the stream (drawn on the rollout thread while a generation
+    runs; the driver thread draws only while none does)."""
+    if not system.cfg.rollout.dynamic_sampling:
+        return {}
+    return {"scorer": system.score, "more_prompts": lambda n: system.prompt_specs(data.next_batch(n))}
+
+
 def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int) -> None:
     """One RL step; with `rollout.async_steps=1` the next step's generation overlaps its training."""
     cfg = system.cfg
@@ -172,14 +182,14 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         rollout = rollouts.collect()
     if cfg.rollout.async_steps and step + 1 < cfg.experiment.steps:
         start_rollouts(system, data, rollouts)
-    with timer.phase("reward"):
-        groups = system.score(rollout.groups)
+    with timer.phase("reward"):  # dynamic sampling scored the groups as they completed
+        groups = rollout.groups if cfg.rollout.dynamic_sampling else system.score(rollout.groups)
     fresh, stale_stats = drop_stale(groups, system.version, cfg.rollout.max_staleness)
     batch, algo_stats = build_train_batch(fresh, cfg.algo)
     train_stats: dict[str, float] = {}
     if batch is not None:
         with timer.phase("train"):
-            train_stats = system.trainer.train_step(batch)
+            train_stats = system.trainer.train_step(batch, distill_coef=rl_distill_coef(cfg))
     with timer.phase("checkpoint"):
         in_flight = rollouts.tag
         io.maybe_save_checkpoint(system, CursorAt(in_flight) if in_flight is not None else data, step + 1)
@@ -190,6 +200,7 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
     io.report_sync(sync_report, sync_seconds)
     stats: dict[str, Any] = {**reward_stats(groups), **algo_stats, **train_stats, **timer.stats(),
                              **rollout_stats(rollout.stats), **stale_stats, "rollout/pauses": float(rollout.pauses),
+                             "rollout/groups_short": float(max(0, cfg.rollout.prompts_per_step - len(groups))),
                              "weight_version": system.version}
     io.publish_step(step, stats, groups, system.fleet_stats())
 

@@ -57,7 +57,9 @@ def run(args: argparse.Namespace) -> int:
         try:
             manager = RolloutManager(fleet, cfg.rollout, cfg.fault_tolerance, stop_token_ids=eos,
                                      decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-            result = evaluate(SyncRolloutManager(manager, loop), problems, lambda q: render_prompt(tokenizer, q),
+            template = cfg.data.prompt_template
+            result = evaluate(SyncRolloutManager(manager, loop), problems,
+                              lambda q: render_prompt(tokenizer, q, template),
                               lambda t: list(tokenizer(t, add_special_tokens=False)["input_ids"]),
                               sampling_from_config(cfg.rollout, stop_token_ids=eos))
         finally:

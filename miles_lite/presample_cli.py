@@ -92,7 +92,7 @@ async def _presample(cfg: MilesConfig, problems: list[MathProblem], tokenizer: A
             print(f"presampled {done:,}/{total:,} questions", file=sys.stderr, flush=True)
 
         return await presample(
-            manager, problems, lambda q: render_prompt(tokenizer, q),
+            manager, problems, lambda q: render_prompt(tokenizer, q, cfg.data.prompt_template),
             lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
             cfg.data.presample, sampling_from_config(cfg.rollout, stop_token_ids=eos, seed=seed),
             chunk_size=chunk, progress=progress,

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from miles_lite.algo.advantages import compute_advantages
-from miles_lite.config.schema import AlgoConfig
+from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.rollout.manager import MIXED_SEPARATOR
 from miles_lite.types import Group, Sample, TrainBatch
 
@@ -52,6 +52,14 @@ def drop_stale(groups: Sequence[Group], current_version: int, max_staleness: int
              "rollout/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
              "rollout/staleness_max": float(max(lags, default=0))}
     return kept, stats
+
+
+def rl_distill_coef(cfg: MilesConfig) -> float:
+    """The distillation weight of RL steps: `algo.rl_distill_coef` if set; else 0 after an OPD warm-up
+    (whose steps used `algo.distill_coef`), else `algo.distill_coef`."""
+    if cfg.algo.rl_distill_coef is not None:
+        return cfg.algo.rl_distill_coef
+    return 0.0 if cfg.experiment.warmup == "opd" else cfg.algo.distill_coef
 
 
 def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
@@ -129,6 +137,7 @@ def rollout_stats(stats: Any) -> dict[str, object]:
         "rollout/retried_requests": float(stats.retries),
         "rollout/dynamic_sampling_rounds": float(stats.sampling_rounds),
         "rollout/dropped_groups": float(stats.dropped_groups),
+        "rollout/refill_prompts": float(stats.refill_prompts),
         "rollout/wall_seconds": stats.wall_s,
         "rollout/resumed_partials": float(stats.resumed_partials),
     }

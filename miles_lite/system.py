@@ -130,7 +130,7 @@ class System:
     # ---- the calls the driver makes ---------------------------------------------------------------
 
     def render(self, question: str) -> str:
-        return render_prompt(self.tokenizer, question)
+        return render_prompt(self.tokenizer, question, self.cfg.data.prompt_template)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -29,14 +29,20 @@ def _never() -> bool:
 
 
 def run_warmup(system: Any, problems: Sequence[MathProblem], io: Any,
-               should_stop: Callable[[], bool] = _never) -> bool:
+               should_stop: Callable[[], bool] = _never, data: PromptSource | None = None) -> bool:
     """`experiment.warmup`: `sft` (see `run_sft`), `opd` (see `run_opd`) or `none`.
 
-    `should_stop` is asked after every step; returns False when it cut the warm-up short.
+    `should_stop` is asked after every step; returns False when it cut the warm-up short. With
+    `experiment.warmup_exclude_from_rl`, the questions SFT trained on are left out of `data`, the RL
+    prompt stream (RL on questions whose reference solutions were just learnt measures recall).
     """
     exp = system.cfg.experiment
     if exp.warmup == "sft":
-        return run_sft(system, problems, io, should_stop)
+        seen: set[int] = set()
+        finished = run_sft(system, problems, io, should_stop, seen)
+        if finished and exp.warmup_exclude_from_rl and data is not None:
+            exclude_sft_questions(data, seen, io)
+        return finished
     if exp.warmup == "opd":
         return run_opd(system, problems, io, should_stop)
     if exp.warmup != "none":
@@ -44,22 +50,39 @@ def run_warmup(system: Any, problems: Sequence[MathProblem], io: Any,
     return True
 
 
+def exclude_sft_questions(data: PromptSource, seen: set[int], io: Any) -> None:
+    """Leave the questions SFT trained on out of the RL stream."""
+    if not set(data.active) - seen:
+        raise ValueError(
+            f"the SFT warm-up trained on every one of the {len(data.active):,} RL questions, so "
+            "experiment.warmup_exclude_from_rl=true leaves none: lower experiment.warmup_steps or "
+            "experiment.warmup_batch_size, add training data, or set experiment.warmup_exclude_from_rl=false")
+    data.exclude(sorted(seen))
+    io.log(f"sft warm-up used {len(seen):,} questions; the RL stream keeps the other {len(data.active):,} "
+           "(experiment.warmup_exclude_from_rl=false keeps them all)")
+
+
 def _stopped(io: Any, mode: str, step: int, steps: int) -> bool:
     io.log(f"{mode} warm-up stopped after step {step + 1}/{steps}")
     return False
 
 
-def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: Callable[[], bool] = _never) -> bool:
+def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: Callable[[], bool] = _never,
+            seen: set[int] | None = None) -> bool:
     """`warmup_steps` cross-entropy steps on (prompt, reference solution) pairs at `experiment.warmup_lr`.
 
     The worklog's lesson: RL from a model that never emits the answer format has no reward signal;
-    a short SFT teaches the format so RL can work on correctness.
+    a short SFT teaches the format so RL can work on correctness. `seen` collects the indices of the
+    questions it trained on.
     """
     exp = system.cfg.experiment
     rng = random.Random(exp.seed)
     loss = float("nan")
     for step in range(exp.warmup_steps):
-        batch = system.sft_batch(rng.sample(list(problems), min(exp.warmup_batch_size, len(problems))))
+        picked = rng.sample(range(len(problems)), min(exp.warmup_batch_size, len(problems)))
+        if seen is not None:
+            seen.update(picked)
+        batch = system.sft_batch([problems[i] for i in picked])
         stats = system.trainer.sft_step(batch, lr=exp.warmup_lr)
         loss = stats.get("loss/sft", stats.get("loss/total", loss))
         _record(system, "sft", step, {"loss": loss, **{k: stats[k] for k in ("update_ratio", "skipped") if k in stats}})

@@ -60,8 +60,8 @@ class LocalTrainer:
     def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:
         return self.actor.compute_logprobs(batch, model)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.actor.train_step(batch)
+    def train_step(self, batch: TrainBatch, distill_coef: float | None = None) -> dict[str, float]:
+        return self.actor.train_step(batch, distill_coef)
 
     def sft_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         return self.actor.sft_step(batch, lr)

@@ -110,8 +110,8 @@ class TrainerRank:
     def compute_logprobs(self, batch: TrainBatch, model: str, quantized: bool = True) -> list[list[float]]:
         return self.actor.compute_logprobs(batch, model, quantized)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self.actor.train_step(batch)
+    def train_step(self, batch: TrainBatch, distill_coef: float | None = None) -> dict[str, float]:
+        return self.actor.train_step(batch, distill_coef)
 
     def sft_step(self, batch: TrainBatch, lr: float | None) -> dict[str, float]:
         return self.actor.sft_step(batch, lr)
@@ -354,9 +354,10 @@ class RayTrainerGroup:
         """Per sequence, logprobs (nats) of its response tokens under `model` (policy | reference | teacher)."""
         return self._all("compute_logprobs", batch, model)
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One RL optimizer step over the whole batch (split over data-parallel ranks); float stats."""
-        return self._all("train_step", batch)
+    def train_step(self, batch: TrainBatch, distill_coef: float | None = None) -> dict[str, float]:
+        """RL optimizer steps over the whole batch (split over data-parallel ranks); float stats.
+        `distill_coef`: the distillation weight of this batch (None: `algo.distill_coef`)."""
+        return self._all("train_step", batch, distill_coef)
 
     def sft_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
         """One supervised step on the response tokens (`lr` None: the RL schedule's current LR)."""

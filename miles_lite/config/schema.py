@@ -174,8 +174,12 @@ class AlgoConfig:
     is_mode: str = "truncate"
     is_upper: float = 2.0
     is_lower: float | None = None
-    # On-policy distillation term weight (needs a teacher).
+    # On-policy distillation term weight (needs a teacher): the weight of the OPD warm-up, and of RL steps
+    # unless `rl_distill_coef` says otherwise.
     distill_coef: float = 0.0
+    # Distillation weight of the RL steps. None: 0 after an OPD warm-up (the teacher has done its job;
+    # the RL reward takes over), else `distill_coef`.
+    rl_distill_coef: float | None = None
     # Optimizer steps per rollout batch: the batch is split into this many mini-batches (shuffled), one
     # step each. With more than one step in all, the trainer's log-probs before the first step are the
     # PPO "old" policy of every step, so the ratio moves away from 1 and the clip range acts.
@@ -225,6 +229,9 @@ class DataConfig:
     synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
     shuffle_seed: int = 0
     max_prompt_tokens: int = 512
+    # System prompt: default (the format in one sentence) | worklog (the format, a worked example, and
+    # no boxed answers).
+    prompt_template: str = "default"
     presample: PresampleConfig = field(default_factory=PresampleConfig)
 
 
@@ -335,6 +342,9 @@ class ExperimentConfig:
     warmup_steps: int = 100
     warmup_batch_size: int = 16
     warmup_lr: float = 3e-3
+    # Leave the questions the SFT warm-up trained on out of the RL prompt stream (a presample filter
+    # afterwards cannot bring them back).
+    warmup_exclude_from_rl: bool = True
     # Teacher for on-policy distillation (HF directory); None: trained tiny teacher.
     teacher_path: str | None = None
     eval_every: int = 0

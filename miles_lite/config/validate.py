@@ -47,6 +47,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "algo.is_mode": ("truncate", "mask"),
     "data.source": ("synthetic", "gsm8k"),
     "data.presample.scoring": ("strict", "lenient"),
+    "data.prompt_template": ("default", "worklog"),
     "weight_sync.transport": ("distributed", "ipc", "disk"),
     "weight_sync.mode": ("shard", "full"),
     "cluster.mode": ("local", "ray"),

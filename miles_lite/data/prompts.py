@@ -20,32 +20,56 @@ SYSTEM_PROMPT = (
     f"{SOLUTION_START} and {SOLUTION_END}."
 )
 
+# The worklog's system prompt: one worked example of the whole format, and an explicit ban on the
+# \boxed{} answers an instruct model falls back to (the worklog credits both with ending its format
+# failures).
+WORKLOG_SYSTEM_PROMPT = (
+    "You are given a math problem. Think about the problem and write your working out between "
+    f"{WORK_START} and {WORK_END}. Then write the final answer between {SOLUTION_START} and "
+    f"{SOLUTION_END}: only the number, with no units, no $ sign and no \\boxed{{}}.\n"
+    "Example:\n"
+    "Question: A box holds 3 rows of 4 eggs. How many eggs are in 6 boxes?\n"
+    f"{WORK_START}Each box holds 3*4=12 eggs. 6 boxes hold 6*12=72 eggs.{WORK_END}"
+    f"{SOLUTION_START}72{SOLUTION_END}"
+)
 
-def build_messages(question: str) -> list[dict[str, str]]:
+# `data.prompt_template` -> system prompt.
+PROMPT_TEMPLATES = {"default": SYSTEM_PROMPT, "worklog": WORKLOG_SYSTEM_PROMPT}
+
+
+def system_prompt(template: str = "default") -> str:
+    """The system prompt of `data.prompt_template` (one of :data:`PROMPT_TEMPLATES`)."""
+    try:
+        return PROMPT_TEMPLATES[template]
+    except KeyError:
+        raise ValueError(f"data.prompt_template={template!r} is not one of {', '.join(PROMPT_TEMPLATES)}") from None
+
+
+def build_messages(question: str, template: str = "default") -> list[dict[str, str]]:
     """Chat messages for one problem: the system prompt, then the question as the user turn."""
     return [
-        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "system", "content": system_prompt(template)},
         {"role": "user", "content": question},
     ]
 
 
-def render_plain_prompt(question: str) -> str:
+def render_plain_prompt(question: str, template: str = "default") -> str:
     """The prompt used when the tokenizer has no chat template."""
-    return f"System: {SYSTEM_PROMPT}\nUser: {question}\nAssistant: "
+    return f"System: {system_prompt(template)}\nUser: {question}\nAssistant: "
 
 
-def render_prompt(tokenizer: PreTrainedTokenizerBase | Any | None, question: str) -> str:
+def render_prompt(tokenizer: PreTrainedTokenizerBase | Any | None, question: str, template: str = "default") -> str:
     """Render the prompt text (not token ids) that the policy continues for ``question``.
 
     Uses ``tokenizer.apply_chat_template(..., add_generation_prompt=True, tokenize=False)``
     when the tokenizer has a chat template; otherwise (or with ``tokenizer=None``) falls back
-    to :func:`render_plain_prompt`.
+    to :func:`render_plain_prompt`. ``template`` picks the system prompt (``data.prompt_template``).
     """
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(
-            build_messages(question), add_generation_prompt=True, tokenize=False
+            build_messages(question, template), add_generation_prompt=True, tokenize=False
         )
-    return render_plain_prompt(question)
+    return render_plain_prompt(question, template)
 
 
 def format_solution(problem: MathProblem) -> str:

@@ -32,8 +32,9 @@ class PromptSource:
         return order
 
     def keep_only(self, indices: Sequence[int]) -> None:
-        """Restrict the stream to `indices` (positions in the full data set) from now on."""
-        keep = set(indices)
+        """Restrict the stream to `indices` (positions in the full data set) from now on; a second call
+        restricts further (an excluded problem never comes back)."""
+        keep = set(indices) & set(self.active)
         if not keep:
             raise ValueError("the presample filter left no training questions; lower data.presample.k or "
                              "disable data.presample.drop_all_wrong/drop_all_right")
@@ -42,6 +43,11 @@ class PromptSource:
         self.order, self.cursor = rest, 0
         if not self.order:
             self._next_epoch()
+
+    def exclude(self, indices: Sequence[int]) -> None:
+        """Leave `indices` out of the stream from now on (e.g. the SFT warm-up's questions)."""
+        drop = set(indices)
+        self.keep_only([i for i in self.active if i not in drop])
 
     def _next_epoch(self) -> None:
         self.epoch += 1

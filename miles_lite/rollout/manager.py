@@ -65,6 +65,7 @@ class RolloutStats:
     engines_used: dict[str, int] = field(default_factory=dict)
     sampling_rounds: int = 0
     dropped_groups: int = 0
+    refill_prompts: int = 0
     resumed_partials: int = 0
     aborted: bool = False
     carried_groups: int = 0
@@ -87,6 +88,7 @@ class RolloutStats:
             "engines_used": float(len(self.engines_used)),
             "sampling_rounds": float(self.sampling_rounds),
             "dropped_groups": float(self.dropped_groups),
+            "refill_prompts": float(self.refill_prompts),
             "resumed_partials": float(self.resumed_partials),
             "aborted": float(self.aborted),
             "carried_groups": float(self.carried_groups),
@@ -195,15 +197,19 @@ class RolloutManager:
         *,
         scorer: Scorer | None = None,
         more_prompts: PromptSource | None = None,
+        target: int | None = None,
+        max_rounds: int | None = None,
     ) -> list[Group]:
         """Sample `group_size` completions for each prompt; returns one complete `Group` per prompt.
 
         Groups carried over from an aborted call come first, then the new prompts in order. With
         `scorer`, every group is scored (it fills `sample.rewards`) before it is returned. With
-        `rollout.dynamic_sampling`, zero-std groups are dropped and `more_prompts(n)` is asked for
-        new prompts, for up to `rollout.max_sampling_rounds` rounds; at most as many groups as were
-        asked for are returned (fewer if the rounds run out). If `abort()` interrupts the call, only
-        the groups complete by then are returned. Stats of the call: `self.last_stats`.
+        `rollout.dynamic_sampling` and a `more_prompts` source (the RL stream; evaluation and presample
+        calls pass none and are never refilled), zero-std groups are dropped and `more_prompts(n)` is asked for
+        new prompts, for up to `max_rounds` rounds (default `rollout.max_sampling_rounds`); at most
+        `target` groups (default: as many as were carried and asked for) are returned, fewer if the
+        rounds run out. If `abort()` interrupts the call, only the groups complete by then are
+        returned. Stats of the call: `self.last_stats`.
         """
         if self.state is not ManagerState.IDLE:
             raise RuntimeError(f"generate_groups called while the manager is {self.state.value}; one call at a time")
@@ -211,8 +217,10 @@ class RolloutManager:
         if group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {group_size}")
         sampling = sampling or self.default_sampling
-        if self.cfg.dynamic_sampling and (scorer is None or more_prompts is None):
-            raise ValueError("rollout.dynamic_sampling needs scorer= and more_prompts= (to score and refill groups)")
+        refill = self.cfg.dynamic_sampling and more_prompts is not None
+        if refill and scorer is None:
+            raise ValueError("rollout.dynamic_sampling needs scorer= with more_prompts= (zero-signal groups are "
+                             "found by their rewards)")
         self.state = ManagerState.RUNNING
         self._idle = asyncio.Event()
         self._calls += 1
@@ -221,7 +229,9 @@ class RolloutManager:
         try:
             batch = self._carry + self._new_groups(prompts, group_size, sampling)
             self._carry = []
-            return await self._sample_rounds(batch, group_size, sampling, scorer, more_prompts, stats)
+            rounds = self.cfg.max_sampling_rounds if max_rounds is None else max(1, max_rounds)
+            return await self._sample_rounds(batch, group_size, sampling, scorer, more_prompts if refill else None,
+                                             stats, len(batch) if target is None else target, rounds)
         finally:
             stats.wall_s = time.monotonic() - start
             stats.carried_groups = len(self._carry)
@@ -271,9 +281,8 @@ class RolloutManager:
 
     async def _sample_rounds(
         self, batch: list[_PendingGroup], group_size: int, sampling: SamplingParams,
-        scorer: Scorer | None, more_prompts: PromptSource | None, stats: RolloutStats,
+        scorer: Scorer | None, more_prompts: PromptSource | None, stats: RolloutStats, target: int, max_rounds: int,
     ) -> list[Group]:
-        target = len(batch)
         kept: list[Group] = []
         seen = 0
         while True:
@@ -285,22 +294,23 @@ class RolloutManager:
             if scorer is not None and groups:
                 scorer(groups)
             seen += len(groups)
-            if self.cfg.dynamic_sampling:
+            if more_prompts is not None:
                 signal = [g for g in groups if not g.is_zero_signal]
                 stats.dropped_groups += len(groups) - len(signal)
                 kept.extend(signal)
             else:
                 kept.extend(groups)
-            if (not self.cfg.dynamic_sampling or self.state is ManagerState.ABORTING or len(kept) >= target
-                    or stats.sampling_rounds >= self.cfg.max_sampling_rounds or more_prompts is None):
+            if (more_prompts is None or self.state is ManagerState.ABORTING or len(kept) >= target
+                    or stats.sampling_rounds >= max_rounds):
                 break
             # Over-sample by the observed keep rate (at least 1/4) so one more round likely fills the batch.
             keep_rate = max(len(kept) / seen if seen else 1.0, 0.25)
             wanted = math.ceil((target - len(kept)) / keep_rate)
             batch = self._new_groups(more_prompts(wanted), group_size, sampling)
+            stats.refill_prompts += len(batch)
             if not batch:
                 break
-        return kept[:target] if self.cfg.dynamic_sampling else kept
+        return kept[:max(target, 0)] if more_prompts is not None else kept
 
     async def _run_slots(self, groups: list[_PendingGroup], stats: RolloutStats) -> None:
         tasks = {}

@@ -25,7 +25,8 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from miles_lite.rollout.manager import RolloutManager, RolloutStats
+from miles_lite.rollout.manager import PromptSource as RefillSource
+from miles_lite.rollout.manager import RolloutManager, RolloutStats, Scorer
 from miles_lite.rollout.prompt_spec import PromptLike, as_prompt_spec
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.types import Group
@@ -72,6 +73,7 @@ def merge_stats(parts: Sequence[RolloutStats]) -> RolloutStats:
             out.engines_used[engine] = out.engines_used.get(engine, 0) + n
         out.sampling_rounds += s.sampling_rounds
         out.dropped_groups += s.dropped_groups
+        out.refill_prompts += s.refill_prompts
         out.resumed_partials += s.resumed_partials
         out.aborted = out.aborted or s.aborted
     out.carried_groups = parts[-1].carried_groups if parts else 0
@@ -82,6 +84,7 @@ def merge_stats(parts: Sequence[RolloutStats]) -> RolloutStats:
 class _Batch:
     order: dict[int, int]
     tag: Any
+    target: int
     groups: list[Group] = field(default_factory=list)
     stats: list[RolloutStats] = field(default_factory=list)
     pauses: int = 0
@@ -95,16 +98,22 @@ class RolloutPipeline:
         loop: the rollout event-loop thread.
         group_size: completions per prompt.
         timeout_s: how long `collect`/`pause` wait for the loop before raising (None: no limit).
+        scorer / more_prompts: with `rollout.dynamic_sampling`, score groups as they complete and draw
+            fresh prompts to refill the zero-signal ones (see `RolloutManager.generate_groups`); the batch
+            of one `start` keeps its size and its rounds bound across pauses.
     """
 
     def __init__(self, manager: RolloutManager, loop: EventLoopThread, group_size: int,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, *, scorer: Scorer | None = None,
+                 more_prompts: RefillSource | None = None) -> None:
         if group_size < 1:
             raise ValueError(f"rollout.group_size must be >= 1, got {group_size}")
         self.manager = manager
         self.loop = loop
         self.group_size = group_size
         self.timeout_s = timeout_s
+        self.scorer = scorer
+        self.more_prompts = more_prompts
         self.state = PipelineState.IDLE
         self._batch: _Batch | None = None
         self._future: Future[list[Group]] | None = None
@@ -139,13 +148,21 @@ class RolloutPipeline:
         order: dict[int, int] = {}
         for position, spec in enumerate(specs):
             order.setdefault(spec.prompt_index, position)
-        self._batch = _Batch(order, tag)
+        self._batch = _Batch(order, tag, target=len(specs))
         self._submit(specs)
 
-    def _submit(self, prompts: Sequence[PromptLike]) -> None:
+    def _submit(self, prompts: Sequence[PromptLike], finish_only: bool = False) -> None:
+        """Run one manager call. After a pause it continues the batch: the groups still missing, within the
+        sampling rounds left; `finish_only` completes the carried partials and refills nothing."""
+        assert self._batch is not None
+        batch = self._batch
+        rounds_used = sum(s.sampling_rounds for s in batch.stats)
+        target = 0 if finish_only else batch.target - len(batch.groups)
+        rounds = 1 if finish_only else self.manager.cfg.max_sampling_rounds - rounds_used
+        call = self.manager.generate_groups(prompts, self.group_size, scorer=self.scorer,
+                                            more_prompts=self.more_prompts, target=target, max_rounds=rounds)
         # Submitted FIFO to the loop: the call is running before any later pause()/abort reaches it.
-        self._future = asyncio.run_coroutine_threadsafe(self.manager.generate_groups(prompts, self.group_size),
-                                                        self.loop.loop)
+        self._future = asyncio.run_coroutine_threadsafe(call, self.loop.loop)
 
     def _take(self) -> None:
         """Move the finished manager call's groups and stats into the batch."""
@@ -206,7 +223,7 @@ class RolloutPipeline:
         if self.busy:
             self.pause()
             if self.manager.pending_groups:
-                self._submit([])
+                self._submit([], finish_only=True)
                 self._take()
         self._batch = self._future = None
         self._move(PipelineState.CLOSED)

@@ -8,6 +8,7 @@ parallel ranks each take a token-balanced share of the batch.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Mapping
 from enum import StrEnum
@@ -17,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from miles_lite.config.schema import MilesConfig
+from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
@@ -203,14 +204,15 @@ class TrainerActor:
 
     # ---- optimizer steps ------------------------------------------------------------------------
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, distill_coef: float | None = None) -> dict[str, float]:
         """RL optimizer steps on `batch`: `algo.updates_per_rollout` mini-batches, `algo.epochs_per_rollout` times.
 
         With one step in all, the "old" policy of the PPO ratio is the trainer itself (`logp.detach()`,
         ratio 1). With more, the policy's log-probs are computed once before the first step and every
         step's ratio is taken against them, so later steps clip (`policy/clip_frac`). The LR schedule
         advances once per call (per rollout batch), whatever the number of steps. Reference / teacher
-        log-probs are computed here when the loss needs them and the batch lacks them.
+        log-probs are computed here when the loss needs them and the batch lacks them. `distill_coef`
+        overrides `algo.distill_coef` for this batch (the RL phase after an OPD warm-up passes 0).
 
         Returns float stats (identical on every rank): loss terms, policy and mismatch metrics, entropy
         and grad_norm averaged over the steps (`*_max` / `*_min` over all of them), `policy/updates`,
@@ -221,6 +223,8 @@ class TrainerActor:
         self._require_ready()
         self._check_tokens(batch)
         algo = self.cfg.algo
+        if distill_coef is not None and distill_coef != algo.distill_coef:
+            algo = dataclasses.replace(algo, distill_coef=distill_coef)
         ref = batch.ref_logprobs
         if algo.kl_coef and ref is None:
             ref = self.compute_logprobs(batch, "reference")
@@ -238,12 +242,11 @@ class TrainerActor:
         per_update = []
         for k, indices in enumerate(plan):
             part = full if len(plan) == 1 else full.subset(indices)
-            per_update.append(self._rl_update(part, advance_schedule=k == len(plan) - 1))
+            per_update.append(self._rl_update(part, algo, advance_schedule=k == len(plan) - 1))
         return combine_update_stats(per_update, batch, time.perf_counter() - t0)
 
-    def _rl_update(self, batch: TrainBatch, advance_schedule: bool) -> dict[str, float]:
+    def _rl_update(self, batch: TrainBatch, algo: AlgoConfig, advance_schedule: bool) -> dict[str, float]:
         """One optimizer step on `batch` (its own ref / teacher / old log-probs, if any)."""
-        algo = self.cfg.algo
         totals = BatchTotals.of(batch)
 
         def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:

@@ -82,6 +82,12 @@ def test_train_step_moves_logprobs_with_the_advantage(single: dict[str, Any]) ->
         assert (sum(after) - sum(before)) * adv > 0
 
 
+def test_distill_coef_of_one_batch_overrides_the_config(single: dict[str, Any]) -> None:
+    on, off = single["distill_on"], single["distill_off"]
+    assert on["loss/distill"] != 0.0 and on["distill/reverse_kl"] > 0
+    assert "loss/distill" not in off and "distill/reverse_kl" not in off
+
+
 def test_one_update_per_rollout_never_clips(single: dict[str, Any]) -> None:
     stats = single["train"]["stats"]
     assert stats["policy/updates"] == 1.0

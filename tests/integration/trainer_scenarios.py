@@ -185,6 +185,9 @@ def scenario_single(rank: int, world_size: int, root: str) -> dict[str, Any]:
     except NonFiniteStepError as err:
         out["nan_limit_error"] = str(err)
     out["nan_weights_finite"] = all(bool(torch.isfinite(t).all()) for _, t, _ in actor.named_shards())
+    # The distillation weight of one batch (algo.distill_coef is 0 here): the RL phase's schedule.
+    out["distill_on"] = actor.train_step(batch, distill_coef=0.5)
+    out["distill_off"] = actor.train_step(batch)
     actor.close()
 
     # PPO updates: 3 mini-batches x 2 epochs on one rollout batch, all against the log-probs from before.

@@ -199,7 +199,10 @@ def test_dynamic_sampling_drops_zero_std_groups_and_refills():
         st = mgr.last_stats
         assert st.sampling_rounds >= 2 and st.dropped_groups >= 2 and asked[0] == 4
         with pytest.raises(ValueError, match="dynamic_sampling needs scorer"):
-            await mgr.generate_groups(_prompts([0]))
+            await mgr.generate_groups(_prompts([0]), more_prompts=more)
+        # A call without a refill source (evaluation, presample) is plain: every group comes back.
+        plain = await mgr.generate_groups(_prompts([0, 2]), group_size=2, scorer=_parity_scorer)
+        assert [g.prompt_index for g in plain] == [0, 2] and mgr.last_stats.dropped_groups == 0
         await fleet.close()
 
     asyncio.run(main())

@@ -109,3 +109,50 @@ def test_group_size_must_be_positive(setup):
     loop, _, pipe = setup
     with pytest.raises(ValueError, match="rollout.group_size"):
         RolloutPipeline(pipe.manager, loop, 0)
+
+
+def _parity_scorer(groups) -> None:
+    # Even prompts: every sample scores 0 (zero-signal); odd prompts: by the first token's parity.
+    for g in groups:
+        for s in g.samples:
+            total = 0.0 if g.prompt_index % 2 == 0 else float(s.response_ids[0] % 2)
+            s.rewards = {"parity": total, "total": total}
+
+
+def test_dynamic_sampling_refills_to_the_started_size_across_a_pause():
+    loop = EventLoopThread().start()
+    engines = [FakeEngine("a", version="1", delay_s=0.01), FakeEngine("b", version="1", delay_s=0.01)]
+    ft = FaultToleranceConfig(health_interval_s=0.05, health_timeout_s=0.5, max_engine_restarts=0)
+    cfg = RolloutConfig(group_size=4, max_new_tokens=TOKENS, request_timeout_s=10.0, max_inflight_per_engine=2,
+                        dynamic_sampling=True, max_sampling_rounds=6)
+    drawn: list[int] = []
+    fresh = iter(range(100, 10_000))
+
+    def more(n: int):
+        drawn.append(n)
+        return _prompts([next(fresh) for _ in range(n)])
+
+    async def build() -> RolloutManager:
+        fleet = EngineFleet(ft, max_inflight_per_engine=cfg.max_inflight_per_engine)
+        for e in engines:
+            await fleet.add_engine(EngineHandle(e))
+        return RolloutManager(fleet, cfg, ft, seed=5)
+
+    try:
+        manager = loop.run(build())
+        pipe = RolloutPipeline(manager, loop, 4, timeout_s=30.0, scorer=_parity_scorer, more_prompts=more)
+        pipe.start(_prompts(range(6)))  # prompts 0, 2, 4 can never have signal
+        fleet = manager.fleet
+        assert loop.run(fleet.wait_for(lambda: sum(r.requests_served for r in fleet.records) >= 2, 20.0))
+        pipe.pause()
+        for engine in engines:
+            engine.version = "2"
+        fleet.set_current_version("2")
+        pipe.resume()
+        result = pipe.collect()
+        assert len(result.groups) == 6 and not any(g.is_zero_signal for g in result.groups)
+        assert all(g.prompt_index % 2 == 1 for g in result.groups)
+        assert result.stats.dropped_groups >= 3 and result.stats.refill_prompts == sum(drawn) >= 3
+        assert 2 <= result.stats.sampling_rounds <= 6
+    finally:
+        loop.stop()

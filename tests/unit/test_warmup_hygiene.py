@@ -1,0 +1,83 @@
+"""Warm-up hygiene: SFT questions out of the RL stream, the distillation weight after OPD, the worklog prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from miles_lite.config.schema import MilesConfig
+from miles_lite.data.arithmetic import generate_problems
+from miles_lite.data.prompts import WORKLOG_SYSTEM_PROMPT, render_prompt
+from miles_lite.data.source import PromptSource
+from miles_lite.rl_batch import rl_distill_coef
+from miles_lite.system import System
+from miles_lite.warmup import run_warmup
+
+
+class _Trainer:
+    def __init__(self) -> None:
+        self.batches: list[list[str]] = []
+
+    def sft_step(self, batch: list[str], lr: float) -> dict[str, float]:
+        self.batches.append(batch)
+        return {"loss/sft": 1.0}
+
+
+def _system(tmp_path: Path, exclude: bool, steps: int = 3, batch_size: int = 4) -> SimpleNamespace:
+    cfg = MilesConfig()
+    cfg.experiment.warmup, cfg.experiment.warmup_steps = "sft", steps
+    cfg.experiment.warmup_batch_size, cfg.experiment.warmup_exclude_from_rl = batch_size, exclude
+    return SimpleNamespace(cfg=cfg, trainer=_Trainer(), run_dir=tmp_path,
+                           sft_batch=lambda problems: [p.question for p in problems])
+
+
+@pytest.mark.parametrize("exclude", [True, False])
+def test_sft_questions_leave_the_rl_stream_when_configured(tmp_path: Path, exclude: bool) -> None:
+    problems = generate_problems(40)
+    system, data = _system(tmp_path, exclude), PromptSource(problems, seed=0)
+    run_warmup(system, problems, SimpleNamespace(log=lambda _: None), data)
+    sft_questions = {q for batch in system.trainer.batches for q in batch}
+    assert len(system.trainer.batches) == 3 and sft_questions
+    rl_questions = {p.question for _, p in data.next_batch(len(data.active))}
+    if exclude:
+        assert not sft_questions & rl_questions and len(data.active) < len(problems)
+    else:
+        assert sft_questions <= rl_questions and len(data.active) == len(problems)
+
+
+def test_excluding_every_question_names_the_fields(tmp_path: Path) -> None:
+    problems = generate_problems(4)
+    system = _system(tmp_path, exclude=True, steps=2, batch_size=4)
+    with pytest.raises(ValueError, match="experiment.warmup_exclude_from_rl"):
+        run_warmup(system, problems, SimpleNamespace(log=lambda _: None), PromptSource(problems, seed=0))
+
+
+def test_a_later_filter_never_brings_excluded_questions_back() -> None:
+    src = PromptSource(generate_problems(6), seed=0)
+    src.exclude([0, 1])
+    src.keep_only([1, 2, 3])
+    assert sorted(src.active) == [2, 3]
+
+
+def test_rl_distillation_weight_is_zero_after_opd_unless_set() -> None:
+    cfg = MilesConfig()
+    cfg.algo.distill_coef = 1.0
+    assert rl_distill_coef(cfg) == 1.0  # no OPD warm-up: the configured weight throughout
+    cfg.experiment.warmup = "opd"
+    assert rl_distill_coef(cfg) == 0.0
+    cfg.algo.rl_distill_coef = 0.25
+    assert rl_distill_coef(cfg) == 0.25
+
+
+def test_worklog_prompt_template_reaches_the_rendered_prompt() -> None:
+    assert "\\boxed{}" in WORKLOG_SYSTEM_PROMPT and "<SOLUTION>72</SOLUTION>" in WORKLOG_SYSTEM_PROMPT
+    cfg = MilesConfig()
+    default = System.render(SimpleNamespace(tokenizer=None, cfg=cfg), "How many?")
+    cfg.data.prompt_template = "worklog"
+    worklog = System.render(SimpleNamespace(tokenizer=None, cfg=cfg), "How many?")
+    assert WORKLOG_SYSTEM_PROMPT in worklog and WORKLOG_SYSTEM_PROMPT not in default
+    assert worklog.endswith("User: How many?\nAssistant: ")
+    with pytest.raises(ValueError, match="data.prompt_template"):
+        render_prompt(None, "q", "fancy")
