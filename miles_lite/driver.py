@@ -4,15 +4,18 @@ checkpoint -> weight push -> metrics. Everything else lives in the modules it ca
 Rollouts go through a `RolloutPipeline` (the manager's calls run on the rollout event-loop thread):
 
 - `rollout.async_steps=0`: each step generates its groups on the weights the trainer has now.
-- `rollout.async_steps=1` (one-step-off): right after step N's groups are collected, step N+1's
-  generation starts and runs while the trainer trains step N. Before the push that follows step N the
-  pipeline pauses: a generation already done is simply kept; a running one is aborted at a token
-  boundary, its complete groups kept and its unfinished completions resumed on the new weights after
-  the push (the manager tags them with both versions, e.g. "3+4"). Step N+1 therefore trains on
-  groups whose oldest tokens are one version old. Groups whose oldest token is more than
-  `rollout.max_staleness` versions behind the trainer are dropped and counted (`rollout/stale_dropped`,
-  next to `rollout/mixed_version_samples` and `rollout/staleness_*`). A checkpoint records the prompt
-  cursor from before the in-flight generation's prompts, so a resumed run draws them again.
+- `rollout.async_steps=N` (N >= 1, N-step-off): right after step S's groups are collected, the batches
+  of steps S+1 .. S+N are started (those not started yet); the pipeline generates them in order while
+  the trainer trains step S. Before the push that follows step S the pipeline pauses: batches already
+  done are simply kept; a running one is aborted at a token boundary, its complete groups kept and its
+  unfinished completions resumed on the new weights after the push (the manager tags them with both
+  versions, e.g. "3+4"). Step S+k therefore trains on groups up to k versions old. Groups whose oldest
+  token is more than `rollout.max_staleness` versions behind the trainer are dropped and counted
+  (`rollout/stale_dropped`, next to `rollout/mixed_version_samples`, `rollout/staleness_*` and the
+  per-lag sample counts `rollout/staleness_samples/<lag>`); the trainer's importance weights
+  (`algo.is_*`) correct the rest against the log-probs of the weights that sampled them. A checkpoint
+  records the prompt cursor from before the oldest in-flight batch's prompts, so a resumed run draws
+  them again.
 
 On SIGUSR1 or SIGTERM (Slurm's pre-emption warning, `kubectl delete`) the driver finishes the
 current step, saves a checkpoint and returns normally, so the process exits 0 and a requeued job
@@ -165,22 +168,22 @@ def start_rollouts(system: System, data: PromptSource, rollouts: RolloutPipeline
 
 def refill_hooks(system: System, data: PromptSource) -> dict[str, Any]:
     """With `rollout.dynamic_sampling` (DAPO): groups are scored as they complete, and zero-signal ones are
-    replaced by groups of fresh prompts from the stream (drawn on the rollout thread while a generation
-    runs; the driver thread draws only while none does)."""
+    replaced by groups of fresh prompts from the stream (drawn on the rollout thread; `PromptSource` is
+    thread-safe)."""
     if not system.cfg.rollout.dynamic_sampling:
         return {}
     return {"scorer": system.score, "more_prompts": lambda n: system.prompt_specs(data.next_batch(n))}
 
 
 def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int) -> None:
-    """One RL step; with `rollout.async_steps=1` the next step's generation overlaps its training."""
+    """One RL step; with `rollout.async_steps=N` the next N steps' generation overlaps its training."""
     cfg = system.cfg
     timer = io.timer()
     with timer.phase("generate"):
         if not rollouts.busy:
             start_rollouts(system, data, rollouts)
         rollout = rollouts.collect()
-    if cfg.rollout.async_steps and step + 1 < cfg.experiment.steps:
+    while rollouts.pending < cfg.rollout.async_steps and step + 1 + rollouts.pending < cfg.experiment.steps:
         start_rollouts(system, data, rollouts)
     with timer.phase("reward"):  # dynamic sampling scored the groups as they completed
         groups = rollout.groups if cfg.rollout.dynamic_sampling else system.score(rollout.groups)

@@ -33,7 +33,8 @@ def drop_stale(groups: Sequence[Group], current_version: int, max_staleness: int
     `current_version` is the version of the trainer's weights now (the last push). A group is judged by
     its oldest sample, as its advantages share one baseline. Returns the kept groups and stats:
     `rollout/stale_dropped` (groups), `rollout/mixed_version_samples`, `rollout/staleness_mean` and
-    `rollout/staleness_max` (versions behind, over samples with a known version).
+    `rollout/staleness_max` (versions behind, over samples with a known version), and the distribution:
+    `rollout/staleness_samples/<lag>` samples `lag` versions behind (kept or not), for each lag seen.
     """
     if max_staleness < 0:
         raise ValueError(f"rollout.max_staleness must be >= 0, got {max_staleness}")
@@ -51,6 +52,8 @@ def drop_stale(groups: Sequence[Group], current_version: int, max_staleness: int
              "rollout/mixed_version_samples": float(mixed),
              "rollout/staleness_mean": sum(lags) / len(lags) if lags else 0.0,
              "rollout/staleness_max": float(max(lags, default=0))}
+    for lag in sorted(set(lags)):
+        stats[f"rollout/staleness_samples/{lag}"] = float(lags.count(lag))
     return kept, stats
 
 

@@ -130,7 +130,8 @@ class RolloutConfig:
     request_timeout_s: float = 600.0
     # Outstanding requests one engine is given at most; more wait in the manager (bounds open connections).
     max_inflight_per_engine: int = 256
-    # Generate step N+1 while training step N; rollouts older than `max_staleness` versions are dropped.
+    # Generate the next `async_steps` steps' batches while training this one (0: synchronous); groups whose
+    # oldest token is more than `max_staleness` versions behind the trainer are dropped.
     async_steps: int = 0
     max_staleness: int = 1
     # Engine startup: seconds to wait for /health_generate before failing with the server log.

@@ -228,12 +228,10 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
     resume = cfg.checkpoint.resume
     if resume not in ("auto", "none") and not os.path.isdir(resume):
         problems.append(f"checkpoint.resume={resume!r} is neither auto, none nor a checkpoint directory")
-    if cfg.rollout.async_steps > 1:
-        problems.append(f"rollout.async_steps={cfg.rollout.async_steps}: 0 (synchronous) or 1 (one-step-off) "
-                        "are supported")
-    if cfg.rollout.max_staleness < cfg.rollout.async_steps:
+    if cfg.rollout.async_steps >= 1 and cfg.rollout.max_staleness < 1:
+        # Generation that overlaps training is always at least one version behind when it is trained on.
         problems.append(
-            f"rollout.max_staleness={cfg.rollout.max_staleness} must be >= rollout.async_steps="
+            f"rollout.max_staleness={cfg.rollout.max_staleness} must be >= 1 with rollout.async_steps="
             f"{cfg.rollout.async_steps}, or every asynchronous rollout would be dropped"
         )
     if cfg.trainer.use_distributed_optimizer:

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import functools
 import random
-from collections.abc import Sequence
-from typing import Any
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from miles_lite.data.gsm8k import MathProblem
+
+T = TypeVar("T")
+
+
+def _locked(method: Callable[..., T]) -> Callable[..., T]:
+    """Run the method under the instance's lock (re-entrant: locked methods call each other)."""
+    @functools.wraps(method)
+    def wrapper(self: PromptSource, *args: Any, **kwargs: Any) -> T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 class PromptSource:
@@ -14,6 +27,7 @@ class PromptSource:
 
     `index` is the problem's position in the full data set, stable across epochs, filters and resumes;
     `keep_only` restricts later epochs (and the rest of the current one) to a subset (the presample filter).
+    Thread-safe: the driver draws step batches while the rollout thread may draw refill prompts.
     """
 
     def __init__(self, problems: Sequence[MathProblem], seed: int) -> None:
@@ -21,6 +35,7 @@ class PromptSource:
             raise ValueError("the training data set is empty; check data.train_path or data.synthetic.train_size")
         self.problems = list(problems)
         self.seed = seed
+        self._lock = threading.RLock()
         self.active: list[int] = list(range(len(self.problems)))
         self.epoch = 0
         self.cursor = 0
@@ -31,6 +46,7 @@ class PromptSource:
         random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
         return order
 
+    @_locked
     def keep_only(self, indices: Sequence[int]) -> None:
         """Restrict the stream to `indices` (positions in the full data set) from now on; a second call
         restricts further (an excluded problem never comes back)."""
@@ -44,6 +60,7 @@ class PromptSource:
         if not self.order:
             self._next_epoch()
 
+    @_locked
     def exclude(self, indices: Sequence[int]) -> None:
         """Leave `indices` out of the stream from now on (e.g. the SFT warm-up's questions)."""
         drop = set(indices)
@@ -53,6 +70,7 @@ class PromptSource:
         self.epoch += 1
         self.order, self.cursor = self._shuffled(self.epoch), 0
 
+    @_locked
     def next_batch(self, n: int) -> list[tuple[int, MathProblem]]:
         """The next `n` problems, rolling into a new epoch (new order) when one runs out."""
         batch: list[tuple[int, MathProblem]] = []
@@ -72,11 +90,13 @@ class PromptSource:
             batch.append((index, self.problems[index]))
         return batch
 
+    @_locked
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the exact same order after a restart."""
         return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "order": list(self.order),
                 "active": list(self.active)}
 
+    @_locked
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a `state_dict`; the data set must be the same one."""
         if max(state["active"], default=-1) >= len(self.problems):

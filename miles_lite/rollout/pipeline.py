@@ -1,33 +1,35 @@
-"""One step's rollouts, possibly generated while the trainer trains the step before (one-step-off async).
+"""Rollout batches generated ahead of training: synchronous, one-step-off or N-step-off async.
 
-`RolloutPipeline` runs one `RolloutManager.generate_groups` call at a time on the rollout event-loop
-thread and lets the driver thread do other work (train, checkpoint) meanwhile. Its lifecycle::
+`RolloutPipeline` keeps a FIFO of started batches (one batch = one step's prompts). A worker task on the
+rollout event-loop thread generates them one after another, each through `RolloutManager.generate_groups`,
+while the driver thread trains; `collect()` hands back the oldest batch once it is complete. With
+`rollout.async_steps=N` the driver keeps up to N batches started beyond the one it trains on, so
+generation runs up to N weight versions ahead. Lifecycle of the pipeline::
 
-    idle --start--> generating --pause--> paused --resume--> generating --collect--> idle
-                         \\------------------------------------------------collect--> idle
+    idle --start--> generating --pause--> paused --resume--> generating --collect (last batch)--> idle
+    generating --start / collect (more batches left)--> generating
     any --close--> closed
 
-`pause()` is how a weight push and a running generation meet. An engine reports one weight version
-per request, so a request held inside an engine across a push would label its older tokens with the
-newer version. The pipeline therefore aborts the running call at a token boundary instead: complete
-groups are kept, every unfinished completion keeps its partial tokens (each run of tokens tagged with
-the version that wrote it), and `resume()` after the push lets them continue on the new weights. The
-manager records such completions as mixed-version samples ("3+4").
+`pause()` is how a weight push and generation meet. An engine reports one weight version per request,
+so a request held inside an engine across a push would label its older tokens with the newer version.
+The pipeline therefore aborts the running call at a token boundary instead and holds the worker: complete
+groups are kept, every unfinished completion keeps its partial tokens (each run of tokens tagged with the
+version that wrote it), and `resume()` after the push lets them continue on the new weights before the
+next batch starts. The manager records such completions as mixed-version samples ("3+4").
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+from collections import deque
 from collections.abc import Sequence
-from concurrent import futures
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_lite.rollout.manager import ManagerState, RolloutManager, RolloutStats, Scorer
 from miles_lite.rollout.manager import PromptSource as RefillSource
-from miles_lite.rollout.manager import RolloutManager, RolloutStats, Scorer
-from miles_lite.rollout.prompt_spec import PromptLike, as_prompt_spec
+from miles_lite.rollout.prompt_spec import PromptLike, PromptSpec, as_prompt_spec
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.types import Group
 
@@ -41,8 +43,9 @@ class PipelineState(enum.Enum):
 
 _TRANSITIONS: dict[PipelineState, frozenset[PipelineState]] = {
     PipelineState.IDLE: frozenset({PipelineState.GENERATING, PipelineState.CLOSED}),
-    PipelineState.GENERATING: frozenset({PipelineState.PAUSED, PipelineState.IDLE, PipelineState.CLOSED}),
-    PipelineState.PAUSED: frozenset({PipelineState.GENERATING, PipelineState.CLOSED}),
+    PipelineState.GENERATING: frozenset({PipelineState.GENERATING, PipelineState.PAUSED, PipelineState.IDLE,
+                                         PipelineState.CLOSED}),
+    PipelineState.PAUSED: frozenset({PipelineState.PAUSED, PipelineState.GENERATING, PipelineState.CLOSED}),
     PipelineState.CLOSED: frozenset(),
 }
 
@@ -82,16 +85,24 @@ def merge_stats(parts: Sequence[RolloutStats]) -> RolloutStats:
 
 @dataclass
 class _Batch:
+    """One started batch; its fields are touched on the event-loop thread only (the worker, or a coroutine
+    the driver runs there)."""
+
+    specs: list[PromptSpec]
     order: dict[int, int]
     tag: Any
     target: int
+    done: asyncio.Event
     groups: list[Group] = field(default_factory=list)
     stats: list[RolloutStats] = field(default_factory=list)
     pauses: int = 0
+    submitted: bool = False
+    finished: bool = False
+    error: BaseException | None = None
 
 
 class RolloutPipeline:
-    """Runs the manager's calls on `loop` in the background; see the module docstring.
+    """Generates started batches in order on `loop`, in the background; see the module docstring.
 
     Args:
         manager: the rollout manager (its fleet lives on `loop`).
@@ -99,8 +110,8 @@ class RolloutPipeline:
         group_size: completions per prompt.
         timeout_s: how long `collect`/`pause` wait for the loop before raising (None: no limit).
         scorer / more_prompts: with `rollout.dynamic_sampling`, score groups as they complete and draw
-            fresh prompts to refill the zero-signal ones (see `RolloutManager.generate_groups`); the batch
-            of one `start` keeps its size and its rounds bound across pauses.
+            fresh prompts to refill the zero-signal ones (see `RolloutManager.generate_groups`); a batch
+            keeps its size and its rounds bound across pauses.
     """
 
     def __init__(self, manager: RolloutManager, loop: EventLoopThread, group_size: int,
@@ -115,8 +126,11 @@ class RolloutPipeline:
         self.scorer = scorer
         self.more_prompts = more_prompts
         self.state = PipelineState.IDLE
-        self._batch: _Batch | None = None
-        self._future: Future[list[Group]] | None = None
+        self._batches: deque[_Batch] = deque()
+        self._worker: asyncio.Task[None] | None = None
+        self._allowed: asyncio.Event | None = None  # cleared while paused
+        self._wake: asyncio.Event | None = None  # a batch was started
+        self._waiting: asyncio.Event | None = None  # set while the worker runs no manager call
 
     def _move(self, new: PipelineState) -> None:
         if new not in _TRANSITIONS[self.state]:
@@ -127,104 +141,171 @@ class RolloutPipeline:
     @property
     def busy(self) -> bool:
         """Whether a batch was started and not yet collected."""
-        return self.state in (PipelineState.GENERATING, PipelineState.PAUSED)
+        return bool(self._batches)
+
+    @property
+    def pending(self) -> int:
+        """Batches started and not yet collected."""
+        return len(self._batches)
 
     @property
     def tag(self) -> Any:
-        """The `tag` of the batch started and not yet collected (None when idle)."""
-        return self._batch.tag if self._batch is not None else None
+        """The `tag` of the oldest batch started and not yet collected (None when idle)."""
+        batches = list(self._batches)
+        return batches[0].tag if batches else None
 
-    def wait(self, timeout_s: float) -> bool:
-        """Block until the running manager call has returned, without collecting it; False on timeout."""
-        if self._future is None:
-            return True
-        done, _ = futures.wait([self._future], timeout_s)
-        return bool(done)
+    # ---- driver-thread API -------------------------------------------------------------------
 
     def start(self, prompts: Sequence[PromptLike], tag: Any = None) -> None:
-        """Begin generating `group_size` completions for each prompt; returns at once."""
-        self._move(PipelineState.GENERATING)
+        """Queue `group_size` completions for each prompt; generation begins when the batches before it are
+        done. Returns at once."""
+        self._move(PipelineState.PAUSED if self.state is PipelineState.PAUSED else PipelineState.GENERATING)
         specs = [as_prompt_spec(p) for p in prompts]
         order: dict[int, int] = {}
         for position, spec in enumerate(specs):
             order.setdefault(spec.prompt_index, position)
-        self._batch = _Batch(order, tag, target=len(specs))
-        self._submit(specs)
+        self.loop.run(self._enqueue(specs, order, tag), self.timeout_s)
 
-    def _submit(self, prompts: Sequence[PromptLike], finish_only: bool = False) -> None:
-        """Run one manager call. After a pause it continues the batch: the groups still missing, within the
-        sampling rounds left; `finish_only` completes the carried partials and refills nothing."""
-        assert self._batch is not None
-        batch = self._batch
-        rounds_used = sum(s.sampling_rounds for s in batch.stats)
-        target = 0 if finish_only else batch.target - len(batch.groups)
-        rounds = 1 if finish_only else self.manager.cfg.max_sampling_rounds - rounds_used
-        call = self.manager.generate_groups(prompts, self.group_size, scorer=self.scorer,
-                                            more_prompts=self.more_prompts, target=target, max_rounds=rounds)
-        # Submitted FIFO to the loop: the call is running before any later pause()/abort reaches it.
-        self._future = asyncio.run_coroutine_threadsafe(call, self.loop.loop)
-
-    def _take(self) -> None:
-        """Move the finished manager call's groups and stats into the batch."""
-        assert self._future is not None and self._batch is not None
-        groups = self._future.result(self.timeout_s)
-        self._future = None
-        self._batch.groups.extend(groups)
-        self._batch.stats.append(self.manager.last_stats)
+    def wait(self, timeout_s: float) -> bool:
+        """Block until the oldest batch is generated, without collecting it; False on timeout."""
+        if not self._batches:
+            return True
+        batch = self._batches[0]
+        try:
+            self.loop.run(asyncio.wait_for(batch.done.wait(), timeout_s))
+        except TimeoutError:
+            return False
+        return True
 
     def pause(self) -> None:
-        """Stop generating before a weight push; a no-op unless generating.
+        """Hold generation for a weight push; a no-op unless generating.
 
-        A finished call is simply taken. A running one is aborted: complete groups are kept and the
-        unfinished ones stay with the manager, partial tokens included, until `resume()`.
+        A running manager call is aborted: complete groups are kept and the unfinished ones stay with the
+        manager, partial tokens included, until `resume()`. Batches not started yet wait as well. With
+        every batch already generated there is nothing to hold and the state stays `generating`.
         """
-        if self.state is not PipelineState.GENERATING or self._future is None:
+        if self.state is not PipelineState.GENERATING:
             return
-        assert self._batch is not None
-        if not self._future.done():
-            self.loop.run(self.manager.abort(), self.timeout_s)
-        self._take()
-        if self.manager.pending_groups:
-            self._batch.pauses += 1
+        if self.loop.run(self._hold(), self.timeout_s):
             self._move(PipelineState.PAUSED)
-        else:
-            self._future = None
 
     def resume(self) -> None:
         """After a weight push: unfinished completions continue on the engines' current weights."""
         if self.state is not PipelineState.PAUSED:
             return
         self._move(PipelineState.GENERATING)
-        self._submit([])
+        self.loop.run(self._release(), self.timeout_s)
 
     def collect(self) -> PipelineResult:
-        """Wait for the started batch and return it; raises what the manager raised."""
+        """Wait for the oldest started batch and return it; raises what the manager raised for it."""
         if self.state is PipelineState.PAUSED:
             self.resume()
-        if self.state is not PipelineState.GENERATING:
+        if self.state is not PipelineState.GENERATING or not self._batches:
             raise RuntimeError(f"rollout pipeline is {self.state.value}: call start() before collect()")
-        assert self._batch is not None
-        if self._future is not None:
-            self._take()
-        batch, self._batch = self._batch, None
-        self._move(PipelineState.IDLE)
+        batch = self.loop.run(self._pop_oldest(), self.timeout_s)
+        if not self._batches:
+            self._move(PipelineState.IDLE)
+        if batch.error is not None:
+            raise batch.error
         groups = sorted(batch.groups, key=lambda g: batch.order.get(g.prompt_index, len(batch.order)))
         return PipelineResult(groups, merge_stats(batch.stats), batch.pauses, batch.tag)
 
     def close(self) -> Any:
-        """Abandon a batch still in flight (the run stops between steps); returns its `tag`.
+        """Abandon every batch still in flight (the run stops between steps); returns the oldest one's `tag`.
 
-        Partial completions are finished and discarded so the manager holds nothing that a later
-        call (an evaluation) would receive. Idempotent.
+        Partial completions are finished and discarded so the manager holds nothing that a later call (an
+        evaluation) would receive. Idempotent.
         """
         if self.state is PipelineState.CLOSED:
             return None
         tag = self.tag
-        if self.busy:
-            self.pause()
-            if self.manager.pending_groups:
-                self._submit([], finish_only=True)
-                self._take()
-        self._batch = self._future = None
+        if self._worker is not None:
+            self.loop.run(self._shutdown(), self.timeout_s)
+        self._batches.clear()
         self._move(PipelineState.CLOSED)
         return tag
+
+    # ---- event-loop side ---------------------------------------------------------------------
+
+    async def _enqueue(self, specs: list[PromptSpec], order: dict[int, int], tag: Any) -> None:
+        if self._worker is None:
+            self._allowed, self._wake, self._waiting = asyncio.Event(), asyncio.Event(), asyncio.Event()
+            if self.state is not PipelineState.PAUSED:
+                self._allowed.set()
+            self._waiting.set()
+            self._worker = asyncio.ensure_future(self._work())
+        self._batches.append(_Batch(specs, order, tag, target=len(specs), done=asyncio.Event()))
+        assert self._wake is not None
+        self._wake.set()
+
+    def _next_unfinished(self) -> _Batch | None:
+        return next((b for b in self._batches if not b.finished), None)
+
+    async def _work(self) -> None:
+        """Generate the started batches in order, holding while paused."""
+        assert self._allowed is not None and self._wake is not None and self._waiting is not None
+        while True:
+            batch = self._next_unfinished()
+            if batch is None or not self._allowed.is_set():
+                self._wake.clear()
+                if batch is None:
+                    await self._wake.wait()
+                else:
+                    await self._allowed.wait()
+                continue
+            self._waiting.clear()
+            try:
+                await self._generate(batch)
+            finally:
+                self._waiting.set()
+
+    async def _generate(self, batch: _Batch) -> None:
+        """One manager call for `batch`: its prompts, or (after a pause) the completions the pause cut."""
+        rounds_used = sum(s.sampling_rounds for s in batch.stats)
+        prompts = [] if batch.submitted else batch.specs
+        batch.submitted = True
+        try:
+            groups = await self.manager.generate_groups(
+                prompts, self.group_size, scorer=self.scorer, more_prompts=self.more_prompts,
+                target=batch.target - len(batch.groups),
+                max_rounds=self.manager.cfg.max_sampling_rounds - rounds_used)
+        except Exception as err:  # surfaces in collect(), on the driver thread
+            batch.error, batch.finished = err, True
+            batch.done.set()
+            return
+        batch.groups.extend(groups)
+        batch.stats.append(self.manager.last_stats)
+        if self.manager.pending_groups:  # cut by a pause: the rest follows on the next weights
+            batch.pauses += 1
+            return
+        batch.finished = True
+        batch.done.set()
+
+    async def _hold(self) -> bool:
+        """Stop the worker before its next call, aborting the running one; True if anything is left to do."""
+        assert self._allowed is not None and self._waiting is not None
+        self._allowed.clear()
+        if self.manager.state is not ManagerState.IDLE:
+            await self.manager.abort()
+        await self._waiting.wait()
+        return self._next_unfinished() is not None
+
+    async def _release(self) -> None:
+        assert self._allowed is not None
+        self._allowed.set()
+
+    async def _pop_oldest(self) -> _Batch:
+        batch = self._batches[0]
+        await batch.done.wait()
+        return self._batches.popleft()
+
+    async def _shutdown(self) -> None:
+        if self._allowed is not None:
+            await self._hold()
+        assert self._worker is not None
+        self._worker.cancel()
+        await asyncio.gather(self._worker, return_exceptions=True)
+        self._worker = None
+        if self.manager.pending_groups:  # finish the cut completions, refill nothing, discard them
+            await self.manager.generate_groups([], self.group_size, scorer=self.scorer,
+                                               more_prompts=self.more_prompts, target=0, max_rounds=1)

@@ -91,11 +91,12 @@ def test_hf_checkpoint_dims_drive_the_checks(tmp_path: Path):
 
 def test_gsm8k_paths_fp8_on_cpu_and_staleness():
     msg = _problems(["data=gsm8k", "data.train_path=/no/such/file.jsonl", "trainer.precision=fp8",
-                     "rollout.async_steps=2", "rollout.max_staleness=1"])
-    assert "rollout.async_steps=2: 0 (synchronous) or 1 (one-step-off) are supported" in msg
+                     "rollout.async_steps=2", "rollout.max_staleness=0"])
     assert "data.train_path='/no/such/file.jsonl' does not exist" in msg
     assert "fp8 needs TransformerEngine on a GPU" in msg
-    assert "rollout.max_staleness=1 must be >= rollout.async_steps=2" in msg
+    assert "rollout.max_staleness=0 must be >= 1 with rollout.async_steps=2" in msg
+    assert "rollout.max_staleness" not in _problems(["data=gsm8k", "data.train_path=/no/such/file.jsonl",
+                                                     "rollout.async_steps=3", "rollout.max_staleness=1"])
 
 
 def test_distributed_optimizer_is_refused_until_checkpoints_support_it():

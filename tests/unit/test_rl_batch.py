@@ -35,6 +35,8 @@ def test_drop_stale_judges_each_group_by_its_oldest_sample():
     assert stats["rollout/staleness_max"] == 2.0
     # Lags of the samples with a known version: 0, 0, 1, 0, 2, 0, 0.
     assert stats["rollout/staleness_mean"] == pytest.approx(3 / 7)
+    assert [stats[f"rollout/staleness_samples/{lag}"] for lag in (0, 1, 2)] == [5.0, 1.0, 1.0]
+    assert "rollout/staleness_samples/3" not in stats
 
 
 def test_drop_stale_with_zero_staleness_keeps_only_on_policy_groups():

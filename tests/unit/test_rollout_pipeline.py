@@ -156,3 +156,32 @@ def test_dynamic_sampling_refills_to_the_started_size_across_a_pause():
         assert 2 <= result.stats.sampling_rounds <= 6
     finally:
         loop.stop()
+
+
+def test_several_batches_in_flight_generate_in_order_and_age_by_version(setup):
+    loop, engines, pipe = setup
+    fleet = pipe.manager.fleet
+    for k in range(3):  # N = 2 batches ahead of the one being trained
+        pipe.start(_prompts(range(4 * k, 4 * k + 4)), tag=f"cursor-{k}")
+    assert pipe.pending == 3 and pipe.tag == "cursor-0"
+    first = pipe.collect()  # batch 0, all on version 1
+    assert [g.prompt_index for g in first.groups] == [0, 1, 2, 3] and first.tag == "cursor-0"
+    assert pipe.pending == 2 and pipe.tag == "cursor-1"
+    # The push after "step 0": batches 1 and 2 are generating or queued on version 1 until then.
+    assert loop.run(fleet.wait_for(lambda: sum(r.requests_served for r in fleet.records) >= 4 * GROUP + 2, 20.0))
+    pipe.pause()
+    for engine in engines:
+        engine.version = "2"
+    fleet.set_current_version("2")
+    pipe.resume()
+    second, third = pipe.collect(), pipe.collect()
+    assert pipe.state is PipelineState.IDLE and not pipe.busy
+    assert [g.prompt_index for g in second.groups] == [4, 5, 6, 7] and second.tag == "cursor-1"
+    assert [g.prompt_index for g in third.groups] == [8, 9, 10, 11] and third.tag == "cursor-2"
+    versions = {s.weight_version for g in second.groups + third.groups for s in g.samples}
+    assert versions <= {"1", "2", "1+2"} and "1" in {v.split("+")[0] for v in versions}
+    # Trained at version 3 (two pushes later), the tokens written by version 1 are two versions old.
+    kept, stats = drop_stale(third.groups + second.groups, current_version=3, max_staleness=1)
+    old = [g for g in second.groups + third.groups if any(s.weight_version.startswith("1") for s in g.samples)]
+    assert stats["rollout/stale_dropped"] == len(old) >= 1 and len(kept) == 8 - len(old)
+    assert stats["rollout/staleness_max"] == 2.0 and stats["rollout/staleness_samples/2"] >= 1
