@@ -288,7 +288,10 @@ class RolloutPipeline:
         if self.manager.state is not ManagerState.IDLE:
             await self.manager.abort()
         await self._waiting.wait()
-        return self._next_unfinished() is not None
+        if self._next_unfinished() is None:
+            self._allowed.set()  # nothing to hold: batches started later may run at once
+            return False
+        return True
 
     async def _release(self) -> None:
         assert self._allowed is not None

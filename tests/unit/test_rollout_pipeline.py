@@ -93,6 +93,8 @@ def test_pause_after_the_generation_finished_keeps_it_whole(setup):
     pipe.resume()
     result = pipe.collect()
     assert result.pauses == 0 and all(not is_mixed_version(s) for g in result.groups for s in g.samples)
+    pipe.start(_prompts(range(2, 4)))  # a pause that held nothing leaves later batches free to run
+    assert pipe.wait(20.0) and [g.prompt_index for g in pipe.collect().groups] == [2, 3]
 
 
 def test_close_abandons_a_batch_in_flight_and_leaves_the_manager_clean(setup):
