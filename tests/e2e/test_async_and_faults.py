@@ -173,3 +173,6 @@ def test_opd_warmup_moves_the_student_toward_a_padded_vocab_teacher(tmp_path: Pa
     # The student samples its own tokens and moves toward the teacher's distribution over them.
     assert sum(kl[-3:]) / 3 < 0.8 * sum(kl[:3]) / 3, kl
     assert json.loads((run / "summary.json").read_text())["steps_done"] == 1
+    # The RL step after the OPD warm-up trains without the distillation term (algo.rl_distill_coef unset).
+    rl = _records(run)
+    assert len(rl) == 1 and "loss/distill" not in rl[0] and "loss/policy" in rl[0]
