@@ -43,9 +43,9 @@ def combine_update_stats(per_update: Sequence[dict[str, float]], batch: TrainBat
     """One stats record for the optimizer steps taken on `batch`.
 
     Loss, policy, mismatch and entropy stats are the mean over the steps (`*_max` / `*_min`: over all);
-    `grad_norm` the mean over the steps that were taken; `skipped` counts skipped steps; `lr` is the
-    last step's. Adds `policy/updates`, `policy/clip_frac` (low + high) and `policy/ratio_spread`
-    (largest minus smallest ratio seen).
+    `grad_norm` the mean over the steps that were taken; `skipped` counts skipped steps; `lr` and the
+    running totals (`nonfinite_total`, `diverged_total`) are the last step's. Adds `policy/updates`,
+    `policy/clip_frac` (low + high) and `policy/ratio_spread` (largest minus smallest ratio seen).
     """
     stats = reduce_stats([(1.0, s) for s in per_update])
     norms = [s["grad_norm"] for s in per_update if math.isfinite(s.get("grad_norm", float("nan")))]
@@ -54,12 +54,14 @@ def combine_update_stats(per_update: Sequence[dict[str, float]], batch: TrainBat
         grad_norm=sum(norms) / len(norms) if norms else float("nan"),
         skipped=float(sum(s.get("skipped", 0.0) for s in per_update)),
         lr=per_update[-1]["lr"],
-        nonfinite_total=per_update[-1]["nonfinite_total"],
         tokens=float(batch.num_tokens),
         response_tokens=float(sum(batch.response_lengths)),
         tokens_per_s=processed / max(seconds, 1e-9),
         step_time_s=seconds,
     )
+    for counter in ("nonfinite_total", "diverged_total"):  # running totals: the last step's
+        if counter in per_update[-1]:
+            stats[counter] = per_update[-1][counter]
     stats["policy/updates"] = float(len(per_update))
     if "policy/clip_frac_low" in stats:
         stats["policy/clip_frac"] = stats["policy/clip_frac_low"] + stats["policy/clip_frac_high"]

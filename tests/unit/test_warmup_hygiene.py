@@ -37,7 +37,7 @@ def _system(tmp_path: Path, exclude: bool, steps: int = 3, batch_size: int = 4) 
 def test_sft_questions_leave_the_rl_stream_when_configured(tmp_path: Path, exclude: bool) -> None:
     problems = generate_problems(40)
     system, data = _system(tmp_path, exclude), PromptSource(problems, seed=0)
-    run_warmup(system, problems, SimpleNamespace(log=lambda _: None), data)
+    run_warmup(system, problems, SimpleNamespace(log=lambda _: None), data=data)
     sft_questions = {q for batch in system.trainer.batches for q in batch}
     assert len(system.trainer.batches) == 3 and sft_questions
     rl_questions = {p.question for _, p in data.next_batch(len(data.active))}
@@ -51,7 +51,7 @@ def test_excluding_every_question_names_the_fields(tmp_path: Path) -> None:
     problems = generate_problems(4)
     system = _system(tmp_path, exclude=True, steps=2, batch_size=4)
     with pytest.raises(ValueError, match="experiment.warmup_exclude_from_rl"):
-        run_warmup(system, problems, SimpleNamespace(log=lambda _: None), PromptSource(problems, seed=0))
+        run_warmup(system, problems, SimpleNamespace(log=lambda _: None), data=PromptSource(problems, seed=0))
 
 
 def test_a_later_filter_never_brings_excluded_questions_back() -> None:
