@@ -58,12 +58,12 @@ class SendStats:
     bytes: int
 
 
-def bucket_schedules(bucket: Bucket, rank_plans: Sequence[tuple[int, RankPlan]], trainer_tp: int
-                     ) -> list[RankSchedule]:
+def bucket_schedules(bucket: Bucket, rank_plans: Sequence[tuple[int, RankPlan]], trainer_tp: int,
+                     manifests: bool = True) -> list[RankSchedule]:
     """Per trainer rank (index = TP rank), what to send for `bucket`; `rank_plans`: (engine group rank, its plan)."""
     wanted = set(bucket.names)
     sends: list[list[PeerSend]] = [[] for _ in range(trainer_tp)]
-    manifests = []
+    rows_per_dst = []
     for dst, rp in rank_plans:
         rows: list[int] = []
         per_src: dict[int, tuple[list[Transfer], list[str]]] = {}
@@ -73,16 +73,17 @@ def bucket_schedules(bucket: Bucket, rank_plans: Sequence[tuple[int, RankPlan]],
                 blocks, dtypes = per_src.setdefault(t.src_rank, ([], []))
                 blocks.append(t)
                 dtypes.append(shard.dtype)
-        manifests.append((dst, tuple(rows)))
+        rows_per_dst.append((dst, tuple(rows)))
         for src, (blocks, dtypes) in per_src.items():
             sends[src].append(PeerSend(dst, tuple(blocks), tuple(dtypes)))
-    return [RankSchedule(tuple(s), tuple(manifests) if rank == 0 else ()) for rank, s in enumerate(sends)]
+    return [RankSchedule(tuple(s), tuple(rows_per_dst) if rank == 0 and manifests else ())
+            for rank, s in enumerate(sends)]
 
 
-def send_bucket(group: dist.ProcessGroup, shards: Mapping[str, torch.Tensor], schedule: RankSchedule
-                ) -> SendStats:
-    """Trainer rank side: send this rank's blocks (from its local Megatron tensors `shards`) and any manifests."""
-    start = time.perf_counter()
+def pack_sends(shards: Mapping[str, torch.Tensor], schedule: RankSchedule, stage_on_host: bool = False
+               ) -> list[tuple[int, torch.Tensor]]:
+    """(destination group rank, flat byte buffer) per peer: this rank's blocks in schedule order, each cast
+    to its shard's dtype. `stage_on_host` copies GPU buffers to host memory (gloo's point-to-point ops)."""
     buffers = []
     for peer in schedule.sends:
         parts = []
@@ -92,7 +93,16 @@ def send_bucket(group: dist.ProcessGroup, shards: Mapping[str, torch.Tensor], sc
             src = shards[t.source]
             block = src[t.src_index(src.dim())].to(getattr(torch, dtype)).contiguous()
             parts.append(block.reshape(-1).view(torch.uint8))
-        buffers.append((peer.dst, torch.cat(parts)))
+        flat = torch.cat(parts)
+        buffers.append((peer.dst, flat.cpu() if stage_on_host else flat))
+    return buffers
+
+
+def send_bucket(group: dist.ProcessGroup, shards: Mapping[str, torch.Tensor], schedule: RankSchedule
+                ) -> SendStats:
+    """Trainer rank side: send this rank's blocks (from its local Megatron tensors `shards`) and any manifests."""
+    start = time.perf_counter()
+    buffers = pack_sends(shards, schedule, stage_on_host=dist.get_backend(group) == "gloo")
     converted = time.perf_counter()
     handles = []
     for dst, rows in schedule.manifests:
