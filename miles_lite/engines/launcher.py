@@ -8,6 +8,10 @@ through `HttpEngine`; they differ only in the command line:
 - `sglang`: `python -m sglang.launch_server` with `rollout.sglang_args` passed through, `--tp-size` from
   `rollout.engine_tp`, and `--base-gpu-id index * engine_tp` unless `sglang_args` sets `base_gpu_id` (on a Ray
   placement group each engine sees only its own GPUs: set `base_gpu_id: 0` there).
+
+Both get the project's weight-loader plugin (`--custom-weight-loader`, what `weight_sync.mode=shard`
+pushes through); SGLang processes also get the project root appended to PYTHONPATH, so that SGLang
+installed apart (its own torch first on the path) can import the plugin.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from dataclasses import dataclass
 
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.reference.engine import build_reference_command
-from miles_lite.engines.sglang.command import build_sglang_command, check_sglang_command
+from miles_lite.engines.sglang.command import (
+    build_sglang_command,
+    check_sglang_command,
+    plugin_env,
+    with_weight_loader,
+)
 from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.process import CommandFactory, EngineProcess
 
@@ -61,6 +70,7 @@ class EngineLauncher:
         """(port, inherited socket fd) -> argv of engine `index`; validates the configuration up front."""
         if self.rollout.backend == "reference":
             args = dict(self.rollout.reference_args)
+            args["custom_weight_loader"] = with_weight_loader(args.get("custom_weight_loader"))
             args.setdefault("seed", index)
             # One source of truth for the engine's TP: rollout.engine_tp, as for SGLang's --tp-size.
             if args.setdefault("tp", self.rollout.engine_tp) != self.rollout.engine_tp:
@@ -74,6 +84,7 @@ class EngineLauncher:
 
             return reference
         args = dict(self.rollout.sglang_args)
+        args["custom_weight_loader"] = with_weight_loader(args.get("custom_weight_loader"))
         args.setdefault("base_gpu_id", index * self.rollout.engine_tp)
         check_sglang_command(build_sglang_command(self.model_path, 0, self.rollout.engine_tp, args,
                                                   python=self.python))
@@ -89,8 +100,11 @@ class EngineLauncher:
         attempt = self._attempts.get(index, 0)
         self._attempts[index] = attempt + 1
         log_path = os.path.join(self.log_dir, f"{self.engine_id(index)}.{attempt}.log")
+        env = self.env
+        if self.rollout.backend == "sglang":
+            env = plugin_env(os.environ if env is None else {**os.environ, **env})
         return EngineProcess(self.engine_id(index), self.command_factory(index), log_path, host=self.host,
-                             pass_socket=self.rollout.backend == "reference", env=self.env)
+                             pass_socket=self.rollout.backend == "reference", env=env)
 
     async def start(self, index: int) -> LaunchedEngine:
         """Start engine `index` and wait until it generates; raises EngineStartError with the log tail."""

@@ -6,7 +6,7 @@
 
 The reference backend takes every flag of `python -m miles_lite.engines.reference.engine`; the sglang backend
 replaces this process with `python -m sglang.launch_server` built from `--sglang-args` (a JSON object in
-`rollout.sglang_args` form), so signals reach SGLang directly.
+`rollout.sglang_args` form), so signals reach SGLang directly. Both load the project's weight-loader plugin.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import sys
 
 from miles_lite.engines.reference.engine import add_reference_arguments, run_from_args
-from miles_lite.engines.sglang.command import build_sglang_command, check_sglang_command
+from miles_lite.engines.sglang.command import build_sglang_command, check_sglang_command, plugin_env, with_weight_loader
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +40,7 @@ def sglang_argv(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--sglang-args is not valid JSON: {exc}") from exc
     if not isinstance(extra, dict):
         raise ValueError("--sglang-args must be a JSON object, e.g. '{\"skip_tokenizer_init\": true}'")
+    extra["custom_weight_loader"] = with_weight_loader(extra.get("custom_weight_loader"))
     cmd = build_sglang_command(args.model_path, args.port, args.tp, extra, host=args.host)
     check_sglang_command(cmd)
     return cmd
@@ -62,11 +63,12 @@ def run(args: argparse.Namespace) -> int:
     if args.model_path is None:
         args.model_path = prepare_job_model(args.overrides, args.model_dir)
     if args.backend == "reference":
+        args.custom_weight_loader = with_weight_loader(args.custom_weight_loader)
         return run_from_args(args)
     try:
         cmd = sglang_argv(args)
     except ValueError as exc:
         print(f"miles-lite engine: {exc}", file=sys.stderr)
         return 2
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, plugin_env(os.environ))
     return 0  # not reached: execv replaces the process

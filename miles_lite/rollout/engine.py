@@ -69,7 +69,7 @@ class RolloutEngine(Protocol):
         """Leave the weight-update group (`/destroy_weights_update_group`)."""
 
     async def update_weights_from_tensor(
-        self, serialized_named_tensors: list[str], load_format: str | None, weight_version: str,
+        self, serialized_named_tensors: list[str], load_format: str | None, weight_version: str | None,
         flush_cache: bool = True,
     ) -> None:
         """Load tensors passed by handle/serialisation, one entry per engine TP rank."""

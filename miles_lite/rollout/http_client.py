@@ -218,8 +218,7 @@ class HttpEngine:
     ) -> None:
         """Receive the named tensors from rank 0 (`/update_weights_from_distributed`).
 
-        `load_format` None: one broadcast per full HF tensor (SGLang's own path); the reference engine
-        also accepts "miles_lite_shard": one point-to-point buffer holding exactly this engine's shards.
+        `load_format` None: one broadcast per full HF tensor (SGLang's own path).
         """
         body: dict[str, Any] = {
             "names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
@@ -234,7 +233,7 @@ class HttpEngine:
         await self._post_checked("/destroy_weights_update_group", {"group_name": group_name})
 
     async def update_weights_from_tensor(
-        self, serialized_named_tensors: list[str], load_format: str | None, weight_version: str,
+        self, serialized_named_tensors: list[str], load_format: str | None, weight_version: str | None,
         flush_cache: bool = True,
     ) -> None:
         """`/update_weights_from_tensor`: one serialized payload per engine TP rank.

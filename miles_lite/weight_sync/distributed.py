@@ -10,11 +10,13 @@ Modes:
 - full (SGLang-compatible, `load_format=None`): this process is rank 0 (world `1 + sum(tp)`), gathers
   the trainer shards, and broadcasts every full HF tensor to all engine ranks; each engine's own
   loader slices it.
-- shard (`load_format=SHARD_LOAD_FORMAT`, reference engine): the trainer TP ranks themselves are
-  ranks `0..trainer_tp-1` (world `trainer_tp + sum(tp)`) and each sends every engine rank the slices
-  it holds, point to point (`shard_protocol`); this process only tells the trainer ranks and the
-  engines which bucket to move and waits for their acknowledgements. Requests carry the rank-local
-  shapes (equal on every rank of an engine).
+- shard (stock SGLang with the project's weight-loader plugin, and the reference engine, which runs
+  the same plugin): the trainer TP ranks themselves are ranks `0..trainer_tp-1` (world
+  `trainer_tp + sum(tp)`) and each sends every engine rank the slices it holds, point to point
+  (`shard_protocol`). The engines are driven through `/update_weights_from_tensor` with
+  `load_format=LOADER_FUNCTION`: one request per engine TP rank (`loader_protocol`) to join the group
+  at `connect`, one per bucket naming that rank's shards and blocks, one to leave. This process only
+  posts those requests, tells the trainer ranks which bucket to send and waits for the answers.
 
 A changed fleet means a new world: `connect` destroys the group on every engine still reachable
 and on the senders, then builds a fresh one under a new group name and port.
@@ -31,9 +33,17 @@ import torch.distributed as dist
 
 from miles_lite.ports import free_port
 from miles_lite.weight_sync.buckets import Bucket, full_buckets, shard_buckets
-from miles_lite.weight_sync.plan import ParamSpec, RankPlan, ReshardPlan, apply_rank_plan, build_plan, full_tensor_plan
+from miles_lite.weight_sync.loader_protocol import (
+    LOADER_FUNCTION,
+    LoaderRequest,
+    join_request,
+    leave_request,
+    rank_params,
+    receive_request,
+    serialize,
+)
+from miles_lite.weight_sync.plan import ParamSpec, ReshardPlan, apply_rank_plan, build_plan, full_tensor_plan
 from miles_lite.weight_sync.senders import ShardSenders
-from miles_lite.weight_sync.sglang_payloads import SHARD_LOAD_FORMAT
 from miles_lite.weight_sync.shard_protocol import RankSchedule, bucket_schedules
 from miles_lite.weight_sync.transport import (
     EngineLoop,
@@ -110,9 +120,15 @@ class DistributedTransport(WeightTransport):
         self.generation += 1
         self.group_name = f"{self.group_base}_{self.generation}"
         port = free_port(self.master_address)
-        futures = {f.engine_id: self.loop.submit(f.engine.init_weights_update_group(
-            self.master_address, port, self.rank_offsets[f.engine_id], world, self.group_name, self.backend))
-            for f in self.fleet}
+        if self.mode == "full":
+            futures = {f.engine_id: self.loop.submit(f.engine.init_weights_update_group(
+                self.master_address, port, self.rank_offsets[f.engine_id], world, self.group_name, self.backend))
+                for f in self.fleet}
+        else:
+            futures = self._post({f.engine_id: self._loader_call(f, [join_request(
+                self.group_name, self.backend, self.master_address, port, self.rank_offsets[f.engine_id] + r, world,
+                self.init_timeout_s, rank_params(self.specs, f.spec, r)) for r in range(f.spec.tp)], None, False)
+                for f in self.fleet})
         try:
             if self.mode == "full":
                 self.group = init_custom_process_group(self.backend, self.master_address, port, 0, world,
@@ -142,8 +158,12 @@ class DistributedTransport(WeightTransport):
     def _teardown(self) -> None:
         if self.group is None and not self.senders_joined:
             return
-        futures = {f.engine_id: self.loop.submit(f.engine.destroy_weights_update_group(self.group_name))
-                   for f in self.fleet}
+        if self.mode == "full":
+            futures = {f.engine_id: self.loop.submit(f.engine.destroy_weights_update_group(self.group_name))
+                       for f in self.fleet}
+        else:
+            futures = self._post({f.engine_id: self._loader_call(f, [leave_request(self.group_name)] * f.spec.tp,
+                                                                 None, False) for f in self.fleet})
         if self.group is not None:
             dist.destroy_process_group(self.group)
             self.group = None
@@ -185,6 +205,12 @@ class DistributedTransport(WeightTransport):
     def _post(self, bucket_calls: dict[str, Any]) -> dict[str, Future[Any]]:
         return {eid: self.loop.submit(call) for eid, call in bucket_calls.items()}
 
+    @staticmethod
+    def _loader_call(f: FleetEngine, requests: Sequence[LoaderRequest], version: str | None, flush: bool) -> Any:
+        """The engine's weight-loader plugin runs `requests[r]` in its TP rank r."""
+        return f.engine.update_weights_from_tensor([serialize(r) for r in requests], LOADER_FUNCTION, version,
+                                                   flush_cache=flush)
+
     def _push_full(self, bucket: Bucket, shards: Any, version: str, last: bool, report: PushReport) -> None:
         with report.phase("convert"):
             tensors = apply_rank_plan(self.full_plan, shards, bucket.names, self.device)
@@ -203,9 +229,10 @@ class DistributedTransport(WeightTransport):
 
     def _push_shard(self, bucket: Bucket, version: str, last: bool, report: PushReport) -> None:
         assert self.plan is not None and self.senders is not None
-        futures = self._post({f.engine_id: f.engine.update_weights_from_distributed(
-            *_bucket_meta(rank_plans[0], bucket), self.group_name, version, flush_cache=last,
-            load_format=SHARD_LOAD_FORMAT) for f, rank_plans in zip(self.fleet, self.plan.ranks, strict=True)})
+        specs = {s.name: s for s in self.specs}
+        futures = self._post({f.engine_id: self._loader_call(
+            f, [receive_request(self.group_name, bucket, rp, specs, f.spec) for rp in rank_plans], version, last)
+            for f, rank_plans in zip(self.fleet, self.plan.ranks, strict=True)})
         try:
             with report.phase("transfer"):
                 stats = self.senders.send_weight_bucket(self.schedules[bucket.index])
@@ -221,9 +248,3 @@ class DistributedTransport(WeightTransport):
             self.loop.gather(futures)
         report.bytes += sum(s.bytes for s in stats)
 
-
-def _bucket_meta(rank_plan: RankPlan, bucket: Bucket) -> tuple[list[str], list[str], list[list[int]]]:
-    """names, dtypes, local shapes of a bucket's shards on one engine rank, in plan order."""
-    wanted = set(bucket.names)
-    shards = [s for s in rank_plan.shards if s.name in wanted]
-    return [s.name for s in shards], [s.dtype for s in shards], [list(s.shape) for s in shards]

@@ -14,10 +14,8 @@ from typing import Any
 import torch
 
 # Load formats of `update_weights_from_distributed`: None = one broadcast per tensor through the
-# model's HF loader; "flattened_bucket" = one broadcast of the bucket's bytes (SGLang's own);
-# SHARD_LOAD_FORMAT = this project's TP-aware protocol (see distributed.py), reference engine only.
+# model's HF loader; "flattened_bucket" = one broadcast of the bucket's bytes (SGLang's own).
 FLATTENED_BUCKET = "flattened_bucket"
-SHARD_LOAD_FORMAT = "miles_lite_shard"
 PAUSE_MODES = ("abort", "retract", "in_place")
 WEIGHTS_CHECKER_ACTIONS = ("snapshot", "reset_tensors", "compare")
 
@@ -73,8 +71,8 @@ def update_weights_from_distributed(names: Sequence[str], dtypes: Sequence[torch
     if not (len(names) == len(dtypes) == len(shapes)) or not names:
         raise ValueError(f"names/dtypes/shapes must be equally long and non-empty; got "
                          f"{len(names)}/{len(dtypes)}/{len(shapes)}")
-    if load_format not in (None, FLATTENED_BUCKET, SHARD_LOAD_FORMAT):
-        raise ValueError(f"load_format={load_format!r}; use None, {FLATTENED_BUCKET!r} or {SHARD_LOAD_FORMAT!r}")
+    if load_format not in (None, FLATTENED_BUCKET):
+        raise ValueError(f"load_format={load_format!r}; use None or {FLATTENED_BUCKET!r}")
     body: dict[str, Any] = {
         "names": list(names), "dtypes": [dtype_name(d) for d in dtypes],
         "shapes": [[int(s) for s in shape] for shape in shapes], "group_name": group_name,

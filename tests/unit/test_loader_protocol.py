@@ -73,7 +73,7 @@ def test_packed_blocks_written_by_the_plugin_give_each_ranks_shards(g):
             for bucket in buckets:
                 request = from_named_tensors(deserialize(serialize(
                     receive_request("g", bucket, rp, by_name, engine))))
-                schedules = bucket_schedules(bucket, [(dst, rp)], g["trainer_tp"], manifests=False)
+                schedules = bucket_schedules(bucket, [(dst, rp)], g["trainer_tp"])
                 buffers = {src: flat for src, sched in enumerate(schedules)
                            for peer_dst, flat in pack_sends(trainer[src], sched) if peer_dst == dst}
                 assert {s: b.numel() for s, b in buffers.items()} == buffer_sizes(request)

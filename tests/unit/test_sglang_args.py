@@ -180,3 +180,27 @@ def test_serve_builds_the_sglang_command() -> None:
     bad = parser.parse_args(["--backend", "sglang", "--model-path", "/m", "--sglang-args", "[1]"])
     with pytest.raises(ValueError, match="must be a JSON object"):
         sglang_argv(bad)
+
+
+def test_every_engine_loads_the_weight_loader_plugin(tmp_path) -> None:
+    import os
+    from pathlib import Path
+
+    import miles_lite
+    from miles_lite.weight_sync.loader_protocol import LOADER_FUNCTION
+
+    sg = EngineLauncher(RolloutConfig(backend="sglang", sglang_args={"custom_weight_loader": ["my.pkg.load"]}),
+                        str(tmp_path), str(tmp_path / "logs"), python="py", env={"PYTHONPATH": "/opt/sglang-site"})
+    ns = _sglang_like_parser().parse_args(sg.command_factory(0)(40000, None)[3:])
+    assert ns.custom_weight_loader == ["my.pkg.load", LOADER_FUNCTION]
+    # SGLang installed apart keeps its own torch first; the project root comes after it, for the plugin.
+    path = sg.create(0)._env["PYTHONPATH"].split(os.pathsep)
+    root = str(Path(miles_lite.__file__).resolve().parent.parent)
+    assert path[0] == "/opt/sglang-site" and path[-1] == root
+    ref = EngineLauncher(RolloutConfig(backend="reference"), str(tmp_path), str(tmp_path / "logs"), python="py")
+    cmd = ref.command_factory(0)(40001, None)
+    assert cmd[cmd.index("--custom-weight-loader") + 1:][:1] == [LOADER_FUNCTION]
+    bad = EngineLauncher(RolloutConfig(backend="sglang", sglang_args={"custom_weight_loader": "my.pkg.load"}),
+                         str(tmp_path), str(tmp_path))
+    with pytest.raises(ValueError, match="custom_weight_loader must be a list"):
+        bad.command_factory(0)

@@ -37,6 +37,7 @@ REFERENCE_ARGS: dict[str, tuple[str, str]] = {
     "return_original_logprob": ("--return-original-logprob", "bool"),
     "group_timeout_s": ("--group-timeout-s", "value"),
     "tp": ("--tp", "value"),
+    "custom_weight_loader": ("--custom-weight-loader", "list"),
 }
 
 
@@ -64,6 +65,8 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
                         help="timeout of the weight-update group rendezvous and collectives")
     parser.add_argument("--tp", type=int, default=1,
                         help="tensor-parallel size: ranks in the weight-update group (rollout.engine_tp)")
+    parser.add_argument("--custom-weight-loader", nargs="*", default=[],
+                        help="module.function paths a /update_weights_from_tensor load_format may name (as SGLang's)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -80,6 +83,11 @@ def reference_flags(reference_args: Mapping[str, Any]) -> list[str]:
                 raise ValueError(f"rollout.reference_args.{key} must be true or false, got {value!r}")
             if value:
                 flags.append(flag)
+        elif kind == "list":
+            if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+                raise ValueError(f"rollout.reference_args.{key} must be a list of strings, got {value!r}")
+            if value:
+                flags += [flag, *value]
         elif value is not None:
             flags += [flag, str(value)]
     return flags
@@ -105,6 +113,7 @@ async def serve(args: argparse.Namespace) -> None:
         weight_version=args.weight_version, drop_weight_updates=args.drop_weight_updates,
         fail_mode=args.fail_mode, fail_after=args.fail_after,
         return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s, tp=args.tp,
+        custom_weight_loader=tuple(args.custom_weight_loader),
     ))
     # Shutdown aborts every request first, so handlers finish quickly; 5 s bounds stragglers.
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)

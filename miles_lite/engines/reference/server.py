@@ -22,7 +22,6 @@ from miles_lite.engines.reference.ranks import EngineRanks
 from miles_lite.engines.reference.sampling import RequestSampling
 from miles_lite.engines.reference.scheduler import GenRequest, PauseMode, Scheduler
 from miles_lite.engines.reference.shards import ShardedWeights
-from miles_lite.weight_sync.sglang_payloads import SHARD_LOAD_FORMAT
 
 log = logging.getLogger("miles_lite.reference_engine")
 
@@ -44,6 +43,8 @@ class ServerOptions:
     group_timeout_s: float = 600.0
     # Tensor-parallel ranks: one per process in the weight-update group, one SGLang-laid-out store each.
     tp: int = 1
+    # `module.function` paths a `/update_weights_from_tensor` load_format may name (SGLang's --custom-weight-loader).
+    custom_weight_loader: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -83,7 +84,8 @@ class ReferenceServer:
                                    opts.return_original_logprob)
         self.weights = ShardedWeights(self.model, opts.tp)
         # A rank's reply waits for the collective it is in, which gives up after the group timeout.
-        self.ranks = EngineRanks(self.weights.specs, self.weights.engine, opts.group_timeout_s + 60.0)
+        self.ranks = EngineRanks(self.weights.specs, self.weights.engine, opts.group_timeout_s + 60.0,
+                                 self.weights.stores)
         self._generate_count = 0
         self._hang = asyncio.Event()  # set only at shutdown: what a hung engine waits on
         self.app = web.Application(client_max_size=1 << 30)
@@ -276,14 +278,25 @@ class ReferenceServer:
         return self.weights.load_full(read_safetensors(model_path))
 
     async def update_weights_from_tensor(self, request: web.Request) -> web.Response:
-        """Entries are base64(torch.save(list[(HF name, full tensor)])), one per TP rank: rank r slices entry r."""
+        """One entry per TP rank. load_format None: base64(torch.save(list[(HF name, full tensor)])), rank r
+        slices entry r. A load_format listed in `custom_weight_loader`: rank r calls that function on its own
+        parameters with entry r decoded, as SGLang's TP workers do."""
         body = await _body(request)
         payloads = body.get("serialized_named_tensors") or []
         if len(payloads) != self.opts.tp:
             return _result(False, f"serialized_named_tensors needs {self.opts.tp} entries (one per TP rank), "
                                   f"got {len(payloads)}")
-        if body.get("load_format") is not None:
-            return _result(False, f"load_format {body['load_format']!r} is not supported; use None (HF names)")
+        load_format = body.get("load_format")
+        if load_format is not None:
+            if load_format not in self.opts.custom_weight_loader:
+                return _result(False, f"Unknown load_format={load_format!r}: start the engine with "
+                                      f"--custom-weight-loader {load_format} to use it")
+            try:
+                per_rank = await self.scheduler.run_on_model(self.ranks.custom_load, load_format, list(payloads))
+            except Exception as exc:  # anything the plugin raises is reported in the answer
+                return _result(False, f"Failed to update weights: {exc}")
+            ok, msg = await self._load(body, self.weights.commit, [n for names in per_rank for n in names])
+            return _result(ok, msg)
         per_rank = []
         for i, payload in enumerate(payloads):
             try:
@@ -307,16 +320,15 @@ class ReferenceServer:
         return _result(True, "Succeeded to initialize custom process group.")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
-        """Every TP rank receives its shards (full: slices of broadcast tensors; shard format: its own blocks)."""
+        """Every TP rank receives the broadcast full tensors and keeps its slices, as SGLang's loaders do."""
         body = await _body(request)
         name = str(body.get("group_name", "weight_update_group"))
         load_format = body.get("load_format")
-        if load_format not in (None, SHARD_LOAD_FORMAT):
-            return _result(False, f"load_format {load_format!r} is not supported; use None or {SHARD_LOAD_FORMAT!r}")
+        if load_format is not None:
+            return _result(False, f"load_format {load_format!r} is not supported; use None (one broadcast per tensor)")
         try:
             per_rank = await self.scheduler.run_on_model(
-                self.ranks.receive, name, load_format == SHARD_LOAD_FORMAT, list(body["names"]),
-                list(body["dtypes"]), list(body["shapes"]))
+                self.ranks.receive, name, list(body["names"]), list(body["dtypes"]), list(body["shapes"]))
         except (KeyError, ValueError, RuntimeError) as exc:
             return _result(False, f"Failed to receive parameters: {exc}")
         ok, msg = await self._load(body, self.weights.load_rank_shards, per_rank)

@@ -4,12 +4,14 @@ The engine's `ParamSpec`s come from its HF parameters (q/k/v -> fused qkv, gate/
 o_proj/down_proj row-parallel, embeddings/LM head vocab-parallel, everything else replicated). Every
 weight update lands in the rank stores first: received shards are placed as they are, full tensors
 (disk, serialized tensors) are sliced per rank the way SGLang's loaders do; the updated HF tensors are
-then re-assembled from the stores and copied into the model the engine computes with.
+then re-assembled from the stores and copied into the model the engine computes with. Pushes through
+the weight-loader plugin write a rank's store in place (`RankParameters` is the plugin's view of it,
+as SGLang's model is in an SGLang worker); `commit` then brings the model up to date.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -49,6 +51,17 @@ def engine_specs(model: ReferenceModel) -> list[ParamSpec]:
         else:
             specs.append(ParamSpec(name, shape, dtype, "replicated"))
     return specs
+
+
+class RankParameters:
+    """One rank's store seen as a model: `named_parameters()` in SGLang's names and layout (what the
+    weight-loader plugin writes into), and the object the plugin keeps its group membership on."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return iter(self.store.items())
 
 
 class ShardedWeights:
@@ -92,6 +105,10 @@ class ShardedWeights:
                 place_shard(self.stores[rank], spec, self.engine, tensor)
                 names.append(spec.name)
         return self._commit(names)
+
+    def commit(self, names: Sequence[str]) -> int:
+        """Bring the model up to date with the stores for HF tensors `names` (written in place by the plugin)."""
+        return self._commit([self._spec(name).name for name in dict.fromkeys(names)])
 
     def load_full(self, named: Shards) -> int:
         """Slice full HF tensors into every rank's store (as each TP rank's loader would), then update the model."""

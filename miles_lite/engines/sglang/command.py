@@ -13,7 +13,8 @@ dashes (`mem_fraction_static` or `mem-fraction-static`). Mapping of values, foll
 
 The launcher owns `--model-path`, `--host`, `--port` and `--tp-size`; setting them here is an error.
 When SGLang is importable, `check_sglang_command` parses the command with SGLang's own parser, so a typo
-fails before a GPU is touched.
+fails before a GPU is touched. Engines get the project's weight-loader plugin (`with_weight_loader`) and,
+for SGLang installed apart, the project root at the end of PYTHONPATH (`plugin_env`) to import it from.
 """
 
 from __future__ import annotations
@@ -21,10 +22,15 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
+
+import miles_lite
+from miles_lite.weight_sync.loader_protocol import LOADER_FUNCTION
 
 # Flags declared with argparse.BooleanOptionalAction in SGLang 0.5.10's server_args.py.
 BOOLEAN_OPTIONAL_FLAGS = frozenset({"experts_shared_outer_loras"})
@@ -89,6 +95,21 @@ def build_sglang_command(model_path: str, port: int, tp: int, sglang_args: Mappi
         raise ValueError("model path is empty; set model.hf_path or save the initial weights first")
     return [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
             "--tp-size", str(tp), *sglang_flag_args(sglang_args)]
+
+
+def with_weight_loader(loaders: Any) -> list[str]:
+    """The user's `custom_weight_loader` entries (module.function paths, or None) plus the project's plugin."""
+    listed = [] if loaders is None else loaders
+    if not isinstance(listed, list | tuple) or not all(isinstance(x, str) for x in listed):
+        raise ValueError(f"custom_weight_loader must be a list of module.function paths, got {loaders!r}")
+    return [*(x for x in listed if x != LOADER_FUNCTION), LOADER_FUNCTION]
+
+
+def plugin_env(env: Mapping[str, str]) -> dict[str, str]:
+    """`env` with the directory holding `miles_lite` appended to PYTHONPATH (after what is there)."""
+    root = str(Path(miles_lite.__file__).resolve().parent.parent)
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**env, "PYTHONPATH": os.pathsep.join(parts if root in parts else [*parts, root])}
 
 
 def sglang_importable() -> bool:
