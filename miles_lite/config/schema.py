@@ -259,8 +259,12 @@ class WeightSyncConfig:
     # A push whose probe per-token |logp diff| (mean) exceeds this raises.
     max_probe_logp_diff: float = 1e-3
     checksum_samples: int = 4
-    # full: one broadcast of HF tensors per engine (works with any SGLang); shard: TP-aware slices.
+    # shard: every engine rank receives its own slices from the trainer ranks, through the weight-loader
+    # plugin; full: SGLang's own broadcast of full HF tensors from one process.
     mode: str = "shard"
+    # The weight-update group's backend: auto (NCCL between trainer GPUs and SGLang engines on other
+    # GPUs, gloo otherwise) | nccl | gloo. See config/weight_sync_choice.py.
+    backend: str = "auto"
     init_timeout_s: float = 120.0
 
 

@@ -50,6 +50,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.prompt_template": ("default", "worklog"),
     "weight_sync.transport": ("distributed", "ipc", "disk"),
     "weight_sync.mode": ("shard", "full"),
+    "weight_sync.backend": ("auto", "nccl", "gloo"),
     "cluster.mode": ("local", "ray"),
     "cluster.placement": ("disaggregated", "colocated"),
     "experiment.warmup": ("sft", "opd", "none"),
@@ -241,8 +242,9 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append("trainer.use_distributed_optimizer=true: checkpoints do not support Megatron's distributed "
                         "optimizer yet; set trainer.use_distributed_optimizer=false (with trainer.dp=1 it saves no "
                         "memory anyway)")
-    if cfg.weight_sync.transport == "ipc" and cfg.cluster.placement != "colocated":
-        problems.append("weight_sync.transport=ipc needs cluster.placement=colocated (engines on the trainer's GPUs)")
+    from miles_lite.config.weight_sync_choice import weight_sync_problems
+
+    problems += weight_sync_problems(cfg)
 
 
 def validate(cfg: MilesConfig) -> ModelDims | None:

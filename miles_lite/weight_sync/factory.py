@@ -15,7 +15,6 @@ from miles_lite.weight_sync.verify import PushVerifier, make_probe
 
 def build_transport(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: Path) -> WeightTransport:
     """The transport `weight_sync.transport` names, over the trainer's parameter layouts."""
-    import torch
 
     ws = cfg.weight_sync
     dtype = "float32" if cfg.trainer.precision == "fp32" else "bfloat16"
@@ -26,12 +25,13 @@ def build_transport(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: P
         root = Path(ws.disk_dir) if ws.disk_dir else run_dir / "weights"
         return DiskTransport(specs, cfg.trainer.tp, root, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib))
     if ws.transport == "distributed":
+        from miles_lite.config.weight_sync_choice import collective_backend
         from miles_lite.weight_sync.distributed import DistributedTransport
 
-        gpu = torch.cuda.is_available() and cfg.trainer.device != "cpu"
+        backend = collective_backend(cfg)
         return DistributedTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib),
-                                    mode=ws.mode, backend="nccl" if gpu else "gloo",
-                                    init_timeout_s=ws.init_timeout_s, device="cuda" if gpu else "cpu",
+                                    mode=ws.mode, backend=backend, init_timeout_s=ws.init_timeout_s,
+                                    device="cuda" if backend == "nccl" else "cpu",
                                     senders=trainer if ws.mode == "shard" else None)
     from miles_lite.weight_sync.ipc import IpcTransport
 

@@ -6,10 +6,11 @@ Two servers, one after the other (class-scoped, so the first is gone before the 
   Qwen2 (head_dim 64: SGLang's precompiled RoPE kernels cover 64/128/256/512 only), launched through
   `EngineLauncher` with `enable_deterministic_inference` (without it SGLang ignores `sampling_seed`).
 - `TestWeightPush`: a random Qwen2.5-0.5B-shaped model served in bf16 with `conf/rollout/sglang.yaml`'s
-  flags; pushes through `DiskTransport` (`/update_weights_from_disk`) and `IpcTransport` (CUDA IPC
-  handles, `/update_weights_from_tensor` with `load_format="direct"`), each verified against an HF
-  forward of the pushed weights, restored bit-exactly, and a push the engine acknowledges but drops
-  is named by `PushVerifier`.
+  flags; pushes through `DiskTransport` (`/update_weights_from_disk`), `IpcTransport` (CUDA IPC
+  handles, `/update_weights_from_tensor` with `load_format="direct"`) and `DistributedTransport` in
+  shard mode (the weight-loader plugin, gloo: trainer and engine share the GPU, which NCCL refuses),
+  each verified against an HF forward of the pushed weights, restored bit-exactly, and a push the
+  engine acknowledges but drops is named by `PushVerifier`.
 
 Skipped unless sglang is importable and a CUDA device is present. Timings are printed as
 `SGLANG_GPU_RESULT {json}` lines (run with `-s`).
@@ -50,9 +51,12 @@ from miles_lite.types import SamplingParams  # noqa: E402
 from miles_lite.weight_sync.buckets import MIB  # noqa: E402
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator  # noqa: E402
 from miles_lite.weight_sync.disk import DiskTransport  # noqa: E402
+from miles_lite.weight_sync.distributed import DistributedTransport  # noqa: E402
 from miles_lite.weight_sync.ipc import IpcTransport, serialize_named_tensors  # noqa: E402
 from miles_lite.weight_sync.layouts import specs_from_layouts  # noqa: E402
 from miles_lite.weight_sync.plan import EngineSpec, ParamSpec  # noqa: E402
+from miles_lite.weight_sync.senders import RankSender  # noqa: E402
+from miles_lite.weight_sync.shard_protocol import RankSchedule, SendStats  # noqa: E402
 from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, WeightSyncError  # noqa: E402
 from miles_lite.weight_sync.verify import ProbeBatch, PushVerifier, make_probe  # noqa: E402
 
@@ -267,6 +271,24 @@ def _report(name: str, rep: SyncReport) -> None:
            probe_diff_max=rep.verify.logp_diff_max if rep.verify else None)
 
 
+class InProcessSender:
+    """The trainer's one TP rank as a `ShardSenders`: sends from GPU tensors in this process."""
+
+    def __init__(self) -> None:
+        self.sender = RankSender(tp_rank=0)
+        self.shards: dict[str, torch.Tensor] = {}
+
+    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
+                          backend: str, timeout_s: float) -> None:
+        self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s)
+
+    def send_weight_bucket(self, schedules: list[RankSchedule]) -> list[SendStats]:
+        return [self.sender.send(self.shards, schedules[0])]
+
+    def leave_weight_group(self) -> None:
+        self.sender.leave()
+
+
 class AcknowledgingDropper:
     """An engine whose weight updates are acknowledged (version bumped, HTTP 200) but never loaded: the real
     SGLang server behind it keeps serving its old weights, as after an update swallowed by the engine."""
@@ -342,6 +364,48 @@ class TestWeightPush:
         payload = serialize_named_tensors(list(world.old.hf_bf16_gpu.items()))
         world.loop.run(world.client.update_weights_from_tensor([payload], None, "hf-names-a"))
         assert torch.equal(by_name, direct_b)
+        assert torch.equal(world.scores(), world.baseline)
+
+    def test_plugin_push_over_gloo_verified_and_restored(self, world: World) -> None:
+        """Shard mode into stock SGLang: the engine's TP worker runs the project's weight-loader plugin, which
+        joins a gloo group with the trainer rank and copies the received blocks into its fused parameters."""
+        sender = InProcessSender()
+        transport = DistributedTransport(world.specs, 1, world.loop, bucket_bytes=BUCKET_BYTES, mode="shard",
+                                         backend="gloo", senders=sender, init_timeout_s=120.0)
+        sync = WeightSyncCoordinator(transport, world.loop)
+        try:
+            for round_ in range(2):  # the first round also forms the group; the second is the warm figure
+                sender.shards = world.new.shards_gpu[0]
+                sync.verifier = world.verifier(world.new)
+                rep = sync.push(world.fleet, lambda: pytest.fail("shard mode gathers nothing"), f"plugin-b{round_}")
+                _report(f"plugin_push_b{round_}", rep)
+                assert rep.verify is not None and rep.verify.logp_diff_mean < PROBE_TOL
+                assert rep.push.transport == "distributed/shard" and rep.push.seconds["gather"] == 0.0
+                sender.shards = world.old.shards_gpu[0]
+                sync.verifier = world.verifier(world.old)
+                rep = sync.push(world.fleet, lambda: pytest.fail("shard mode gathers nothing"), f"plugin-a{round_}")
+                _report(f"plugin_push_a{round_}", rep)
+        finally:
+            sync.close()
+        restored = world.scores()
+        result("plugin_restore", max_abs_diff=float((restored - world.baseline).abs().max()))
+        assert torch.equal(restored, world.baseline)
+
+    def test_full_broadcast_over_gloo_verified_and_restored(self, world: World) -> None:
+        """mode=full: SGLang's own init_weights_update_group / update_weights_from_distributed, full HF tensors
+        broadcast from this process (gloo, the engine receiving into GPU tensors)."""
+        transport = DistributedTransport(world.specs, 1, world.loop, bucket_bytes=BUCKET_BYTES, mode="full",
+                                         backend="gloo", init_timeout_s=120.0)
+        sync = WeightSyncCoordinator(transport, world.loop)
+        try:
+            sync.verifier = world.verifier(world.new)
+            rep = sync.push(world.fleet, lambda: world.new.shards_cpu, "full-b")
+            _report("full_push_b", rep)
+            assert rep.verify is not None and rep.verify.logp_diff_mean < PROBE_TOL
+            sync.verifier = world.verifier(world.old)
+            _report("full_push_a", sync.push(world.fleet, lambda: world.old.shards_cpu, "full-a"))
+        finally:
+            sync.close()
         assert torch.equal(world.scores(), world.baseline)
 
     def test_acknowledged_but_dropped_push_is_named(self, world: World) -> None:
