@@ -1,5 +1,6 @@
 """Weight sync into reference engines with TP > 1 (one process per engine rank), from trainer ranks that
-each send their own slices (shard mode) or from a broadcasting driver (full mode); gloo on CPU.
+each send their own slices (shard mode: every engine rank runs the SGLang weight-loader plugin, the same
+function SGLang's TP workers call) or from a broadcasting driver (full mode); gloo on CPU.
 
 After every push each engine must serve the trainer's weights bit for bit (every HF tensor read back
 with `/get_weights_by_name`, atol 0) and score the probe like an HF forward of those weights.

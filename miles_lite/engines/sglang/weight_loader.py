@@ -80,7 +80,9 @@ class WeightReceiver:
         device = next(iter(params.values())).device if self.backend == "nccl" and params else torch.device("cpu")
         buffers = {src: torch.empty(nbytes, dtype=torch.uint8, device=device)
                    for src, nbytes in buffer_sizes(request).items()}
-        handles = [dist.irecv(buf, src=src, group=self.group) for src, buf in buffers.items()]
+        # Ascending source ranks, as every sender posts its sends in ascending destination ranks: NCCL
+        # creates each pair's communicator at its first message, and this order cannot wait in a cycle.
+        handles = [dist.irecv(buffers[src], src=src, group=self.group) for src in sorted(buffers)]
         for handle in handles:
             handle.wait()
         return write_blocks(params, request, buffers)
