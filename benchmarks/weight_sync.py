@@ -29,6 +29,7 @@ from pathlib import Path
 from miles_lite.cluster.ray_trainer import RayTrainerGroup
 from miles_lite.config.schema import MilesConfig, RolloutConfig, TinyModelShape
 from miles_lite.engines.launcher import EngineLauncher
+from miles_lite.ports import LOCAL_HOST
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.tiny_hf import make_tiny_hf_model
 from miles_lite.weight_sync.buckets import MIB
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in ("full", "shard"):
             transport = DistributedTransport(specs, args.trainer_tp, loop, bucket_bytes=bucket, mode=mode,
                                              backend="gloo", group_name=f"bench_{mode}", init_timeout_s=300,
-                                             senders=trainer if mode == "shard" else None)
+                                             senders=trainer if mode == "shard" else None,
+                                             master_address=LOCAL_HOST)
             rows.append(run_transport(f"distributed/{mode}", transport, loop, fleet, trainer, new, args.repeats))
         disk = DiskTransport(specs, args.trainer_tp, root / "weights", loop, bucket_bytes=bucket, keep_versions=1,
                              template_dir=model_dir)

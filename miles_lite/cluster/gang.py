@@ -33,10 +33,13 @@ class GangSpec:
         return dict(total)
 
 
-def _bundle(cpus: float, gpus: float) -> dict[str, float]:
+def _bundle(cpus: float, gpus: float, resource: str | None) -> dict[str, float]:
     bundle = {"CPU": float(cpus)}
     if gpus > 0:
         bundle["GPU"] = float(gpus)
+    if resource:
+        # One unit of the role's custom resource pins the bundle to the nodes started for that role.
+        bundle[resource] = 1.0
     return bundle
 
 
@@ -44,11 +47,12 @@ def trainer_gang(cfg: MilesConfig) -> GangSpec:
     """One bundle per trainer rank (tp * dp * pp ranks), packed to keep TP groups on a node."""
     world = cfg.trainer.tp * cfg.trainer.dp * cfg.trainer.pp
     gpus = cfg.cluster.trainer_gpus_per_rank
+    resource = cfg.cluster.trainer_resource
     if cfg.cluster.placement == "colocated":
         # Engines share these bundles: each bundle also carries one engine's CPU share.
         cpus = 1.0 + cfg.cluster.cpus_per_engine
-        return GangSpec("trainer", tuple(_bundle(cpus, gpus) for _ in range(world)), "PACK")
-    return GangSpec("trainer", tuple(_bundle(1.0, gpus) for _ in range(world)), "PACK")
+        return GangSpec("trainer", tuple(_bundle(cpus, gpus, resource) for _ in range(world)), "PACK")
+    return GangSpec("trainer", tuple(_bundle(1.0, gpus, resource) for _ in range(world)), "PACK")
 
 
 def rollout_gang(cfg: MilesConfig) -> GangSpec | None:
@@ -56,7 +60,8 @@ def rollout_gang(cfg: MilesConfig) -> GangSpec | None:
     if cfg.cluster.placement == "colocated":
         return None
     gpus = cfg.cluster.engine_gpus * cfg.rollout.engine_tp
-    bundles = tuple(_bundle(cfg.cluster.cpus_per_engine, gpus) for _ in range(cfg.rollout.engines))
+    bundles = tuple(_bundle(cfg.cluster.cpus_per_engine, gpus, cfg.cluster.rollout_resource)
+                    for _ in range(cfg.rollout.engines))
     return GangSpec("rollout", bundles, "PACK")
 
 

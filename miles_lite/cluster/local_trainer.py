@@ -8,6 +8,7 @@ import torch
 
 from miles_lite.checkpoint.run_state import ActorCheckpoints
 from miles_lite.config.schema import MilesConfig
+from miles_lite.ports import LOCAL_HOST, free_port, node_address, url_host
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.types import TrainBatch
 
@@ -16,11 +17,12 @@ class LocalTrainer:
     """A `TrainerActor` of world size 1 with the calls the driver and weight sync make."""
 
     def __init__(self, cfg: MilesConfig) -> None:
-        from miles_lite.ports import free_port
         from miles_lite.trainer.actor import TrainerActor
 
-        self.actor = TrainerActor(cfg, rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{free_port()}",
+        # A world of one: the process group never leaves this process.
+        self.actor = TrainerActor(cfg, rank=0, world_size=1, init_method=f"tcp://{LOCAL_HOST}:{free_port(LOCAL_HOST)}",
                                   total_steps=max(cfg.experiment.steps, 1))
+        self.cfg = cfg
         self.checkpoints = ActorCheckpoints()
         self.sender: Any = None
 
@@ -33,6 +35,12 @@ class LocalTrainer:
         return [{name: tensor for name, tensor, _ in self.actor.named_shards()}]
 
     # ---- weight sync, shard mode (`weight_sync.senders.ShardSenders`) -----------------------------
+
+    def weight_group_endpoint(self) -> tuple[str, int]:
+        """The weight-update group's rendezvous (this process is its rank 0): `cluster.advertise_address`, else
+        the route toward external engines (`rollout.engine_urls`), else loopback for engines on this machine."""
+        peers = [url_host(u) for u in self.cfg.rollout.engine_urls]
+        return node_address(self.cfg.cluster.advertise_address, peers, fallback=LOCAL_HOST), free_port("")
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str, timeout_s: float) -> None:

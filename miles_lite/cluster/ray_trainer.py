@@ -66,12 +66,17 @@ class TrainerRank:
 
     def rendezvous(self) -> str:
         """`tcp://<this node's address>:<free port>`: the process-group rendezvous rank 0 will host."""
-        import ray
+        from miles_lite.ports import free_port, node_address
 
-        from miles_lite.ports import free_port
-
-        address = ray.util.get_node_ip_address()
+        address = node_address()
         return f"tcp://{address}:{free_port(address)}"
+
+    def weight_group_endpoint(self, advertise: str | None) -> tuple[str, int]:
+        """(address, port) the engines dial to join the weight-update group this rank hosts as group rank 0:
+        `advertise` or this node's address, and a port free on this node."""
+        from miles_lite.ports import free_port, node_address
+
+        return node_address(advertise), free_port("")
 
     def setup(self, cfg: MilesConfig, rank: int, world_size: int, init_method: str, total_steps: int) -> RankCoords:
         """Join the trainer's process group and build this rank's model shard and optimizer."""
@@ -204,9 +209,10 @@ class RayTrainerGroup:
         remote_cls = ray.remote(TrainerRank)
         for rank, bundle in enumerate(spec.bundles):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
+            resources = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
             self.actors.append(remote_cls.options(
-                num_cpus=bundle.get("CPU", 1.0), num_gpus=bundle.get("GPU", 0.0), max_restarts=0,
-                scheduling_strategy=strategy).remote())
+                num_cpus=bundle.get("CPU", 1.0), num_gpus=bundle.get("GPU", 0.0), resources=resources,
+                max_restarts=0, scheduling_strategy=strategy).remote())
         timeout = self.cfg.cluster.trainer_start_timeout_s
         init_method = self._collect({0: self.actors[0].rendezvous.remote()}, "rendezvous", timeout)[0]
         total_steps = max(self.cfg.experiment.steps, 1)
@@ -321,6 +327,13 @@ class RayTrainerGroup:
         """TP rank -> actor of data-parallel rank 0 (the ranks whose shards are sent)."""
         self._require_ready()
         return {c.tp_rank: self.actors[c.rank] for c in self.coords if c.dp_rank == 0}
+
+    def weight_group_endpoint(self) -> tuple[str, int]:
+        """The weight-update group's rendezvous: TP rank 0's node address (or `cluster.advertise_address`) and
+        a port free on that node."""
+        sender = self._senders()[0]
+        ref = sender.weight_group_endpoint.remote(self.cfg.cluster.advertise_address)
+        return tuple(self._collect({0: ref}, "weight_group_endpoint", STRAGGLER_GRACE_S)[0])
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str, timeout_s: float) -> None:

@@ -330,6 +330,10 @@ class ClusterConfig:
     # GPU of a node, or per CPU on a GPU-less node); None: any node with the CPUs/GPUs.
     trainer_resource: str | None = None
     rollout_resource: str | None = None
+    # The address the engines dial for the weight-update group's rendezvous (trainer TP rank 0's node, or the
+    # driver in weight_sync.mode=full); None: that node's own (its Ray node address, or the route toward
+    # rollout.engine_urls). Engine servers always bind and advertise their own node's address.
+    advertise_address: str | None = None
     # Seconds for every trainer rank (a Ray actor) to import, join the process group and build its model.
     trainer_start_timeout_s: float = 600.0
 

@@ -29,6 +29,7 @@ from miles_lite.engines.sglang.command import (
     plugin_env,
     with_weight_loader,
 )
+from miles_lite.ports import LOCAL_HOST
 from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.process import CommandFactory, EngineProcess
 
@@ -47,7 +48,7 @@ class LaunchedEngine:
 class EngineLauncher:
     """Builds, starts and stops engine servers for one rollout configuration."""
 
-    def __init__(self, rollout: RolloutConfig, model_path: str, log_dir: str, host: str = "127.0.0.1",
+    def __init__(self, rollout: RolloutConfig, model_path: str, log_dir: str, host: str = LOCAL_HOST,
                  python: str = sys.executable, env: Mapping[str, str] | None = None) -> None:
         if rollout.backend not in BACKENDS:
             raise ValueError(f"rollout.backend={rollout.backend!r} is not one of {BACKENDS}")
@@ -95,9 +96,12 @@ class EngineLauncher:
 
         return sglang
 
-    def create(self, index: int) -> EngineProcess:
-        """A not-yet-started process for engine `index`, logging to `log_dir/<id>.<attempt>.log`."""
-        attempt = self._attempts.get(index, 0)
+    def create(self, index: int, attempt: int | None = None) -> EngineProcess:
+        """A not-yet-started process for engine `index`, logging to `log_dir/<id>.<attempt>.log`.
+
+        `attempt`: the log's number (default: one more than this launcher's last for `index`).
+        """
+        attempt = self._attempts.get(index, 0) if attempt is None else attempt
         self._attempts[index] = attempt + 1
         log_path = os.path.join(self.log_dir, f"{self.engine_id(index)}.{attempt}.log")
         env = self.env

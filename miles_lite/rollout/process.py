@@ -32,7 +32,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 
-from miles_lite.ports import free_port
+from miles_lite.ports import LOCAL_HOST, free_port
 from miles_lite.rollout import lifeline
 
 # (port, fd of an inherited bound socket or None) -> argv of the server.
@@ -67,7 +67,7 @@ class EngineStartError(RuntimeError):
 class EngineProcess:
     """A server child process with a state machine; `url` is its HTTP base address once started."""
 
-    def __init__(self, name: str, command: CommandFactory, log_path: str, host: str = "127.0.0.1",
+    def __init__(self, name: str, command: CommandFactory, log_path: str, host: str = LOCAL_HOST,
                  pass_socket: bool = False, env: Mapping[str, str] | None = None, port_retries: int = 3) -> None:
         self.name = name
         self._command = command

@@ -66,7 +66,7 @@ class DistributedTransport(WeightTransport):
     name = "distributed"
 
     def __init__(self, specs: Sequence[ParamSpec], trainer_tp: int, loop: EngineLoop, *, bucket_bytes: int,
-                 mode: str = "shard", backend: str = "gloo", master_address: str = "127.0.0.1",
+                 mode: str = "shard", backend: str = "gloo", master_address: str | None = None,
                  group_name: str = "miles_lite_weights", init_timeout_s: float = 120.0,
                  device: str | torch.device = "cpu", senders: ShardSenders | None = None) -> None:
         super().__init__()
@@ -75,6 +75,9 @@ class DistributedTransport(WeightTransport):
         if mode == "shard" and senders is None:
             raise ValueError("weight_sync.mode='shard' sends from the trainer ranks: pass senders= (the trainer "
                              "role), or use mode='full'")
+        if mode == "full" and not master_address:
+            raise ValueError("weight_sync.mode='full' hosts the group in this process: pass master_address= (the "
+                             "address the engines reach this process at)")
         self.specs = tuple(specs)
         self.trainer_tp = trainer_tp
         self.loop = loop
@@ -119,24 +122,31 @@ class DistributedTransport(WeightTransport):
             self.schedules = [bucket_schedules(b, ranks, self.trainer_tp) for b in self.buckets]
         self.generation += 1
         self.group_name = f"{self.group_base}_{self.generation}"
-        port = free_port(self.master_address)
+        # Group rank 0 hosts the rendezvous: this process (full) or trainer TP rank 0 (shard), whose node
+        # picks the port and tells the address the engines dial.
+        if self.mode == "full":
+            assert self.master_address is not None
+            address, port = self.master_address, free_port("")
+        else:
+            assert self.senders is not None
+            address, port = self.senders.weight_group_endpoint()
         if self.mode == "full":
             futures = {f.engine_id: self.loop.submit(f.engine.init_weights_update_group(
-                self.master_address, port, self.rank_offsets[f.engine_id], world, self.group_name, self.backend))
+                address, port, self.rank_offsets[f.engine_id], world, self.group_name, self.backend))
                 for f in self.fleet}
         else:
             futures = self._post({f.engine_id: self._loader_call(f, [join_request(
-                self.group_name, self.backend, self.master_address, port, self.rank_offsets[f.engine_id] + r, world,
+                self.group_name, self.backend, address, port, self.rank_offsets[f.engine_id] + r, world,
                 self.init_timeout_s, rank_params(self.specs, f.spec, r)) for r in range(f.spec.tp)], None, False)
                 for f in self.fleet})
         try:
             if self.mode == "full":
-                self.group = init_custom_process_group(self.backend, self.master_address, port, 0, world,
+                self.group = init_custom_process_group(self.backend, address, port, 0, world,
                                                        self.group_name, self.init_timeout_s)
             else:
                 assert self.senders is not None
                 self.senders_joined = True  # some ranks may have joined even if others failed
-                self.senders.join_weight_group(self.master_address, port, world, self.group_name, self.backend,
+                self.senders.join_weight_group(address, port, world, self.group_name, self.backend,
                                                self.init_timeout_s)
         except Exception as exc:  # the rendezvous timed out or broke: report which engines never answered
             self.state = TransportState.FAILED

@@ -26,12 +26,16 @@ def build_transport(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: P
         return DiskTransport(specs, cfg.trainer.tp, root, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib))
     if ws.transport == "distributed":
         from miles_lite.config.weight_sync_choice import collective_backend
+        from miles_lite.ports import LOCAL_HOST, node_address, url_host
         from miles_lite.weight_sync.distributed import DistributedTransport
 
         backend = collective_backend(cfg)
+        # Full mode hosts the group in this process (the driver); shard mode asks the trainer's TP rank 0.
+        master = node_address(cfg.cluster.advertise_address, [url_host(u) for u in cfg.rollout.engine_urls],
+                              fallback=LOCAL_HOST)
         return DistributedTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib),
                                     mode=ws.mode, backend=backend, init_timeout_s=ws.init_timeout_s,
-                                    device="cuda" if backend == "nccl" else "cpu",
+                                    master_address=master, device="cuda" if backend == "nccl" else "cpu",
                                     senders=trainer if ws.mode == "shard" else None)
     from miles_lite.weight_sync.ipc import IpcTransport
 

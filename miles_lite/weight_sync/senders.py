@@ -25,6 +25,9 @@ from miles_lite.weight_sync.weight_group import init_custom_process_group
 class ShardSenders(Protocol):
     """The trainer ranks holding the weights, seen from the transport (index = trainer TP rank)."""
 
+    def weight_group_endpoint(self) -> tuple[str, int]:
+        """(address, port) of the group's rendezvous: trainer TP rank 0's node address and a port free there."""
+
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str, timeout_s: float) -> None:
         """Every TP rank joins the group as rank = its TP rank; returns once all have joined."""

@@ -37,6 +37,7 @@ from engine_contract import GREEDY, PROMPT, SGLANG_TEST_ARGS, EngineContract, ru
 from miles_lite.config.schema import RolloutConfig, TinyModelShape  # noqa: E402
 from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine  # noqa: E402
 from miles_lite.engines.sglang.command import sglang_available  # noqa: E402
+from miles_lite.ports import LOCAL_HOST, free_port  # noqa: E402
 from miles_lite.rollout.http_client import HttpEngine  # noqa: E402
 from miles_lite.rollout.sync_api import EventLoopThread  # noqa: E402
 from miles_lite.trainer.hf_convert import layout_for, read_hf_state  # noqa: E402
@@ -278,6 +279,10 @@ class InProcessSender:
         self.sender = RankSender(tp_rank=0)
         self.shards: dict[str, torch.Tensor] = {}
 
+    def weight_group_endpoint(self) -> tuple[str, int]:
+        # The engine runs on this machine: the rendezvous this process hosts is on loopback.
+        return LOCAL_HOST, free_port(LOCAL_HOST)
+
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str, timeout_s: float) -> None:
         self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s)
@@ -395,7 +400,7 @@ class TestWeightPush:
         """mode=full: SGLang's own init_weights_update_group / update_weights_from_distributed, full HF tensors
         broadcast from this process (gloo, the engine receiving into GPU tensors)."""
         transport = DistributedTransport(world.specs, 1, world.loop, bucket_bytes=BUCKET_BYTES, mode="full",
-                                         backend="gloo", init_timeout_s=120.0)
+                                         backend="gloo", init_timeout_s=120.0, master_address=LOCAL_HOST)
         sync = WeightSyncCoordinator(transport, world.loop)
         try:
             sync.verifier = world.verifier(world.new)

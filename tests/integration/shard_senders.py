@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from miles_lite.ports import LOCAL_HOST, free_port
 from miles_lite.weight_sync.senders import RankSender
 from miles_lite.weight_sync.shard_protocol import RankSchedule, SendStats
 
@@ -71,6 +72,10 @@ class ProcessSenders:
 
     def load(self, shards: Sequence[Mapping[str, torch.Tensor]]) -> None:
         self._all([("load", dict(s)) for s in shards])
+
+    def weight_group_endpoint(self) -> tuple[str, int]:
+        # Every rank runs on this machine: rank 0's rendezvous is on loopback.
+        return LOCAL_HOST, free_port(LOCAL_HOST)
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str, timeout_s: float) -> None:

@@ -26,6 +26,7 @@ import pytest
 from services.prometheus import PrometheusServer, PrometheusUnavailable, ensure_prometheus_installed, free_port
 
 from miles_lite.observability import ENGINE_STATES, nvml_collector, read_metrics_file, read_rollouts
+from miles_lite.ports import LOCAL_HOST
 
 pytestmark = pytest.mark.integration
 
@@ -93,7 +94,7 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScrapedRun
         pytest.skip(str(err))
     run = f"itest-{uuid.uuid4().hex[:8]}"
     workdir = tmp_path_factory.mktemp("prometheus")
-    port = free_port()
+    port = free_port(LOCAL_HOST)
     server = PrometheusServer(workdir, [f"127.0.0.1:{port}"], binary, promtool)
     config_check = server.check_config()
     server.start()

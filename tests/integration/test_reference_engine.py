@@ -33,7 +33,7 @@ from engine_contract import (  # noqa: E402
 
 from miles_lite.engines.launcher import LaunchedEngine  # noqa: E402
 from miles_lite.engines.reference.model import serialize_named_tensors  # noqa: E402
-from miles_lite.ports import free_port  # noqa: E402
+from miles_lite.ports import LOCAL_HOST, free_port  # noqa: E402
 from miles_lite.rollout.engine import EngineError  # noqa: E402
 from miles_lite.types import SamplingParams  # noqa: E402
 from miles_lite.weight_sync.weight_group import init_custom_process_group  # noqa: E402
@@ -141,7 +141,7 @@ def test_update_over_gloo_group_from_trainer_rank0(reference: LaunchedEngine, mo
     a_dir, b_dir = model_dirs
     new = _named_tensors(b_dir)
     names = sorted(new)
-    port = free_port()
+    port = free_port(LOCAL_HOST)
     groups: dict[str, Any] = {}
 
     def trainer_join() -> None:

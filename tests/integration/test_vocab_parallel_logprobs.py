@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_lite.ports import free_port
+from miles_lite.ports import LOCAL_HOST, free_port
 from miles_lite.trainer.logprobs import vocab_parallel_logprobs
 
 REAL_VOCAB = 13  # 2 ranks x 8 columns: rank 1 holds 5 real columns and 3 padding columns
@@ -48,7 +48,7 @@ def _worker(rank: int, port: int, out: dict) -> None:
 def test_two_ranks_equal_one_rank_values_and_gradients() -> None:
     manager = mp.Manager()
     out = manager.dict()
-    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(LOCAL_HOST), out), nprocs=2, join=True)
     logits, targets, weights = _case()
     ref_in = logits.clone().requires_grad_(True)
     logp_all = ref_in[:, :REAL_VOCAB].log_softmax(-1)

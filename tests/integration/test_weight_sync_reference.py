@@ -16,6 +16,7 @@ import torch
 
 from miles_lite.config.schema import RolloutConfig, TinyModelShape
 from miles_lite.engines.launcher import EngineLauncher
+from miles_lite.ports import LOCAL_HOST
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.hf_convert import layout_for
@@ -120,7 +121,8 @@ def test_distributed_full_push_is_bit_exact_and_reconnects(world, bucket_mib):
     old = Trainer(0, world["spec"], world["layouts"])
     new = Trainer(1, world["spec"], world["layouts"])
     transport = DistributedTransport(world["specs"], TP, world["loop"], bucket_bytes=bucket_mib * MIB // 16,
-                                     mode="full", backend="gloo", init_timeout_s=60)
+                                     mode="full", backend="gloo", init_timeout_s=60,
+                                     master_address=LOCAL_HOST)
     sync = WeightSyncCoordinator(transport, world["loop"], make_verifier(world, new))
     try:
         report = sync.push(world["fleet"], lambda: new.shards, "1", new.hf, old.hf)
@@ -168,7 +170,8 @@ def test_engine_that_keeps_old_weights_is_named(world):
     new = Trainer(4, world["spec"], world["layouts"])
     fleet = [world["fleet"][0], world["dropping"]]
     transport = DistributedTransport(world["specs"], TP, world["loop"], bucket_bytes=4 * MIB, mode="full",
-                                     backend="gloo", init_timeout_s=60, group_name="drop_test")
+                                     backend="gloo", init_timeout_s=60, group_name="drop_test",
+                                     master_address=LOCAL_HOST)
     # Bring both engines to `old` first (the dropping engine already serves the initial = `old` weights).
     sync = WeightSyncCoordinator(transport, world["loop"], make_verifier(world, new))
     try:
@@ -184,7 +187,8 @@ def test_a_push_that_changes_nothing_is_not_a_drop_but_a_later_drop_is_named(wor
     new = Trainer(4, world["spec"], world["layouts"])
     fleet = [world["dropping"]]  # serves the initial (= `old`) weights and ignores every update
     transport = DistributedTransport(world["specs"], TP, world["loop"], bucket_bytes=4 * MIB, mode="full",
-                                     backend="gloo", init_timeout_s=60, group_name="noop_test")
+                                     backend="gloo", init_timeout_s=60, group_name="noop_test",
+                                     master_address=LOCAL_HOST)
     verifier = make_verifier(world, old)
     sync = WeightSyncCoordinator(transport, world["loop"], verifier)
     try:

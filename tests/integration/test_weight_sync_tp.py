@@ -18,6 +18,7 @@ from test_weight_sync_reference import SHAPE, VOCAB, Trainer, make_verifier, meg
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.engines.reference.model import serialize_named_tensors
+from miles_lite.ports import LOCAL_HOST
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.hf_convert import layout_for
 from miles_lite.trainer.model import padded_vocab_size, spec_from_hf_config
@@ -141,7 +142,7 @@ def test_full_broadcast_disk_and_tensor_updates_into_tp_engines(world):
     fleet = [world["engines"]["tp2"], world["engines"]["tp4"]]
     old, new, newer = (Trainer(s, world["spec"], layouts) for s in (14, 15, 16))
     transport = DistributedTransport(specs, 2, world["loop"], bucket_bytes=MIB // 32, mode="full", init_timeout_s=60,
-                                     group_name="full_tp")
+                                     group_name="full_tp", master_address=LOCAL_HOST)
     sync = WeightSyncCoordinator(transport, world["loop"], make_verifier(world, new))
     try:
         report = sync.push(fleet, new.shards, "f15", new.hf, old.hf)

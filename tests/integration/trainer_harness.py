@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_lite.ports import free_port
+from miles_lite.ports import LOCAL_HOST, free_port
 
 
 def _entry(rank: int, world_size: int, port: int, scenario: Callable[..., Any], kwargs: dict[str, Any],
@@ -32,7 +32,8 @@ def _entry(rank: int, world_size: int, port: int, scenario: Callable[..., Any], 
 def run_ranks(scenario: Callable[..., Any], world_size: int, out_dir: Path, **kwargs: Any) -> list[Any]:
     """Run `scenario(rank, world_size, **kwargs)` in `world_size` fresh processes; return each rank's result."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_entry, args=(world_size, free_port(), scenario, kwargs, str(out_dir)), nprocs=world_size, join=True)
+    port = free_port(LOCAL_HOST)
+    mp.spawn(_entry, args=(world_size, port, scenario, kwargs, str(out_dir)), nprocs=world_size, join=True)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

@@ -24,3 +24,13 @@ def test_missing_resources_names_what_is_short():
     assert spec is not None
     assert missing_resources(spec, {"CPU": 8.0, "GPU": 2.0}) == {"GPU": 2.0}
     assert missing_resources(spec, {"CPU": 8.0, "GPU": 4.0}) == {}
+
+
+def test_role_resources_pin_each_bundle_to_its_role_nodes():
+    cfg = load_config(["cluster=ray", "trainer.tp=2", "rollout.engines=2", "cluster.trainer_resource=miles_trainer",
+                       "cluster.rollout_resource=miles_rollout"])
+    assert trainer_gang(cfg).bundles == ({"CPU": 1.0, "GPU": 1.0, "miles_trainer": 1.0},) * 2
+    rollout = rollout_gang(cfg)
+    assert rollout is not None and rollout.bundles == ({"CPU": 1.0, "GPU": 1.0, "miles_rollout": 1.0},) * 2
+    # More engines than the rollout nodes hold: the rollout resource is what the error names.
+    assert missing_resources(rollout, {"CPU": 8.0, "GPU": 8.0, "miles_rollout": 1.0}) == {"miles_rollout": 1.0}

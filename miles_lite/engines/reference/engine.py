@@ -21,6 +21,7 @@ import torch
 from aiohttp import web
 
 from miles_lite.engines.reference.server import FAIL_MODES, ReferenceServer, ServerOptions
+from miles_lite.ports import LOCAL_HOST
 
 log = logging.getLogger("miles_lite.reference_engine")
 
@@ -45,7 +46,7 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
     """Add the reference engine's flags to `parser`."""
     parser.add_argument("--model-path", required=model_required,
                         help="HF model directory (config.json + *.safetensors)")
-    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--host", default=LOCAL_HOST)
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--listen-fd", type=int, default=None,
                         help="serve on this inherited, already bound socket instead of host:port")
@@ -94,7 +95,7 @@ def reference_flags(reference_args: Mapping[str, Any]) -> list[str]:
 
 
 def build_reference_command(model_path: str, port: int, reference_args: Mapping[str, Any],
-                            listen_fd: int | None = None, host: str = "127.0.0.1",
+                            listen_fd: int | None = None, host: str = LOCAL_HOST,
                             python: str = sys.executable) -> list[str]:
     """The command line of one reference engine server listening on `host:port` (or on `listen_fd`)."""
     cmd = [python, "-m", "miles_lite.engines.reference.engine", "--model-path", model_path,

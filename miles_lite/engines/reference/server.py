@@ -310,6 +310,8 @@ class ReferenceServer:
         """Every TP rank r joins as `rank_offset + r`; answers once the whole world has joined."""
         body = await _body(request)
         name = str(body.get("group_name", "weight_update_group"))
+        log.info("joining weight-update group %s at %s:%s as ranks from %s of %s", name, body.get("master_address"),
+                 body.get("master_port"), body.get("rank_offset"), body.get("world_size"))
         try:
             # The rendezvous blocks until the trainer joins: keep it off the event loop and the model thread.
             await asyncio.to_thread(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import miles_lite
+from miles_lite.ports import LOCAL_HOST
 from miles_lite.weight_sync.loader_protocol import LOADER_FUNCTION
 
 # Flags declared with argparse.BooleanOptionalAction in SGLang 0.5.10's server_args.py.
@@ -87,7 +88,7 @@ def sglang_flag_args(sglang_args: Mapping[str, Any]) -> list[str]:
 
 
 def build_sglang_command(model_path: str, port: int, tp: int, sglang_args: Mapping[str, Any],
-                         host: str = "127.0.0.1", python: str = sys.executable) -> list[str]:
+                         host: str = LOCAL_HOST, python: str = sys.executable) -> list[str]:
     """`python -m sglang.launch_server` for one engine of `tp` GPUs listening on `host:port`."""
     if tp < 1:
         raise ValueError(f"rollout.engine_tp must be >= 1, got {tp}")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles_lite.ports import free_port
+from miles_lite.ports import LOCAL_HOST, free_port
 
 APT_ENV = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
 
@@ -79,7 +79,7 @@ class PrometheusServer:
         self.config_path.write_text(scrape_config(targets))
         self.binary = binary
         self.promtool = promtool
-        self.port = free_port()
+        self.port = free_port(LOCAL_HOST)
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.state = ServerState.NEW
         self._proc: subprocess.Popen[bytes] | None = None
