@@ -42,6 +42,7 @@ class System:
         self.trainer: Any = None
         self.loop_thread: EventLoopThread | None = None
         self.fleet: EngineFleet | None = None
+        self.rollout_gang: Any = None
         self.rollout: SyncRolloutManager | None = None
         self.sync: WeightSyncCoordinator | None = None
         self.version = 0
@@ -82,6 +83,14 @@ class System:
         if rollout.engine_urls:
             # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
             self.fleet = self.loop_thread.run(attach_fleet(rollout, ft, list(rollout.engine_urls)))
+        elif self.cfg.cluster.mode == "ray":
+            # One engine actor per bundle of the rollout gang, each serving from its own node.
+            from miles_lite.cluster.engine_gang import RolloutGang, start_gang_fleet
+            from miles_lite.cluster.gang import trainer_gang
+
+            self.rollout_gang = RolloutGang.reserve(self.cfg, log_dir, self.trainer.placement_group,
+                                                    trainer_gang(self.cfg).bundles)
+            self.fleet = self.loop_thread.run(start_gang_fleet(self.rollout_gang))
         else:
             self.fleet = self.loop_thread.run(start_fleet(rollout, ft, str(self.cfg.model.hf_path), log_dir))
         tok = self.tokenizer
@@ -113,9 +122,15 @@ class System:
                     self.loop_thread.run(fleet.close())
             finally:
                 try:
-                    if self.loop_thread is not None:
-                        loop_thread, self.loop_thread = self.loop_thread, None
-                        loop_thread.stop()
+                    try:
+                        if self.loop_thread is not None:
+                            loop_thread, self.loop_thread = self.loop_thread, None
+                            loop_thread.stop()
+                    finally:
+                        # Engine actors left (a launch cut short) and the rollout gang's reservation.
+                        if self.rollout_gang is not None:
+                            gang, self.rollout_gang = self.rollout_gang, None
+                            gang.close()
                 finally:
                     if self.trainer is not None:
                         trainer, self.trainer = self.trainer, None

@@ -47,6 +47,8 @@ class EngineHandle:
     engine: RolloutEngine
     stop: Callable[[], object] | None = None
     pid: int | None = None
+    # Where the server runs (a `cluster.engine_actor.EngineLocation` on Ray; None for a local child).
+    location: object | None = None
 
 
 # launcher(slot_index, incarnation) -> a started engine that answers /health_generate.

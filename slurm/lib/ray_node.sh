@@ -35,6 +35,8 @@ args=(--block --disable-usage-stats --temp-dir="$tmp"
 [ -z "${MILES_RAY_OBJECT_STORE_BYTES:-}" ] || args+=(--object-store-memory="$MILES_RAY_OBJECT_STORE_BYTES")
 
 node=${SLURMD_NODENAME:-$(hostname -s)}
+# Ray's workers inherit this: an engine's actor reports the role of the node it landed on.
+export MILES_RAY_ROLE=$role
 if [ "$is_head" -eq 1 ]; then
   what="Ray head ($role, gpus=$gpus cpus=$cpus) on $MILES_RAY_HEAD_IP:$MILES_RAY_PORT"
   cmd=(ray start --head --node-ip-address="$MILES_RAY_HEAD_IP" --port="$MILES_RAY_PORT" --include-dashboard=false

@@ -1,10 +1,12 @@
 """`sbatch slurm/train.sh` on a real local Slurm: slurmctld, two slurmd fake nodes with fake GPUs, munge.
 
 (a) A heterogeneous job (trainer component on n1, rollout component on n2) runs a very short
-    `miles-lite train`, ends COMPLETED with exit code 0 and leaves the run's artifacts.
+    `miles-lite train`, ends COMPLETED with exit code 0 and leaves the run's artifacts; its engine
+    ran in the rollout gang, on n2.
 (b) A single-allocation job (two parallel job steps on one node) gets SIGUSR1 through
     `scancel --batch`: the driver checkpoints and exits 0, the script requeues the job, and the
-    requeued attempt (same job id, same run directory) resumes from that checkpoint and completes.
+    requeued attempt (same job id, same run directory) resumes from that checkpoint and completes;
+    each attempt's engine ran on the Ray node of the rollout step.
 
 The cluster comes from scripts/slurm-up.sh and goes with scripts/slurm-down.sh. Without the Debian
 packages the module is skipped, except in CI (the CI environment variable set), where it installs
@@ -177,6 +179,15 @@ def _submit(slurm: SlurmCluster, job_env: dict[str, str], options: list[str], sc
     return job_id, root / f"miles-lite-{job_id}"
 
 
+def _assert_engines_on(run_dir: Path, slurm_node: str, attempts: int = 1) -> None:
+    """Every engine of the run (one per attempt) ran under `slurm_node`, on a Ray node of the rollout role."""
+    placements = [json.loads(line) for line in (run_dir / "logs/engines.jsonl").read_text().splitlines()]
+    where = [(p["slurm_node"], p["node_role"]) for p in placements]
+    assert where == [(slurm_node, "rollout")] * attempts, placements
+    log = (run_dir / "logs/trainer.log").read_text(errors="replace")
+    assert f"(Slurm node {slurm_node}), a rollout node" in log.replace("\n", ""), log[-3000:]
+
+
 def test_hetjob_short_run_completes_with_artifacts(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
     job_id, run_dir = _submit(slurm, job_env, ["--gres=gpu:2"], "slurm/train-hetjob.sh",
                               ["experiment.steps=2", *SHORT_RUN])
@@ -191,6 +202,8 @@ def test_hetjob_short_run_completes_with_artifacts(slurm: SlurmCluster, job_env:
         assert (run_dir / "logs" / name).stat().st_size > 0, name
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == 2 and not summary["stopped_by_signal"]
+    # The engine ran in the rollout gang: under component 1's node, on the Ray node its rollout step started.
+    _assert_engines_on(run_dir, "n2")
     assert sorted(p.name for p in (run_dir / "checkpoints").glob("step_*")) == ["step_00000002"]
     config = (run_dir / "config.yaml").read_text()
     assert "mode: ray" in config and f"run_name: miles-lite-{job_id}" in config
@@ -242,3 +255,5 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, job_env: dic
     assert summary["steps_done"] == steps and not summary["stopped_by_signal"]
     batch_log = (run_dir / "logs/slurm.out").read_text(errors="replace")
     assert "steps: trainer nodes n1" in batch_log and f"requeueing job {job_id}" in batch_log
+    # One node, two steps: the engine ran on the Ray node of the rollout step, in both attempts.
+    _assert_engines_on(run_dir, "n1", attempts=2)
