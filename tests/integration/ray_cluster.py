@@ -42,10 +42,13 @@ class LocalRayCluster:
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "1"}
+        # No idle workers started ahead of demand: they would compete with the node's agents, which the
+        # raylet gives a fixed start-up window.
+        return {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "1",
+                "RAY_enable_worker_prestart": "0", "RAY_prestart_worker_first_driver": "0"}
 
     def add_node(self, ip: str, role: str, cpus: int, resources: dict[str, float], head: bool = False,
-                 attempts: int = 3) -> None:
+                 attempts: int = 5) -> None:
         """Start a node at `ip` for `role` and wait until the cluster lists it with its resources.
 
         The node's processes see MILES_RAY_ROLE=`role`, as slurm/lib/ray_node.sh sets it.
@@ -60,7 +63,8 @@ class LocalRayCluster:
                     f"--temp-dir={self.root / name}", f"--num-cpus={cpus}", "--num-gpus=0",
                     f"--resources={json.dumps(resources)}", "--object-store-memory=100000000",
                     f"--dashboard-agent-grpc-port={ports[0]}", f"--dashboard-agent-listen-port={ports[1]}",
-                    f"--runtime-env-agent-port={ports[2]}", f"--metrics-export-port={ports[3]}"]
+                    f"--runtime-env-agent-port={ports[2]}", f"--metrics-export-port={ports[3]}",
+                    "--include-log-monitor=false"]
             if head:
                 args += ["--head", f"--port={ports[4]}", "--include-dashboard=false"]
                 self.address = f"{ip}:{ports[4]}"
