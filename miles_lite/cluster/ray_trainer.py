@@ -15,6 +15,8 @@ from __future__ import annotations
 import enum
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -159,13 +161,27 @@ def _init_ray(cfg: MilesConfig, cpus: float) -> bool:
     # Ray >= 2.50 turns token authentication on by default and writes ~/.ray/auth_token; a job-local
     # instance needs neither.
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # ray.init installs its own handler for SIGTERM (it logs and aborts the driver) over the process's:
+    # the graceful stop (finish the step, checkpoint, exit 0) keeps the handlers it installed.
+    handlers = _python_stop_handlers()
     if cfg.cluster.ray_address:
         ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
     else:
         # "local": a Ray of this run's own, never a cluster some earlier `ray start` left recorded on the
         # machine (with num_cpus given, joining that one fails, or it is stale and the call hangs).
         ray.init(address="local", num_cpus=max(1, math.ceil(cpus)), include_dashboard=False, log_to_driver=False)
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
     return True
+
+
+def _python_stop_handlers() -> dict[signal.Signals, Any]:
+    """The Python handlers of the stop signals, when this is the main thread (the only one that may set them)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    # None: a handler not installed from Python, which cannot be put back from here.
+    return {sig: h for sig, h in handlers.items() if h is not None}
 
 
 class RayTrainerGroup:
