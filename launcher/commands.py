@@ -142,37 +142,27 @@ def resolved_overrides(job: JobSpec) -> list[str]:
     return [*job.overrides, *managed]
 
 
-def sglang_flags(args: dict[str, Any]) -> list[str]:
-    """`sglangArgs` -> launch_server flags.
-
-    {mem_fraction_static: 0.6, enable_x: true, off: false} -> [--enable-x, --mem-fraction-static, 0.6].
-    """
-    flags: list[str] = []
-    for key, value in sorted(args.items()):
-        if key in MANAGED_SGLANG_ARGS:
-            raise SpecError([f"spec.rollout.sglangArgs.{key}: set by the operator from spec.model.hfPath and "
-                             "spec.rollout.port; remove it"])
-        flag = "--" + key.replace("_", "-")
-        if value is None or value is False:
-            continue
-        if value is True:
-            flags.append(flag)
-        elif isinstance(value, list):
-            flags += [flag, *(str(v) for v in value)]
-        elif isinstance(value, dict):
-            flags += [flag, json.dumps(value, sort_keys=True)]
-        else:
-            flags += [flag, str(value)]
-    return flags
+def sglang_args_json(args: dict[str, Any], tp: int) -> str:
+    """`sglangArgs` as the JSON object `miles-lite engine --sglang-args` takes (its tensor-parallel size
+    goes to --tp); raises SpecError for flags the operator owns."""
+    problems = [f"spec.rollout.sglangArgs.{key}: set by the operator from spec.model.hfPath and spec.rollout.port; "
+                "remove it" for key in sorted(args) if key in MANAGED_SGLANG_ARGS]
+    if problems:
+        raise SpecError(problems)
+    return json.dumps({k: v for k, v in args.items() if k != "tp_size"}, sort_keys=True)
 
 
 def engine_command(job: JobSpec) -> list[str]:
-    """Container command of a rollout engine pod: SGLang's server, or the CPU reference engine."""
+    """Container command of a rollout engine pod: SGLang's server, or the CPU reference engine.
+
+    SGLang starts through `miles-lite engine --backend sglang`, which checks the flags with SGLang's own
+    parser, adds the project's weight-loader plugin (TP-aware pushes) and then execs `sglang.launch_server`.
+    """
     if job.rollout.backend == "sglang":
-        args = dict(job.rollout.sglang_args)
-        args.setdefault("tp_size", engine_tp(job))
-        return ["python", "-m", "sglang.launch_server", "--model-path", str(job.model.hf_path),
-                "--host", "0.0.0.0", "--port", str(job.rollout.port), *sglang_flags(args)]
+        tp = engine_tp(job)
+        return ["miles-lite", "engine", "--backend", "sglang", "--model-path", str(job.model.hf_path),
+                "--host", "0.0.0.0", "--port", str(job.rollout.port), "--tp", str(tp),
+                "--sglang-args", sglang_args_json(dict(job.rollout.sglang_args), tp)]
     # The reference engine composes the job's config (same tiny model and seed) from the same overrides.
     script = (
         f"mapfile -t OVERRIDES < {CONFIG_MOUNT}/{OVERRIDES_FILE}\n"

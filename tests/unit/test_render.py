@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import json
 from pathlib import Path
 
 import pytest
 import yaml
 
-from launcher import commands
 from launcher.crd_schema import apply_defaults, load_crd, openapi_schema
 from launcher.render import CONFIG_HASH_ANNOTATION, HASH_ANNOTATION, render
 from launcher.spec import SpecError, parse_job
@@ -104,9 +104,10 @@ def test_gsm8k_gpu_sglang_engines_gpus_and_volcano_gangs():
     assert pod["spec"]["schedulerName"] == "volcano"
     c = pod["spec"]["containers"][0]
     assert c["command"] == [
-        "python", "-m", "sglang.launch_server", "--model-path", "/models/Qwen2.5-0.5B-Instruct",
-        "--host", "0.0.0.0", "--port", "30000", "--attention-backend", "triton", "--mem-fraction-static", "0.6",
-        "--sampling-backend", "pytorch", "--skip-tokenizer-init", "--tp-size", "1",
+        "miles-lite", "engine", "--backend", "sglang", "--model-path", "/models/Qwen2.5-0.5B-Instruct",
+        "--host", "0.0.0.0", "--port", "30000", "--tp", "1", "--sglang-args",
+        '{"attention_backend": "triton", "mem_fraction_static": 0.6, "sampling_backend": "pytorch", '
+        '"skip_tokenizer_init": true}',
     ]
     assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and c["resources"]["requests"]["nvidia.com/gpu"] == 1
     assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]
@@ -193,11 +194,24 @@ def test_operator_owned_overrides_and_flags_are_refused():
         render(example("gsm8k-gpu.yaml", rollout={"engines": 1, "sglangArgs": {"port": 1234}}))
 
 
-def test_sglang_flags_conversion():
-    flags = commands.sglang_flags({"enable_x": True, "disable_y": False, "cuda_graph_bs": [1, 2],
-                                   "json_model_override_args": {"a": 1}, "skip": None, "tp_size": 2})
-    assert flags == ["--cuda-graph-bs", "1", "2", "--enable-x", "--json-model-override-args", '{"a": 1}',
-                     "--tp-size", "2"]
+def test_sglang_engine_command_is_what_miles_lite_engine_parses():
+    """The pod's command parses with `miles-lite engine`'s own parser into the SGLang command it execs."""
+    import argparse
+
+    from miles_lite.engines.serve import add_arguments, sglang_argv
+
+    body = example("gsm8k-gpu.yaml", rollout={"engines": 1, "gpusPerEngine": 2,
+                                             "sglangArgs": {"tp_size": 2, "enable_x": True, "off": False}})
+    cmd = by_kind(render(body), "Pod")[0]["spec"]["containers"][0]["command"]
+    assert cmd[:3] == ["miles-lite", "engine", "--backend"]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(cmd[2:])
+    assert (args.backend, args.tp, args.port, args.host) == ("sglang", 2, 30000, "0.0.0.0")
+    assert json.loads(args.sglang_args) == {"enable_x": True, "off": False}
+    sglang = sglang_argv(args)
+    assert sglang[1:3] == ["-m", "sglang.launch_server"] and "--custom-weight-loader" in sglang
+    assert sglang[sglang.index("--tp-size") + 1] == "2" and "--enable-x" in sglang and "--off" not in sglang
 
 
 def test_engine_tp_from_sglang_args_reaches_the_trainer_config():
