@@ -23,7 +23,8 @@ MANAGED_KEYS = (
     "model.hf_path", "rollout.backend", "rollout.engines", "rollout.engine_urls", "rollout.engine_tp",
     "checkpoint.dir", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.resume",
     "fault_tolerance.max_engine_restarts", "observability.metrics_port", "observability.metrics_host",
-    "cluster", "cluster.mode", "cluster.ray_address", "experiment.output_dir", "weight_sync.disk_dir",
+    "cluster", "cluster.mode", "cluster.ray_address", "cluster.advertise_address", "experiment.output_dir",
+    "weight_sync.disk_dir",
 )
 # Weight transports that cross pods: the distributed group (the trainer's Service address) and, with a
 # volume both roles mount, the disk. CUDA IPC needs the engines on the trainer's own GPUs (one pod).
@@ -131,6 +132,8 @@ def resolved_overrides(job: JobSpec) -> list[str]:
         f"fault_tolerance.max_engine_restarts={job.fault_tolerance.max_engine_restarts}",
         f"observability.metrics_port={job.metrics_port}",
         "observability.metrics_host=0.0.0.0",
+        # Engine pods dial the trainer's weight-update rendezvous at trainer pod 0's Service name.
+        f"cluster.advertise_address={trainer_head_host(job)}",
     ]
     if shares_volume(job):
         managed.append(f"weight_sync.disk_dir={job.checkpoint.mount_path}/weights")

@@ -116,6 +116,13 @@ def test_transports_that_cannot_cross_pods_are_refused():
     render(example("tiny-cpu.yaml", image="i:1", overrides=["weight_sync=ipc", "weight_sync=distributed"]))
 
 
+def test_weight_updates_rendezvous_at_the_trainers_service_address():
+    lines = overrides(render(example("tiny-cpu.yaml", image="i:1")))
+    assert "cluster.advertise_address=tiny-cpu-trainer-0.tiny-cpu-trainer.ns.svc" in lines
+    with pytest.raises(SpecError, match="cluster.advertise_address is set by the operator"):
+        render(example("tiny-cpu.yaml", image="i:1", overrides=["cluster.advertise_address=10.0.0.1"]))
+
+
 def test_gpu_example_pushes_full_tensors_into_stock_sglang():
     lines = overrides(render(example("gsm8k-gpu.yaml", image="i:1-gpu")))
     assert "weight_sync.mode=full" in lines and "weight_sync=distributed" in lines
