@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from miles_lite.config.schema import TrainerConfig
+from miles_lite.rendezvous import store_from_url
 from miles_lite.trainer import cpu_compat
 
 
@@ -43,7 +44,8 @@ def init_parallel(
         trainer: `tp`, `dp`, `pp`, `seed`.
         rank / world_size: this process among the trainer ranks (world_size must be tp * dp).
         device: "cpu" (gloo) or "gpu" (NCCL, one GPU per rank: LOCAL_RANK or rank % device count).
-        init_method: torch.distributed rendezvous URL (None: env:// from MASTER_ADDR/MASTER_PORT).
+        init_method: `tcp://host:port` rendezvous, hosted by rank 0 on that address only (None: from
+            MASTER_ADDR/MASTER_PORT).
         timeout_s: collective timeout.
     """
     if trainer.pp != 1:
@@ -60,12 +62,16 @@ def init_parallel(
         torch.cuda.set_device(local)
     owns = not dist.is_initialized()
     if owns:
+        timeout = timedelta(seconds=timeout_s)
+        if init_method is None:
+            init_method = f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
         dist.init_process_group(
             backend="nccl" if device == "gpu" else "gloo",
-            init_method=init_method or "env://",
+            # Rank 0's store listens on the rendezvous address only (torch's own listens on every interface).
+            store=store_from_url(init_method, rank, world_size, timeout),
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timeout,
         )
     elif dist.get_world_size() != world_size or dist.get_rank() != rank:
         raise RuntimeError(

@@ -19,8 +19,9 @@ from torch.distributed.distributed_c10d import (
     PrefixStore,
     _new_process_group_helper,
     _world,
-    rendezvous,
 )
+
+from miles_lite.rendezvous import tcp_store
 
 
 def init_custom_process_group(
@@ -38,9 +39,8 @@ def init_custom_process_group(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside [0, world_size={world_size})")
     timeout = timedelta(seconds=timeout_s)
-    store, rank, world_size = next(rendezvous(f"tcp://{master_address}:{master_port}", rank, world_size,
-                                              timeout=timeout))
-    store.set_timeout(timeout)
+    # The same store SGLang's side expects at master_address:master_port; rank 0 listens on that address only.
+    store = tcp_store(master_address, master_port, rank, world_size, timeout)
     group, _ = _new_process_group_helper(
         world_size, rank, [], Backend(backend), PrefixStore(group_name, store),
         group_name=group_name, backend_options=None, timeout=timeout,
