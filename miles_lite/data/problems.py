@@ -14,13 +14,22 @@ def synthetic_spec(syn: SyntheticDataConfig, seed: int) -> ArithmeticSpec:
 
 
 def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem]]:
-    """Training and held-out problems: GSM8K files, or seeded synthetic ones (disjoint seeds)."""
+    """Training and held-out problems: GSM8K files, or seeded synthetic ones (disjoint seeds).
+
+    `experiment.eval_size=0` means no held-out problems (no evaluation) for either source; otherwise
+    it caps a GSM8K held-out set, and synthetic data holds out `data.synthetic.eval_size` problems.
+    """
+    size = cfg.experiment.eval_size
     if cfg.data.source == "gsm8k":
         train = load_gsm8k(str(cfg.data.train_path))
-        held_out = load_gsm8k(str(cfg.data.eval_path)) if cfg.data.eval_path else train[-cfg.experiment.eval_size:]
-        return train, held_out[: cfg.experiment.eval_size]
+        if not size:
+            return train, []
+        held_out = load_gsm8k(str(cfg.data.eval_path)) if cfg.data.eval_path else train[-size:]
+        return train, held_out[:size]
     syn = cfg.data.synthetic
     train = generate_problems(syn.train_size, synthetic_spec(syn, syn.seed))
+    if not size:
+        return train, []
     seen = {p.question for p in train}
     held_out = [p for p in generate_problems(syn.eval_size * 3, synthetic_spec(syn, syn.seed + 7919))
                 if p.question not in seen]

@@ -186,6 +186,32 @@ def test_bad_generate_requests_answer_400(reference: LaunchedEngine) -> None:
         run(reference.client.generate(PROMPT, SamplingParams(stop=("x",))))
 
 
+def test_malformed_bodies_and_nonfinite_temperature_answer_400(reference: LaunchedEngine) -> None:
+    import json
+    import urllib.error
+    import urllib.request
+
+    def post(path: str, body: bytes) -> tuple[int, str]:
+        req = urllib.request.Request(f"{reference.process.url}{path}", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.read().decode()
+        except urllib.error.HTTPError as err:
+            return err.code, err.read().decode()
+
+    for path in ("/abort_request", "/pause_generation", "/generate"):
+        status, text = post(path, b"{not json")
+        assert status == 400 and "not valid JSON" in json.loads(text)["error"]["message"], (path, status, text)
+        status, text = post(path, b"[1, 2]")
+        assert status == 400 and "JSON object" in text, (path, status, text)
+    for value in ("NaN", "Infinity"):  # what Python's json writes for float("nan") / float("inf")
+        body = f'{{"input_ids": {list(PROMPT)}, "sampling_params": {{"temperature": {value}}}}}'.encode()
+        status, text = post("/generate", body)
+        assert status == 400 and "temperature must be a finite number" in text, (value, status, text)
+    assert post("/continue_generation", b"")[0] == 200  # the engine serves on
+
+
 def test_drop_weight_updates_acknowledges_but_keeps_weights(model_dirs: tuple[str, str], tmp_path: Any) -> None:  # noqa: F811
     a_dir, b_dir = model_dirs
     with running_engine("reference", a_dir, str(tmp_path), reference_args={"drop_weight_updates": True}) as eng:

@@ -90,3 +90,20 @@ def test_write_dataset_loads_back(tmp_path: Path) -> None:
     spec = ArithmeticSpec(seed=5)
     path = write_dataset(tmp_path / "train.jsonl", 20, spec)
     assert load_gsm8k(path) == generate_problems(20, spec)
+
+
+def test_eval_size_zero_means_no_held_out_problems_for_either_source(tmp_path: Path) -> None:
+    from miles_lite.config.schema import MilesConfig
+    from miles_lite.data.problems import load_problems
+
+    cfg = MilesConfig()
+    cfg.data.synthetic.train_size, cfg.data.synthetic.eval_size = 20, 8
+    train, held_out = load_problems(cfg)
+    assert len(train) == 20 and len(held_out) == 8
+    cfg.experiment.eval_size = 0  # honoured with synthetic data too (it used to be ignored)
+    train, held_out = load_problems(cfg)
+    assert len(train) == 20 and held_out == []
+    data = write_dataset(tmp_path / "train.jsonl", 10, ArithmeticSpec(seed=3))
+    cfg.data.source, cfg.data.train_path = "gsm8k", str(data)
+    train, held_out = load_problems(cfg)
+    assert len(train) == 10 and held_out == []

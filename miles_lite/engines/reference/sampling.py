@@ -13,6 +13,7 @@ Logprob semantics (checked against SGLang 0.5.10's `layers/sampler.py` and `laye
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,8 +98,8 @@ class RequestSampling:
 
     def _verify(self, vocab_size: int) -> None:
         # Same ranges as SGLang's SamplingParams.verify.
-        if self.temperature < 0.0:
-            raise ValueError(f"sampling_params.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature < math.inf:  # also refuses NaN, which JSON's "NaN" carries
+            raise ValueError(f"sampling_params.temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"sampling_params.top_p must be in (0, 1], got {self.top_p}")
         if self.top_k != -1 and self.top_k < 1:

@@ -10,6 +10,7 @@ bumps the version) but keeps the old weights; `fail_mode` hang/error stops answe
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from dataclasses import dataclass
@@ -63,12 +64,20 @@ def _result(success: bool, message: str, **extra: Any) -> web.Response:
     return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
 
 
+def _bad_request(message: str) -> web.HTTPBadRequest:
+    return web.HTTPBadRequest(text=json.dumps({"error": {"message": message}}), content_type="application/json")
+
+
 async def _body(request: web.Request) -> dict[str, Any]:
+    """The JSON object a request carries (its query without a body); a body that is not one answers 400."""
     if not request.can_read_body:
         return dict(request.query)
-    data = await request.json()
+    try:
+        data = await request.json()
+    except ValueError as exc:
+        raise _bad_request(f"the request body is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
-        raise ValueError("the request body must be a JSON object")
+        raise _bad_request("the request body must be a JSON object")
     return data
 
 
