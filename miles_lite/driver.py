@@ -33,10 +33,11 @@ from typing import Any
 from miles_lite.config import MilesConfig, to_yaml
 from miles_lite.data.problems import load_problems
 from miles_lite.data.source import PromptSource
+from miles_lite.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.evaluation import EvalResult, evaluate
 from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rl_distill_coef, rollout_stats
 from miles_lite.rollout.pipeline import RolloutPipeline
-from miles_lite.run_io import RunIO, finished_summary
+from miles_lite.run_io import RunIO, checkpoint_root, finished_summary
 from miles_lite.run_lock import RunLock
 from miles_lite.stop import StopRequest
 from miles_lite.system import System
@@ -72,6 +73,13 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
     run_dir = Path(cfg.experiment.output_dir) / run_name(cfg)
     stop = stop or StopRequest().install()
     train_problems, held_out = load_problems(cfg)  # a data error ends the run before it has a directory
+    new_dir = not run_dir.exists()
+    try:
+        probe_run_dirs(cfg, run_dir, checkpoint_root(cfg, run_dir))
+    except OutputDirError:
+        if new_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
+            run_dir.rmdir()
+        raise
     locks = [RunLock(run_dir)]
     try:
         if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(run_dir.resolve()):

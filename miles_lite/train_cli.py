@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     """Compose, validate, then print (`--cfg`) or train.
 
     Exit codes: 0 done (or stopped by a signal, with a checkpoint), 2 bad input (configuration, data
-    files, run directory held by another run), 3 training halted by a guard (diverged or non-finite steps).
+    files, an unwritable or full output directory, a run directory held by another run), 3 training
+    halted by a guard (diverged or non-finite steps).
     """
     cfg = compose_or_explain(args)
     if cfg is None:
@@ -77,12 +78,13 @@ def run(args: argparse.Namespace) -> int:
     # Installed before the heavy imports below: a pre-emption signal during start-up still stops cleanly.
     stop = StopRequest().install()
     from miles_lite.data.gsm8k import DatasetError
+    from miles_lite.dir_probe import OutputDirError
     from miles_lite.driver import train
     from miles_lite.run_lock import RunDirInUseError
 
     try:
         summary = train(cfg, stop)
-    except RunDirInUseError as err:
+    except (RunDirInUseError, OutputDirError) as err:
         print(f"miles-lite train: {err}", file=sys.stderr)
         return 2
     except DatasetError as err:  # raised before the run has a directory

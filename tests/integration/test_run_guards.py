@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -79,6 +81,42 @@ def test_data_error_is_one_line_with_exit_2_and_no_run_directory(tmp_path: Path)
     assert len(err) == 1 and err[0].startswith("miles-lite train: data error: ") and str(data) in err[0], proc.stderr
     assert "####" in err[0]  # what the record lacks
     assert not (tmp_path / "out" / "run").exists()
+
+
+@contextmanager
+def _mounted(target: Path, *options: str) -> Iterator[Path]:
+    """`mount ... target` for the test's duration (the CI runs as root; chmod does not stop root)."""
+    target.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0 or subprocess.run(["mount", *options, str(target)], capture_output=True).returncode:
+        pytest.skip("needs root and mount")
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+
+
+@contextmanager
+def _read_only(target: Path) -> Iterator[Path]:
+    source = target.with_name(target.name + "-src")
+    source.mkdir()
+    with _mounted(target, "--bind", str(source)):
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(target)], check=True)
+        yield target
+
+
+@pytest.mark.parametrize("kind", ["read-only", "full"])
+def test_unusable_checkpoint_dir_is_refused_before_any_work(tmp_path: Path, kind: str) -> None:
+    ckpt = tmp_path / "ckpt"
+    mount = _read_only(ckpt) if kind == "read-only" else _mounted(
+        ckpt, "-t", "tmpfs", "-o", "size=1m", "tmpfs")  # far less than a checkpoint of the tiny model
+    with mount:
+        proc = _train(tmp_path / "out", f"checkpoint.dir={ckpt}", "experiment.steps=1")
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint.dir='{ckpt}'" in err[0], proc.stderr
+    assert ("not writable (Read-only file system)" if kind == "read-only" else "MiB free") in err[0]
+    assert "sft warm-up" not in proc.stdout + proc.stderr  # refused before any work
+    assert not (tmp_path / "out" / "run").exists()  # and leaves no empty run directory
 
 
 def test_local_ray_ignores_a_stale_recorded_cluster() -> None:
