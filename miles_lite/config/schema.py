@@ -11,8 +11,48 @@ without this file naming it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Range:
+    """Allowed values of a numeric field: finite, within the bounds that are set."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def contains(self, value: float) -> bool:
+        return (math.isfinite(value) and (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
+                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
+
+    def describe(self, kind: str = "a finite number") -> str:
+        bounds = [f"{op} {b:g}" for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
+                  if b is not None]
+        return f"{kind} " + " and ".join(bounds) if bounds else kind
+
+
+def bounded(default: float | None, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
+            lt: float | None = None) -> Any:
+    """A numeric field whose allowed range lives in its metadata, where validation reads it (`ranges`);
+    None (where the type allows it) is not range-checked."""
+    return field(default=default, metadata={"range": Range(ge, gt, le, lt)})
+
+
+def ranges(cfg: object, prefix: str = "") -> dict[str, Range]:
+    """Dotted field name -> allowed range, for every `bounded` field of `cfg` and its sub-configs."""
+    found: dict[str, Range] = {}
+    for f in fields(cfg):  # type: ignore[arg-type]
+        dotted = f"{prefix}{f.name}"
+        if "range" in f.metadata:
+            found[dotted] = f.metadata["range"]
+        value = getattr(cfg, f.name)
+        if is_dataclass(value) and not isinstance(value, type):
+            found.update(ranges(value, dotted + "."))
+    return found
 
 
 @dataclass
@@ -65,15 +105,15 @@ class TrainerConfig:
     device: str = "auto"
     # te | local (auto: te on GPU, local on CPU).
     layer_spec: str = "auto"
-    lr: float = 1e-6
-    min_lr: float = 0.0
+    lr: float = bounded(1e-6, gt=0)
+    min_lr: float = bounded(0.0, ge=0)
     lr_schedule: str = "constant"
-    lr_warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.98
-    adam_eps: float = 1e-8
-    clip_grad: float = 1.0
+    lr_warmup_steps: int = bounded(0, ge=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    adam_beta1: float = bounded(0.9, ge=0, lt=1)
+    adam_beta2: float = bounded(0.98, ge=0, lt=1)
+    adam_eps: float = bounded(1e-8, gt=0)
+    clip_grad: float = bounded(1.0, ge=0)
     # Token budget of one packed micro-batch (no padding waste).
     micro_batch_tokens: int = 8192
     # Tokens whose fp32 vocabulary softmax is materialised at once when computing logprobs/entropy.
@@ -86,26 +126,26 @@ class TrainerConfig:
     # Megatron's distributed optimizer: refused at start until checkpoints can map its flat shards.
     use_distributed_optimizer: bool = False
     # LR schedule length in optimizer steps (cosine/linear decay); None: experiment.steps.
-    lr_decay_steps: int | None = None
+    lr_decay_steps: int | None = bounded(None, ge=1)
     # The vocabulary is padded to a multiple of tp * vocab_divisor rows (padding never enters a softmax).
-    vocab_divisor: int = 128
+    vocab_divisor: int = bounded(128, ge=1)
     # Keep a host copy of the initial weights as the KL reference model (also kept when algo.kl_coef > 0).
     keep_reference: bool = False
     seed: int = 1234
     # Non-finite loss or gradient: skip the step; stop the run after this many in a row.
-    max_nonfinite_skips: int = 3
+    max_nonfinite_skips: int = bounded(3, ge=1)
     # Divergence guard: an optimizer step that moves the weights by more than this fraction of their norm
     # (||update|| / ||weights|| over all ranks) is undone and skipped; the run ends, with a checkpoint of
     # the last good weights, after `max_diverged_skips` in a row. Healthy steps move ~1e-4 to 1e-2 (a tiny
     # model's SFT at lr 3e-3 about 0.05). Costs one device copy of the optimizer's parameters and state;
     # 0 turns it off.
-    max_update_ratio: float = 0.5
-    max_diverged_skips: int = 3
+    max_update_ratio: float = bounded(0.5, ge=0)
+    max_diverged_skips: int = bounded(3, ge=1)
     # Megatron TransformerConfig fields passed through verbatim (e.g. recompute_granularity).
     transformer: dict[str, Any] = field(default_factory=dict)
     # torch intra-op threads of each trainer rank on CPU (0: torch's default, one per core). On a
     # machine shared with the rollout engines, 1 avoids OpenMP threads spinning against them.
-    threads: int = 0
+    threads: int = bounded(0, ge=0)
 
 
 @dataclass
@@ -120,22 +160,22 @@ class RolloutConfig:
     # Completions per prompt (the GRPO group size).
     group_size: int = 8
     max_new_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
+    temperature: float = bounded(1.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    top_k: int = bounded(-1, ge=-1)
     stop: list[str] = field(default_factory=list)
     # DAPO dynamic sampling: drop zero-std groups and over-sample to refill, up to this many rounds.
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 3
-    request_timeout_s: float = 600.0
+    max_sampling_rounds: int = bounded(3, ge=1)
+    request_timeout_s: float = bounded(600.0, gt=0)
     # Outstanding requests one engine is given at most; more wait in the manager (bounds open connections).
-    max_inflight_per_engine: int = 256
+    max_inflight_per_engine: int = bounded(256, ge=1)
     # Generate the next `async_steps` steps' batches while training this one (0: synchronous); groups whose
     # oldest token is more than `max_staleness` versions behind the trainer are dropped.
     async_steps: int = 0
-    max_staleness: int = 1
+    max_staleness: int = bounded(1, ge=0)
     # Engine startup: seconds to wait for /health_generate before failing with the server log.
-    startup_timeout_s: float = 300.0
+    startup_timeout_s: float = bounded(300.0, gt=0)
     # SGLang `launch_server` arguments passed through verbatim (key: flag name without dashes).
     sglang_args: dict[str, Any] = field(default_factory=dict)
     # Reference-engine arguments (batch size, dtype, threads) passed through.
@@ -159,13 +199,13 @@ class AlgoConfig:
     drop_zero_signal: bool = False
     # ppo | gspo
     policy_loss: str = "ppo"
-    clip_low: float = 0.2
-    clip_high: float = 0.28
+    clip_low: float = bounded(0.2, ge=0, lt=1)
+    clip_high: float = bounded(0.28, ge=0)
     dual_clip_c: float | None = None
-    kl_coef: float = 0.0
+    kl_coef: float = bounded(0.0, ge=0)
     # k1 | k2 | k3
     kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
+    entropy_coef: float = bounded(0.0)
     # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
     agg_mode: str = "token_mean"
     agg_constant: float | None = None
@@ -177,10 +217,10 @@ class AlgoConfig:
     is_lower: float | None = None
     # On-policy distillation term weight (needs a teacher): the weight of the OPD warm-up, and of RL steps
     # unless `rl_distill_coef` says otherwise.
-    distill_coef: float = 0.0
+    distill_coef: float = bounded(0.0, ge=0)
     # Distillation weight of the RL steps. None: 0 after an OPD warm-up (the teacher has done its job;
     # the RL reward takes over), else `distill_coef`.
-    rl_distill_coef: float | None = None
+    rl_distill_coef: float | None = bounded(None, ge=0)
     # Optimizer steps per rollout batch: the batch is split into this many mini-batches (shuffled), one
     # step each. With more than one step in all, the trainer's log-probs before the first step are the
     # PPO "old" policy of every step, so the ratio moves away from 1 and the clip range acts.
@@ -194,22 +234,22 @@ class PresampleConfig:
     """Presampling filter: k samples per question, drop the all-wrong and all-right ones."""
 
     enabled: bool = True
-    k: int = 8
+    k: int = bounded(8, ge=1)
     # strict = exact_check (answer and format); lenient = the last number in the text is right.
     scoring: str = "lenient"
     drop_all_wrong: bool = True
     drop_all_right: bool = True
     max_new_tokens: int | None = None
     # Presample only the first N training questions and train on the kept ones (0 = all questions).
-    max_questions: int = 0
+    max_questions: int = bounded(0, ge=0)
 
 
 @dataclass
 class SyntheticDataConfig:
     """Offline GSM8K-format arithmetic problems."""
 
-    train_size: int = 2000
-    eval_size: int = 64
+    train_size: int = bounded(2000, ge=1)
+    eval_size: int = bounded(64, ge=0)
     min_steps: int = 1
     max_steps: int = 2
     min_operand: int = 1
@@ -254,10 +294,10 @@ class WeightSyncConfig:
     # Shared directory for the disk transport (versioned subdirectories).
     disk_dir: str | None = None
     verify: bool = True
-    probe_sequences: int = 2
-    probe_tokens: int = 32
+    probe_sequences: int = bounded(2, ge=0)
+    probe_tokens: int = bounded(32, ge=1)
     # A push whose probe per-token |logp diff| (mean) exceeds this raises.
-    max_probe_logp_diff: float = 1e-3
+    max_probe_logp_diff: float = bounded(1e-3, gt=0)
     checksum_samples: int = 4
     # shard: every engine rank receives its own slices from the trainer ranks, through the weight-loader
     # plugin; full: SGLang's own broadcast of full HF tensors from one process.
@@ -265,7 +305,7 @@ class WeightSyncConfig:
     # The weight-update group's backend: auto (NCCL between trainer GPUs and SGLang engines on other
     # GPUs, gloo otherwise) | nccl | gloo. See config/weight_sync_choice.py.
     backend: str = "auto"
-    init_timeout_s: float = 120.0
+    init_timeout_s: float = bounded(120.0, gt=0)
 
 
 @dataclass
@@ -275,7 +315,7 @@ class CheckpointConfig:
     dir: str | None = None
     interval: int = 0
     async_save: bool = True
-    keep_last: int = 2
+    keep_last: int = bounded(2, ge=0)
     keep_every: int = 0
     # auto (newest complete checkpoint) | none | a checkpoint path
     resume: str = "auto"
@@ -285,18 +325,18 @@ class CheckpointConfig:
 class FaultToleranceConfig:
     """Health checks of rollout engines and their replacement."""
 
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 5.0
+    health_interval_s: float = bounded(2.0, gt=0)
+    health_timeout_s: float = bounded(5.0, gt=0)
     failure_threshold: int = 2
     max_engine_restarts: int = 3
-    request_retries: int = 3
+    request_retries: int = bounded(3, ge=0)
 
 
 @dataclass
 class ObservabilityConfig:
     """Prometheus exporter, rollout tables, progress output, optional sinks."""
 
-    metrics_port: int = 0
+    metrics_port: int = bounded(0, ge=0, le=65535)
     # 127.0.0.1 by default; cluster runs listen on all interfaces.
     metrics_host: str = "127.0.0.1"
     metrics_enabled: bool = True
@@ -304,7 +344,7 @@ class ObservabilityConfig:
     progress: bool = True
     # At the end of a run, keep the exporter up until one scrape has read the final values, at most this
     # many seconds (set it above the scrape interval). 0: stop at once; nothing scrapes a local run.
-    linger_s: float = 0.0
+    linger_s: float = bounded(0.0, ge=0)
     wandb: bool = False
     # W&B project the run logs to (run name = experiment.run_name); used only when `wandb` is true.
     wandb_project: str = "miles-lite"
@@ -321,10 +361,10 @@ class ClusterConfig:
     # rollout.sglang_args.mem_fraction_static must leave the trainer room)
     placement: str = "disaggregated"
     ray_address: str | None = None
-    trainer_gpus_per_rank: float = 0.0
-    engine_gpus: float = 0.0
-    cpus_per_engine: float = 1.0
-    placement_timeout_s: float = 120.0
+    trainer_gpus_per_rank: float = bounded(0.0, ge=0)
+    engine_gpus: float = bounded(0.0, ge=0)
+    cpus_per_engine: float = bounded(1.0, gt=0)
+    placement_timeout_s: float = bounded(120.0, gt=0)
     # Custom Ray resource every trainer bundle / engine bundle also asks one unit of, pinning each role
     # to the nodes started for it (slurm/train.sh registers miles_trainer and miles_rollout: one unit per
     # GPU of a node, or per CPU on a GPU-less node); None: any node with the CPUs/GPUs.
@@ -335,7 +375,7 @@ class ClusterConfig:
     # rollout.engine_urls). Engine servers always bind and advertise their own node's address.
     advertise_address: str | None = None
     # Seconds for every trainer rank (a Ray actor) to import, join the process group and build its model.
-    trainer_start_timeout_s: float = 600.0
+    trainer_start_timeout_s: float = bounded(600.0, gt=0)
 
 
 @dataclass
@@ -349,15 +389,15 @@ class ExperimentConfig:
     # sft | opd | none
     warmup: str = "sft"
     warmup_steps: int = 100
-    warmup_batch_size: int = 16
-    warmup_lr: float = 3e-3
+    warmup_batch_size: int = bounded(16, ge=1)
+    warmup_lr: float = bounded(3e-3, gt=0)
     # Leave the questions the SFT warm-up trained on out of the RL prompt stream (a presample filter
     # afterwards cannot bring them back).
     warmup_exclude_from_rl: bool = True
     # Teacher for on-policy distillation (HF directory); None: trained tiny teacher.
     teacher_path: str | None = None
-    eval_every: int = 0
-    eval_size: int = 64
+    eval_every: int = bounded(0, ge=0)
+    eval_size: int = bounded(64, ge=0)
     seed: int = 0
 
 

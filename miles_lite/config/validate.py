@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_lite.config.schema import MilesConfig
+from miles_lite.config.schema import MilesConfig, ranges
 
 
 class ConfigError(ValueError):
@@ -83,6 +83,17 @@ def _check_choices(cfg: MilesConfig, problems: list[str]) -> None:
         value = _get(cfg, dotted)
         if value not in allowed:
             problems.append(f"{dotted}={value!r} is not one of {', '.join(allowed)}; set {dotted}=<one of them>")
+
+
+def _check_ranges(cfg: MilesConfig, problems: list[str]) -> None:
+    """Every `bounded` field of the schema within its range (NaN and infinities are outside every range)."""
+    for dotted, allowed in ranges(cfg).items():
+        value = _get(cfg, dotted)
+        if value is None or isinstance(value, bool):
+            continue
+        if not isinstance(value, int | float) or not allowed.contains(value):
+            wanted = allowed.describe("an integer" if isinstance(value, int) else "a finite number")
+            problems.append(f"{dotted}={value!r} is out of range; set {dotted} to {wanted}")
 
 
 def _check_positive(cfg: MilesConfig, problems: list[str]) -> None:
@@ -255,6 +266,7 @@ def validate(cfg: MilesConfig) -> ModelDims | None:
     problems: list[str] = []
     _check_choices(cfg, problems)
     _check_positive(cfg, problems)
+    _check_ranges(cfg, problems)
     dims = _check_model(cfg, problems)
     if dims is not None:
         _check_parallelism(cfg, dims, problems)

@@ -139,3 +139,26 @@ def test_schema_fields_have_defaults():
         cls = type(getattr(MilesConfig(), group))
         for f in dataclasses.fields(cls):
             assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING, f.name
+
+
+def test_every_field_is_range_checked_at_start(capsys):
+    # Each used to pass validation and fail later inside a rank, or at the final save, naming no field.
+    bad = ["trainer.lr=-1", "rollout.temperature=-1", "fault_tolerance.health_interval_s=0", "checkpoint.keep_last=-1",
+           "trainer.adam_beta2=1.5", "observability.metrics_port=70000"]
+    assert main(["train", "--cfg", "job", *bad]) == 2
+    err = capsys.readouterr().err
+    assert "trainer.lr=-1.0 is out of range; set trainer.lr to a finite number > 0" in err
+    assert "rollout.temperature=-1.0 is out of range; set rollout.temperature to a finite number >= 0" in err
+    assert "fault_tolerance.health_interval_s=0.0 is out of range; set fault_tolerance.health_interval_s to a " \
+           "finite number > 0" in err
+    assert "checkpoint.keep_last=-1 is out of range; set checkpoint.keep_last to an integer >= 0" in err
+    assert "trainer.adam_beta2=1.5 is out of range" in err and "observability.metrics_port=70000" in err
+    for value in ("nan", "inf", "-inf"):  # NaN and infinities are outside every range
+        assert main(["train", "--cfg", "job", f"rollout.temperature={value}"]) == 2
+        assert f"rollout.temperature={float(value)!r} is out of range" in capsys.readouterr().err
+    # The ranges live in the schema: every numeric field of the defaults lies inside its own.
+    from miles_lite.config.schema import MilesConfig, ranges
+
+    table = ranges(MilesConfig())
+    assert {"trainer.lr", "rollout.temperature", "checkpoint.keep_last",
+            "fault_tolerance.health_interval_s"} <= set(table)
