@@ -13,8 +13,8 @@ from miles_lite.ports import free_port
 from miles_lite.trainer.parallel import init_parallel
 from miles_lite.weight_sync.weight_group import init_custom_process_group
 
-init_parallel(TrainerConfig(), 0, 1, "cpu", f"tcp://127.0.0.1:{free_port()}")
-init_custom_process_group("gloo", "127.0.0.1", free_port(), 0, 1, "weights")
+init_parallel(TrainerConfig(), 0, 1, "cpu", f"tcp://127.0.0.1:{free_port('127.0.0.1')}")
+init_custom_process_group("gloo", "127.0.0.1", free_port('127.0.0.1'), 0, 1, "weights")
 inodes = set()
 for fd in os.listdir("/proc/self/fd"):
     try:
