@@ -23,7 +23,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from enum import StrEnum
@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles_lite.checkpoint.host_buffers import HostBuffers
 from miles_lite.checkpoint.layout import clean_stale_tmp, step_dir_name, tmp_dir_name
 from miles_lite.checkpoint.payload import CheckpointPayload
 from miles_lite.checkpoint.tensor_io import dtype_name, split_tensors
@@ -74,39 +75,6 @@ class SaveStats:
         return self.flush_s is not None
 
 
-class HostBuffers:
-    """Persistent host copies of the tensors being checkpointed, reused from save to save.
-
-    With CUDA the buffers are pinned so device-to-host copies run asynchronously (the writer waits
-    on a CUDA event); on a CPU-only machine pinning does not exist and a plain copy is the snapshot.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, Tensor] = {}
-        self.pinned = torch.cuda.is_available()
-
-    def stage(self, key: str, t: Tensor) -> Tensor:
-        """A host copy of `t` in the buffer for `key` (reallocated when shape or dtype changed)."""
-        src = t.detach()
-        buf = self._buffers.get(key)
-        if buf is None or buf.shape != src.shape or buf.dtype != src.dtype:
-            buf = torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self.pinned and src.is_cuda)
-            self._buffers[key] = buf
-        buf.copy_(src, non_blocking=src.is_cuda)
-        return buf
-
-    def drop_unused(self, used: set[str]) -> None:
-        for key in set(self._buffers) - used:
-            del self._buffers[key]
-
-    def clear(self) -> None:
-        self._buffers.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-
 def take_snapshot(payload: CheckpointPayload, buffers: HostBuffers, rank: int) -> Snapshot:
     """Copy `payload`'s tensors into `buffers` and pickle its trees; after this the caller may mutate state."""
     loose: dict[str, Tensor] = {}
@@ -114,22 +82,21 @@ def take_snapshot(payload: CheckpointPayload, buffers: HostBuffers, rank: int) -
     shared_tree = split_tensors(dict(payload.shared), "shared", loose) if payload.shared is not None else None
     if rank != 0 and (payload.shared is not None or payload.assets or payload.meta):
         raise ValueError(f"rank {rank} passed shared/assets/meta; only rank 0 writes those (pass None)")
-    tensors: dict[str, Tensor] = {}
+    items: list[tuple[str, Tensor]] = []
     records: list[PieceRecord] = []
-    any_cuda = False
+    seen: set[str] = set()
     for piece in payload.pieces:
         key = f"piece/{piece.name}/{piece.dim}/{piece.start}"
-        if key in tensors:
+        if key in seen:
             raise ValueError(f"rank {rank} gave piece {piece.name!r} rows {piece.start}.. twice")
-        any_cuda |= piece.tensor.is_cuda
-        tensors[key] = buffers.stage(key, piece.tensor)
+        seen.add(key)
+        items.append((key, piece.tensor))
         records.append(PieceRecord(name=piece.name, key=key, global_shape=tuple(piece.global_shape),
                                    dtype=dtype_name(piece.tensor.dtype), dim=piece.dim, start=piece.start,
                                    stop=piece.stop))
-    for key, t in loose.items():
-        any_cuda |= t.is_cuda
-        tensors[key] = buffers.stage(key, t)
-    buffers.drop_unused(set(tensors))
+    items += list(loose.items())
+    any_cuda = any(t.is_cuda for _, t in items)
+    tensors = buffers.stage_all(items)
     ready = None
     if any_cuda:
         ready = torch.cuda.Event()
@@ -154,10 +121,11 @@ class AsyncCheckpointer:
         keep_last / keep_every: retention (see `layout.retention_victims`).
         async_save: False writes inside `save` (blocking), same files.
         timeout_s: how long a rank waits for the others during a flush.
+        buffers: host buffers to snapshot into (e.g. reserved at start-up); default: new, empty ones.
     """
 
     def __init__(self, root: str | Path, *, keep_last: int = 2, keep_every: int = 0, async_save: bool = True,
-                 timeout_s: float = 1800.0) -> None:
+                 timeout_s: float = 1800.0, buffers: HostBuffers | None = None) -> None:
         if keep_last < 0 or keep_every < 0:
             raise ValueError(f"checkpoint.keep_last={keep_last} / keep_every={keep_every} must be >= 0")
         self.root = Path(root)
@@ -173,7 +141,7 @@ class AsyncCheckpointer:
             # Nothing of this root is in flight at start-up: leftovers are from a crash.
             self.cleaned = clean_stale_tmp(self.root)
         self._flusher = Flusher(self.root, self.rank, self.world_size, group, keep_last, keep_every)
-        self._buffers = HostBuffers()
+        self._buffers = buffers if buffers is not None else HostBuffers()
         self._thread: threading.Thread | None = None
         self._pending: SaveStats | None = None
         self._result: FlushResult | None = None
@@ -182,12 +150,13 @@ class AsyncCheckpointer:
         self.state = SaverState.IDLE
 
     @staticmethod
-    def from_config(cfg: CheckpointConfig, timeout_s: float = 1800.0) -> AsyncCheckpointer:
+    def from_config(cfg: CheckpointConfig, timeout_s: float = 1800.0,
+                    buffers: HostBuffers | None = None) -> AsyncCheckpointer:
         """From `checkpoint.dir / keep_last / keep_every / async_save` (ValueError when `dir` is unset)."""
         if not cfg.dir:
             raise ValueError("checkpoint.dir is unset: set checkpoint.dir=<directory> to save checkpoints")
         return AsyncCheckpointer(cfg.dir, keep_last=cfg.keep_last, keep_every=cfg.keep_every,
-                                 async_save=cfg.async_save, timeout_s=timeout_s)
+                                 async_save=cfg.async_save, timeout_s=timeout_s, buffers=buffers)
 
     # ---- saving ---------------------------------------------------------------------------------
 
@@ -229,6 +198,16 @@ class AsyncCheckpointer:
         done = self.wait()
         assert done is not None
         return done
+
+    def reserve(self, sizes: Iterable[int]) -> None:
+        """Allocate host buffers for snapshot tensors of `sizes` bytes now, on a background thread.
+
+        Call once the state's size is known (before the first save): the first save then copies
+        into memory that already exists instead of allocating (and pinning) it inside the step.
+        """
+        if self.state is SaverState.CLOSED:
+            raise RuntimeError("AsyncCheckpointer is closed")
+        self._buffers.reserve(sizes)
 
     def maybe_save(self, step: int, interval: int, build: Callable[[], CheckpointPayload]) -> SaveStats | None:
         """`save(step, build())` when `interval > 0` and `step` is a multiple of it; else None."""
@@ -289,4 +268,6 @@ class AsyncCheckpointer:
 
     def describe(self) -> dict[str, Any]:
         """Small status dict for logs/metrics."""
-        return {"state": self.state.value, "root": str(self.root), "host_buffer_bytes": self._buffers.nbytes}
+        return {"state": self.state.value, "root": str(self.root), "host_buffer_bytes": self._buffers.nbytes,
+                "host_reserved_bytes": self._buffers.reserved_bytes,
+                "host_allocations_in_save": self._buffers.allocations}

@@ -13,8 +13,9 @@ from typing import Any
 
 from miles_lite.checkpoint.async_ckpt import AsyncCheckpointer, SaveStats
 from miles_lite.checkpoint.driver_state import DriverState, capture_driver_rng, restore_driver_rng
+from miles_lite.checkpoint.host_buffers import HostBuffers
 from miles_lite.checkpoint.resume import CheckpointReader, resolve_resume, set_aside_newer
-from miles_lite.checkpoint.trainer_state import checkpoint_payload, hf_assets, restore_actor
+from miles_lite.checkpoint.trainer_state import checkpoint_payload, hf_assets, restore_actor, snapshot_sizes
 from miles_lite.config.schema import MilesConfig
 
 
@@ -34,9 +35,9 @@ class RankCheckpointer:
         timeout_s: how long a rank waits for the others while flushing.
     """
 
-    def __init__(self, cfg: MilesConfig, timeout_s: float = 1800.0) -> None:
+    def __init__(self, cfg: MilesConfig, timeout_s: float = 1800.0, buffers: HostBuffers | None = None) -> None:
         self.cfg = cfg
-        self.saver = AsyncCheckpointer.from_config(cfg.checkpoint, timeout_s=timeout_s)
+        self.saver = AsyncCheckpointer.from_config(cfg.checkpoint, timeout_s=timeout_s, buffers=buffers)
 
     def save(self, actor: Any, step: int, driver: DriverState | None = None) -> SaveStats:
         """Snapshot `actor` (and `driver` on rank 0) as checkpoint `step`; returns once training may go on."""
@@ -75,11 +76,20 @@ class ActorCheckpoints:
 
     def __init__(self) -> None:
         self.checkpointer: RankCheckpointer | None = None
+        self.buffers: HostBuffers | None = None
+
+    def prepare(self, actor: Any, cfg: MilesConfig) -> None:
+        """At trainer start-up, when the run saves asynchronously every `checkpoint.interval` steps:
+        start allocating the snapshots' host buffers on a background thread, so that the first save
+        blocks training only for its copies (allocating ~7 GB of pinned memory takes seconds)."""
+        if self.buffers is None and cfg.checkpoint.async_save and cfg.checkpoint.interval > 0:
+            self.buffers = HostBuffers()
+            self.buffers.reserve(snapshot_sizes(actor))
 
     def save(self, actor: Any, cfg: MilesConfig, step: int, driver: DriverState | None, final: bool) -> SaveStats:
         """Snapshot `actor` (and `driver` on rank 0) as checkpoint `step`; `final` waits for the commit."""
         if self.checkpointer is None:
-            self.checkpointer = RankCheckpointer(cfg)
+            self.checkpointer = RankCheckpointer(cfg, buffers=self.buffers)
         stats = self.checkpointer.save(actor, step, driver)
         return (self.checkpointer.finalize() or stats) if final else stats
 
@@ -95,6 +105,8 @@ class ActorCheckpoints:
     def close(self) -> None:
         if self.checkpointer is not None:
             self.checkpointer.close()
+        elif self.buffers is not None:
+            self.buffers.clear()
 
 
 def save_run(cfg: MilesConfig, system: Any, data: Any, steps_done: int, metrics: Any = None,

@@ -20,10 +20,13 @@ from torch import Tensor
 
 from miles_lite.checkpoint.payload import CheckpointPayload, GlobalPiece
 from miles_lite.checkpoint.resume import CheckpointReader
+from miles_lite.checkpoint.tensor_io import split_tensors
 from miles_lite.trainer.layout import LayoutKind, ParamLayout
 
 MODEL_PREFIX = "model/"
 OPTIM_PREFIX = "optim/"
+# Per-parameter state tensors of the trainer's optimizer (`trainer/optim.py` builds Megatron Adam).
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 # Files an HF tokenizer directory may hold; those present are stored with the checkpoint.
 TOKENIZER_ASSETS = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "generation_config.json")
@@ -131,6 +134,34 @@ def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
     return CheckpointPayload(pieces=pieces, local={"rng": sd["rng"], "parallel": par}, shared=shared,
                              assets=assets if shared is not None else None,
                              meta=meta_all if shared is not None else None)
+
+
+def snapshot_sizes(actor: Any) -> list[int]:
+    """Byte sizes of the tensors this rank's checkpoint snapshot will hold, the optimizer's included.
+
+    Before the first optimizer step Adam has no moments yet (torch and TE's FusedAdam create them
+    lazily); they are predicted as `ADAM_MOMENTS` tensors shaped and typed like each stepped
+    parameter, so that host buffers reserved from these sizes also hold the first save's moments.
+    """
+    payload = checkpoint_payload(actor)
+    loose: dict[str, Tensor] = {}
+    split_tensors(dict(payload.local), "local", loose)
+    if payload.shared is not None:
+        split_tensors(dict(payload.shared), "shared", loose)
+    sizes = [p.tensor.numel() * p.tensor.element_size() for p in payload.pieces]
+    sizes += [t.numel() * t.element_size() for t in loose.values()]
+    tp_rank, dp_rank = actor.par.tp_rank, actor.par.dp_rank
+    layouts: Mapping[str, ParamLayout] = actor.layouts
+    for sub, names in zip(_optimizers(actor), optimizer_param_names(actor), strict=True):
+        stepped = [p for group in sub.optimizer.param_groups for p in group["params"]]
+        for param, name in zip(stepped, names, strict=True):
+            layout = layouts[name]
+            writes = dp_rank == 0 and (layout.kind is not LayoutKind.REPLICATED or tp_rank == 0)
+            if sub.optimizer.state.get(param) or not writes:
+                continue
+            piece_bytes = [part.numel() * param.element_size() for _, part in layout.split(param.detach())]
+            sizes += piece_bytes * len(ADAM_MOMENTS)
+    return sizes
 
 
 def _optimizer_state(actor: Any, reader: CheckpointReader, shared_opt: list[dict[str, Any]]) -> Any:

@@ -24,6 +24,7 @@ class LocalTrainer:
                                   total_steps=max(cfg.experiment.steps, 1))
         self.cfg = cfg
         self.checkpoints = ActorCheckpoints()
+        self.checkpoints.prepare(self.actor, cfg)
         self.sender: Any = None
 
     def layouts(self) -> list[ParamLayout]:

@@ -86,6 +86,7 @@ class TrainerRank:
 
         self.actor = TrainerActor(cfg, rank=rank, world_size=world_size, init_method=init_method,
                                   total_steps=total_steps)
+        self.checkpoints.prepare(self.actor, cfg)
         par = self.actor.par
         return RankCoords(par.rank, par.tp_rank, par.dp_rank)
 

@@ -19,7 +19,9 @@ from trainer_scenarios import make_batch, make_config
 
 from miles_lite.checkpoint import CheckpointReader, DriverState, newest_complete
 from miles_lite.checkpoint.convert_cli import to_hf
+from miles_lite.checkpoint.host_buffers import HostBuffers
 from miles_lite.checkpoint.run_state import RankCheckpointer
+from miles_lite.checkpoint.trainer_state import snapshot_sizes
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.source import PromptSource
 
@@ -51,12 +53,17 @@ def scenario_train_save_train(rank: int, world_size: int, ckpt_dir: str) -> dict
     cfg = _config(ckpt_dir, tp=world_size)
     actor = TrainerActor(cfg, rank, world_size)
     data, order = _data(), []
-    ckpt = RankCheckpointer(cfg)
+    # Host buffers reserved before the first step (Adam has no moments yet): the save must fit in them.
+    buffers = HostBuffers()
+    buffers.reserve(snapshot_sizes(actor))
+    ckpt = RankCheckpointer(cfg, buffers=buffers)
     for _ in range(STEPS_BEFORE):
         order.append(_step(actor, data, cfg.model.vocab_size))
     saved_hf = actor.export_hf_state_dict()
     driver = DriverState(step=STEPS_BEFORE, weight_version=STEPS_BEFORE, data=data.state_dict())
     blocked = ckpt.save(actor, STEPS_BEFORE, driver).blocked_s
+    carved = {"allocations": buffers.allocations, "reserved": buffers.reserved_bytes, "used": buffers.nbytes,
+              "count": len(buffers)}
     for _ in range(STEPS_AFTER):  # training continues while the flush runs
         order.append(_step(actor, data, cfg.model.vocab_size))
     done = ckpt.finalize()
@@ -64,7 +71,8 @@ def scenario_train_save_train(rank: int, world_size: int, ckpt_dir: str) -> dict
     final = actor.export_hf_state_dict()
     actor.close()
     assert done is not None
-    return {"final": final, "saved": saved_hf, "order": order, "blocked_s": blocked, "flush_s": done.flush_s}
+    return {"final": final, "saved": saved_hf, "order": order, "blocked_s": blocked, "flush_s": done.flush_s,
+            "carved": carved}
 
 
 def scenario_resume_train(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
@@ -136,6 +144,15 @@ def test_tp2_checkpoint_resumes_at_tp1(run_a: tuple[Path, dict[str, Any]]) -> No
     moved = _max_diff(a["final"], a["saved"])
     assert moved > 1e-3, "the two steps after the checkpoint must move the weights, or the check proves nothing"
     assert _max_diff(c["final"], a["final"]) < 1e-3 * moved
+
+
+def test_first_save_fits_buffers_reserved_before_training(run_a: tuple[Path, dict[str, Any]]) -> None:
+    """Sizes predicted before the first step (weights, fp32 masters, Adam moments to come) hold the
+    first save exactly: nothing is allocated inside the save, and no reserved byte is left over."""
+    carved = run_a[1]["carved"]
+    assert carved["allocations"] == 0
+    assert carved["used"] > 0 and carved["reserved"] >= carved["used"]
+    assert carved["reserved"] - carved["used"] < 256 * carved["count"]  # alignment padding only
 
 
 def test_to_hf_export_loads_in_transformers(run_a: tuple[Path, dict[str, Any]]) -> None:
