@@ -4,12 +4,14 @@
         [--new-tokens 256] [--group-size 8] [--repeats 3] [--model-dir DIR] [--out FILE.json]
 
 Starts one engine (`--backend sglang`: `python -m sglang.launch_server` with `conf/rollout/sglang.yaml`'s
-flags plus `--disable-cuda-graph --disable-piecewise-cuda-graph --dtype bfloat16`, through `start_fleet` /
-`EngineLauncher`; `reference` for a CPU smoke run) on a random Qwen2.5-0.5B-shaped model
+flags plus `--dtype bfloat16 --disable-piecewise-cuda-graph`, through `start_fleet` / `EngineLauncher`; decode
+CUDA graphs stay on, as in training; `--no-cuda-graph` turns them off; `reference` for a CPU smoke run)
+on a random Qwen2.5-0.5B-shaped model
 (`tiny_hf.make_tiny_hf_model`, or `--model-dir`), then for each request count N runs, alternately and `--repeats` times:
 
 - direct: N concurrent `HttpEngine.generate` calls (asyncio.gather) on the fleet's engine client;
-- manager: `RolloutManager.generate_groups` on N / group_size prompts x group_size samples,
+- manager: `RolloutManager.generate_groups` on N / group_size prompts x group_size samples, with the
+  fleet's default in-flight limit (the engine's own capacity, from `/get_server_info`),
 
 both with the same prompts (random token ids, `--prompt-len` long), `--new-tokens` new tokens, temperature 1,
 `ignore_eos` (every request produces exactly `--new-tokens` tokens). One direct round of each size warms the
@@ -54,13 +56,13 @@ class Run:
         return self.tokens / self.wall_s
 
 
-def sglang_args() -> dict[str, Any]:
-    """`conf/rollout/sglang.yaml`'s sglang_args plus bf16 weights and no CUDA graphs of either kind (SGLang 0.5.10
-    still captures piecewise prefill graphs under `--disable-cuda-graph`, 45+ s of startup on an H200)."""
+def sglang_args(cuda_graph: bool = True) -> dict[str, Any]:
+    """`conf/rollout/sglang.yaml`'s sglang_args plus bf16 weights; no piecewise (prefill) CUDA graphs, whose
+    capture adds 45+ s of startup on an H200 and which the GRPO recipe leaves off too."""
     import yaml
 
     cfg = yaml.safe_load((REPO / "conf" / "rollout" / "sglang.yaml").read_text())
-    return {**cfg["sglang_args"], "disable_cuda_graph": True, "disable_piecewise_cuda_graph": True,
+    return {**cfg["sglang_args"], "disable_cuda_graph": not cuda_graph, "disable_piecewise_cuda_graph": True,
             "dtype": "bfloat16"}
 
 
@@ -103,8 +105,8 @@ async def measure(args: argparse.Namespace, model_dir: str, log_dir: str) -> dic
         raise ValueError(f"--requests {sizes} must all be multiples of --group-size {args.group_size}")
     rollout = RolloutConfig(backend=args.backend, engines=1, engine_tp=1, group_size=args.group_size,
                             max_new_tokens=args.new_tokens, request_timeout_s=600.0,
-                            max_inflight_per_engine=max(sizes), startup_timeout_s=args.startup_timeout,
-                            sglang_args=sglang_args() if args.backend == "sglang" else {},
+                            startup_timeout_s=args.startup_timeout,
+                            sglang_args=sglang_args(not args.no_cuda_graph) if args.backend == "sglang" else {},
                             reference_args={"max_batch_size": max(sizes)})
     ft = FaultToleranceConfig()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=1.0, ignore_eos=True)
@@ -112,6 +114,7 @@ async def measure(args: argparse.Namespace, model_dir: str, log_dir: str) -> dic
     fleet = await start_fleet(rollout, ft, model_dir, log_dir, engines=1)
     startup_s = time.perf_counter() - started
     manager = RolloutManager(fleet, rollout, ft)
+    capacity = [r.capacity for r in fleet.records]
     runs: list[Run] = []
     try:
         for n in sizes:
@@ -128,11 +131,15 @@ async def measure(args: argparse.Namespace, model_dir: str, log_dir: str) -> dic
         await fleet.close()
     rows = []
     for n in sizes:
-        med = {mode: statistics.median(r.tokens_per_s for r in runs if r.requests == n and r.mode == mode)
+        per = {mode: sorted(r.tokens_per_s for r in runs if r.requests == n and r.mode == mode)
                for mode in ("direct", "manager")}
+        med = {mode: statistics.median(v) for mode, v in per.items()}
         rows.append({"requests": n, "direct_tok_s": med["direct"], "manager_tok_s": med["manager"],
+                     "direct_min_max": [per["direct"][0], per["direct"][-1]],
+                     "manager_min_max": [per["manager"][0], per["manager"][-1]],
                      "ratio": med["manager"] / med["direct"]})
-    return {"backend": args.backend, "startup_s": startup_s, "prompt_len": args.prompt_len,
+    return {"backend": args.backend, "startup_s": startup_s, "engine_capacity": capacity,
+            "cuda_graph": not args.no_cuda_graph, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "group_size": args.group_size, "repeats": args.repeats,
             "rows": rows, "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs]}
 
@@ -140,7 +147,7 @@ async def measure(args: argparse.Namespace, model_dir: str, log_dir: str) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="sglang", choices=("sglang", "reference"))
-    parser.add_argument("--requests", default="64,256", help="comma-separated request counts per pass")
+    parser.add_argument("--requests", default="64,256,512", help="comma-separated request counts per pass")
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--group-size", type=int, default=8)
@@ -148,6 +155,7 @@ def main() -> None:
     parser.add_argument("--model-dir", default="", help="HF model directory (default: a random Qwen2.5-0.5B shape)")
     parser.add_argument("--vocab", type=int, default=QWEN25_VOCAB, help="prompt token ids are drawn below this")
     parser.add_argument("--startup-timeout", type=float, default=300.0)
+    parser.add_argument("--no-cuda-graph", action="store_true", help="start SGLang with --disable-cuda-graph")
     parser.add_argument("--out", default="", help="write the JSON report here")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="rollout-throughput-") as tmp:
@@ -155,11 +163,13 @@ def main() -> None:
                                                              Path(tmp) / "model", seed=0))
         report = asyncio.run(measure(args, model_dir, str(Path(args.out).parent / "engine-logs" if args.out
                                                           else Path(tmp) / "logs")))
-    print(f"\nstartup {report['startup_s']:.1f} s; {args.prompt_len} prompt + {args.new_tokens} new tokens, "
-          f"group size {args.group_size}, median of {args.repeats}")
+    print(f"\nstartup {report['startup_s']:.1f} s; engine capacity {report['engine_capacity']}; {args.prompt_len} "
+          f"prompt + {args.new_tokens} new tokens, group size {args.group_size}, median (min-max) of {args.repeats}")
     print("| requests | direct tok/s | manager tok/s | manager / direct |\n|---:|---:|---:|---:|")
     for row in report["rows"]:
-        print(f"| {row['requests']} | {row['direct_tok_s']:,.0f} | {row['manager_tok_s']:,.0f} | {row['ratio']:.3f} |")
+        d, m = row["direct_min_max"], row["manager_min_max"]
+        print(f"| {row['requests']} | {row['direct_tok_s']:,.0f} ({d[0]:,.0f}-{d[1]:,.0f}) "
+              f"| {row['manager_tok_s']:,.0f} ({m[0]:,.0f}-{m[1]:,.0f}) | {row['ratio']:.3f} |")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))
 

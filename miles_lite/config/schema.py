@@ -168,8 +168,9 @@ class RolloutConfig:
     dynamic_sampling: bool = False
     max_sampling_rounds: int = bounded(3, ge=1)
     request_timeout_s: float = bounded(600.0, gt=0)
-    # Outstanding requests one engine is given at most; more wait in the manager (bounds open connections).
-    max_inflight_per_engine: int = bounded(256, ge=1)
+    # Outstanding requests one engine is given at most; more wait in the manager. None: the engine's own
+    # capacity (its running-request limit, capped at SGLang's CUDA-graph batch size), read at admission.
+    max_inflight_per_engine: int | None = bounded(None, ge=1)
     # Generate the next `async_steps` steps' batches while training this one (0: synchronous); groups whose
     # oldest token is more than `max_staleness` versions behind the trainer are dropped.
     async_steps: int = 0

@@ -114,6 +114,8 @@ class EngineRecord:
     in_weight_update: bool = False
     request_failures: int = 0
     requests_served: int = 0
+    # Requests the engine runs at once (from its server info); None = unknown.
+    capacity: int | None = None
     last_error: str = ""
     extra: dict[str, object] = field(default_factory=dict)
 

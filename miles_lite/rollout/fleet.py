@@ -56,6 +56,18 @@ class FleetExhausted(RuntimeError):
     """No engine is healthy and none can become healthy in time."""
 
 
+
+def engine_capacity(server_info: dict) -> int | None:
+    """Requests an engine runs at once, from its `/get_server_info`: SGLang reports each data-parallel
+    scheduler's `effective_max_running_requests_per_dp` (sized from its KV-cache memory) in
+    `internal_states`; otherwise the `max_running_requests` server argument when set."""
+    states = server_info.get("internal_states") or []
+    per_dp = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
+    if per_dp and all(isinstance(n, int) and n > 0 for n in per_dp):
+        return sum(per_dp)
+    top = server_info.get("max_running_requests")
+    return top if isinstance(top, int) and top > 0 else None
+
 class EngineFleet:
     """The engines serving rollouts, with health checks and automatic replacement.
 
@@ -80,7 +92,8 @@ class EngineFleet:
         first admitted engine reports (engines start from the same checkpoint).
         `auto_replace`: start a replacement as soon as an engine dies (else call `replace_dead()`).
         `max_inflight_per_engine`: `acquire` waits while every healthy engine has this many
-        outstanding requests (None = unbounded).
+        outstanding requests; None = each engine's own capacity (`engine_capacity`: the requests its
+        scheduler runs at once, read when it is admitted), unbounded for an engine that reports none.
         """
         if cfg.failure_threshold < 1:
             raise ValueError(f"fault_tolerance.failure_threshold must be >= 1, got {cfg.failure_threshold}")
@@ -175,9 +188,21 @@ class EngineFleet:
             self._after_death(rec)
             return
         rec.version = version if version is not None else await self._report_version(rec)
+        rec.capacity = await self._report_capacity(rec)
         if self.current_version is None:
             self.current_version = rec.version
         self._set_state(rec, EngineState.HEALTHY, f"serving weight version {rec.version!r}")
+
+    async def _report_capacity(self, rec: EngineRecord) -> int | None:
+        """The engine's concurrent-request capacity from `/get_server_info`; None when it says none."""
+        info = getattr(rec.engine, "server_info", None)
+        if self.max_inflight_per_engine is not None or info is None:
+            return None
+        try:
+            return engine_capacity(await asyncio.wait_for(info(), self.cfg.health_timeout_s))
+        except Exception as exc:  # no capacity known: the engine's own queue takes what it cannot run
+            rec.last_error = f"server_info failed: {exc!r}"
+            return None
 
     async def _report_version(self, rec: EngineRecord) -> str:
         try:
@@ -301,12 +326,12 @@ class EngineFleet:
                     await asyncio.wait_for(cond.wait(), left)
 
     def _pick(self, exclude: frozenset[str]) -> EngineRecord | None:
-        cap = self.max_inflight_per_engine
         healthy = [r for r in self.records if r.state is EngineState.HEALTHY]
         # An excluded engine (one this request already failed on) is used only when no other is healthy;
         # a busy other engine is worth waiting for.
         candidates = [r for r in healthy if r.engine_id not in exclude] or healthy
-        free = [r for r in candidates if cap is None or r.inflight < cap]
+        free = [r for r in candidates if (cap := self.max_inflight_per_engine or r.capacity) is None
+                or r.inflight < cap]
         # Least outstanding first; ties go to the engine that has served fewer requests.
         return min(free, key=lambda r: (r.inflight, r.requests_served, r.index), default=None)
 
