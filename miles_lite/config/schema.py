@@ -285,6 +285,11 @@ class RewardsConfig:
     weights: dict[str, float] = field(default_factory=dict)
 
 
+# The SGLang weight loader that `weight_sync.transport=ipc_handles` pushes into (the engine lists it in
+# `--custom-weight-loader`); named here so that config checks need not import the transport.
+IPC_HANDLES_LOADER = "miles_lite.engines.sglang.ipc_loader.load_ipc_weights"
+
+
 @dataclass
 class WeightSyncConfig:
     """How new weights reach the engines after each optimizer step, and how pushes are verified."""

@@ -48,7 +48,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("synthetic", "gsm8k"),
     "data.presample.scoring": ("strict", "lenient"),
     "data.prompt_template": ("default", "worklog"),
-    "weight_sync.transport": ("distributed", "ipc", "disk"),
+    "weight_sync.transport": ("distributed", "ipc", "ipc_handles", "disk"),
     "weight_sync.mode": ("shard", "full"),
     "weight_sync.backend": ("auto", "nccl", "gloo"),
     "cluster.mode": ("local", "ray"),

@@ -6,7 +6,10 @@ transport x mode x rollout.backend:
 - distributed / full: both backends, SGLang's own `init_weights_update_group` /
   `update_weights_from_distributed` (full HF tensors broadcast from one process);
 - disk: both backends (safetensors on a directory the engines can read);
-- ipc: SGLang only (CUDA IPC handles), engines on the trainer's GPUs (`cluster.placement=colocated`).
+- ipc: SGLang only (torch's pickled CUDA tensors: trainer and engines on one torch build), engines on the
+  trainer's GPUs (`cluster.placement=colocated`);
+- ipc_handles: SGLang only, colocated, the engines started with the IPC weight loader plugin
+  (`IPC_HANDLES_LOADER` in `--custom-weight-loader`): driver-level CUDA IPC, any torch builds.
 `mode` only selects between the two distributed variants.
 
 The group's backend (`weight_sync.backend`): auto picks NCCL when the trainer is on GPUs and every
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from miles_lite.config.schema import MilesConfig
+from miles_lite.config.schema import IPC_HANDLES_LOADER, MilesConfig
 
 BACKENDS = ("auto", "nccl", "gloo")
 
@@ -68,11 +71,18 @@ def collective_backend(cfg: MilesConfig) -> str:
 def weight_sync_problems(cfg: MilesConfig) -> list[str]:
     """Combinations that cannot work, each naming the fix."""
     ws, problems = cfg.weight_sync, []
-    if ws.transport == "ipc" and cfg.rollout.backend != "sglang":
-        problems.append(f"weight_sync.transport=ipc hands CUDA IPC handles to SGLang engines; with "
+    if ws.transport in ("ipc", "ipc_handles") and cfg.rollout.backend != "sglang":
+        problems.append(f"weight_sync.transport={ws.transport} hands CUDA IPC handles to SGLang engines; with "
                         f"rollout.backend={cfg.rollout.backend} use weight_sync.transport=distributed or disk")
-    if ws.transport == "ipc" and cfg.cluster.placement != "colocated":
-        problems.append("weight_sync.transport=ipc needs cluster.placement=colocated (engines on the trainer's GPUs)")
+    if ws.transport in ("ipc", "ipc_handles") and cfg.cluster.placement != "colocated":
+        problems.append(f"weight_sync.transport={ws.transport} needs cluster.placement=colocated (engines on the "
+                        "trainer's GPUs)")
+    if ws.transport == "ipc_handles" and cfg.rollout.backend == "sglang" and not cfg.rollout.engine_urls:
+        loaders = cfg.rollout.sglang_args.get("custom_weight_loader") or []
+        if IPC_HANDLES_LOADER not in (loaders if isinstance(loaders, list | tuple) else [loaders]):
+            problems.append(f"weight_sync.transport=ipc_handles: SGLang engines must load the push with "
+                            f"{IPC_HANDLES_LOADER}; add '+rollout.sglang_args.custom_weight_loader="
+                            f"[{IPC_HANDLES_LOADER}]'")
     if ws.transport == "distributed" and ws.backend == "nccl":
         obstacle = nccl_obstacle(cfg)
         if obstacle:

@@ -53,7 +53,7 @@ PREFIX = "miles_lite_"
 ROLES = ("trainer", "rollout", "driver")
 PHASES = ("generate", "reward", "logprobs", "train", "sync", "checkpoint")
 ENGINE_STATES = ("starting", "healthy", "dead", "replacing", "stale")
-TRANSPORTS = ("distributed", "ipc", "disk")
+TRANSPORTS = ("distributed", "ipc", "ipc_handles", "disk")
 IS_KINDS = ("raw", "applied")
 
 # Request latencies of a tiny CPU engine are tens of ms; SGLang requests of long completions minutes.

@@ -37,6 +37,10 @@ def build_transport(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: P
                                     mode=ws.mode, backend=backend, init_timeout_s=ws.init_timeout_s,
                                     master_address=master, device="cuda" if backend == "nccl" else "cpu",
                                     senders=trainer if ws.mode == "shard" else None)
+    if ws.transport == "ipc_handles":
+        from miles_lite.weight_sync.ipc_handles import IpcHandleTransport
+
+        return IpcHandleTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib))
     from miles_lite.weight_sync.ipc import IpcTransport
 
     return IpcTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib))
