@@ -46,7 +46,13 @@ from miles_lite.types import TrainBatch
 H200_BF16_PEAK_TFLOPS = 989.0
 TINY = TinyModelShape(hidden_size=128, ffn_hidden_size=352, num_layers=2, num_attention_heads=4, num_kv_heads=2,
                       max_position_embeddings=4096)
-SHAPES = {"qwen2.5-0.5b": (QWEN25_05B_SHAPE, QWEN25_VOCAB), "tiny": (TINY, 1024)}
+# Qwen2.5-7B's width (hidden 3584, SwiGLU 18944, 28 heads, 4 KV groups, untied 152064 vocabulary), 6 of its 28
+# layers: the per-layer GEMM shapes of the real model at a size one GPU steps quickly.
+QWEN25_7B_WIDTH_6L = TinyModelShape(hidden_size=3584, ffn_hidden_size=18944, num_layers=6, num_attention_heads=28,
+                                    num_kv_heads=4, max_position_embeddings=32768, rope_theta=1_000_000.0,
+                                    rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True)
+SHAPES = {"qwen2.5-0.5b": (QWEN25_05B_SHAPE, QWEN25_VOCAB), "tiny": (TINY, 1024),
+          "qwen2.5-7b-w6": (QWEN25_7B_WIDTH_6L, 152064)}
 
 
 @dataclass(frozen=True)
@@ -186,11 +192,52 @@ def bare_lm_step(actor: TrainerActor, ids: torch.Tensor) -> float:
     return float(loss)
 
 
-def summarize(times: list[float], tokens: int, flops: float) -> dict[str, float]:
-    """Median step time -> tokens/s, model TFLOP/s and MFU (fraction of the H200 bf16 peak)."""
-    med = sorted(times)[len(times) // 2]
+def summarize(times: list[float], tokens: int, flops: float) -> dict[str, Any]:
+    """Median step time -> tokens/s, model TFLOP/s and MFU (fraction of the H200 bf16 peak); min/max step time."""
+    import statistics
+
+    med = statistics.median(times)
     tflops = flops / med / 1e12
-    return {"step_s": med, "tokens_per_s": tokens / med, "tflops": tflops, "mfu": tflops / H200_BF16_PEAK_TFLOPS}
+    return {"step_s": med, "step_s_min": min(times), "step_s_max": max(times), "steps": len(times),
+            "tokens_per_s": tokens / med, "tflops": tflops, "mfu": tflops / H200_BF16_PEAK_TFLOPS}
+
+
+def time_interleaved(fns: dict[str, Any], warmup: int, steps: int) -> dict[str, list[float]]:
+    """Seconds of `steps` timed calls of each of `fns`, alternating A, B, A, B... after `warmup` rounds, so
+    that slow drifts of the GPU (clocks, memory fragmentation) affect every variant alike."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(steps):
+        for name, fn in fns.items():
+            _sync()
+            t0 = time.perf_counter()
+            fn()
+            _sync()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def profile_steps(fns: dict[str, Any], out_dir: Path, steps: int = 2) -> dict[str, str]:
+    """A torch profiler trace of `steps` calls of each of `fns` (after the timed runs), and the table of the
+    30 costliest operators by device time; returns {name: table}. Traces go to `out_dir/<name>.json.gz`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tables = {}
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    for name, fn in fns.items():
+        _sync()
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                fn()
+            _sync()
+        prof.export_chrome_trace(str(out_dir / f"{name}.json.gz"))
+        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        tables[name] = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+        (out_dir / f"{name}.txt").write_text(tables[name])
+    return tables
 
 
 def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device: str) -> dict[str, Any]:
@@ -201,8 +248,31 @@ def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device
     actor = TrainerActor(actor_config(model_dir, run, device, args.micro_batch_tokens, 1e-6, logprob), 0, 1)
     out: dict[str, Any] = {"logprob": logprob}
     try:
-        batches = {"fixed": fixed_batch(spec.vocab_size, args.batch, args.seq),
-                   "packed": packed_batch(spec.vocab_size, args.batch * args.seq, args.seq)}
+        batches = {"fixed": fixed_batch(spec.vocab_size, args.batch, args.seq)}
+        if args.packed:
+            batches["packed"] = packed_batch(spec.vocab_size, args.batch * args.seq, args.seq)
+        if args.bare:
+            ids = torch.tensor(batches["fixed"].tokens)
+            fixed = batches.pop("fixed")
+            last_rl: dict[str, float] = {}
+            fns = {"rl": lambda: last_rl.update(actor.train_step(fixed)), "bare": lambda: bare_lm_step(actor, ids)}
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            times = time_interleaved(fns, args.warmup, args.steps)
+            flops = step_flops(spec, [ids.shape[1]] * ids.shape[0])
+            out["fixed"] = summarize(times["rl"], fixed.num_tokens, flops)
+            out["fixed"].update(loss=last_rl.get("loss/total"), grad_norm=last_rl.get("grad_norm"))
+            out["bare_fixed"] = summarize(times["bare"], ids.numel(), flops)
+            if torch.cuda.is_available():
+                out["peak_mem_gib_rl_and_bare"] = torch.cuda.max_memory_allocated() / 2**30
+            out["rl_over_bare"] = out["bare_fixed"]["step_s"] / out["fixed"]["step_s"]
+            out["rl_over_bare_per_round"] = sorted(b / r for r, b in zip(times["rl"], times["bare"], strict=True))
+            if args.profile:
+                tables = profile_steps(fns, args.profile / f"{run.name}{args.tag}")
+                out["profile_dir"] = str(args.profile / f"{run.name}{args.tag}")
+                for name, table in tables.items():
+                    print(f"--- profile {run.name} {name} (2 steps) ---\n" + "\n".join(table.splitlines()[:24]),
+                          flush=True)
         for name, batch in batches.items():
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
@@ -222,16 +292,6 @@ def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device
         # Cost of the per-step finiteness check alone (grads are still in the buffers after the last step).
         fin = time_steps(lambda: actor._all_finite([]), 1, 3)
         out["finite_check_ms"] = 1e3 * sorted(fin)[1]
-        if args.bare:
-            ids = torch.tensor(batches["fixed"].tokens)
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            times = time_steps(lambda: bare_lm_step(actor, ids), args.warmup, args.steps)
-            res = summarize(times, ids.numel(), step_flops(spec, [ids.shape[1]] * ids.shape[0]))
-            if torch.cuda.is_available():
-                res["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-            out["bare_fixed"] = res
-            out["rl_over_bare"] = out["fixed"]["tokens_per_s"] / res["tokens_per_s"]
     finally:
         actor.close()
         if torch.cuda.is_available():
@@ -320,7 +380,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--bare", action="store_true", help="also time a plain megatron-core LM step")
+    p.add_argument("--bare", action="store_true",
+                   help="also time a plain megatron-core LM step, alternating with the RL step on the same tokens")
+    p.add_argument("--packed", action="store_true", help="also time the RL step on a packed ragged batch")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="with --bare: write torch profiler traces of 2 RL and 2 bare steps under this directory")
     p.add_argument("--logprob-chunk-tokens", type=int, default=2048, help="trainer.logprob_chunk_tokens")
     p.add_argument("--logprob-recompute", action="store_true", help="trainer.logprob_recompute=true")
     p.add_argument("--logprob-kernel", default="auto", choices=("auto", "compiled", "eager"),
