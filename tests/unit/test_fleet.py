@@ -272,3 +272,43 @@ def test_bad_config_is_rejected_with_the_field_name():
         EngineFleet(_ft(), max_inflight_per_engine=0)
     with pytest.raises(ValueError, match="needs a launcher"):
         asyncio.run(EngineFleet(_ft()).launch(1))
+
+
+class _SizedEngine(FakeEngine):
+    """A FakeEngine that reports SGLang's `/get_server_info` shape with a running-batch capacity."""
+
+    def __init__(self, engine_id: str, per_dp: list[int]) -> None:
+        super().__init__(engine_id)
+        self.per_dp = per_dp
+
+    async def server_info(self) -> dict:
+        return {"max_running_requests": None,
+                "internal_states": [{"effective_max_running_requests_per_dp": n} for n in self.per_dp]}
+
+
+def test_engine_capacity_reads_sglang_and_reference_server_info():
+    from miles_lite.rollout.fleet import engine_capacity
+
+    assert engine_capacity({"internal_states": [{"effective_max_running_requests_per_dp": 48}] * 2}) == 96
+    assert engine_capacity({"max_running_requests": 7, "internal_states": [{"paused": False}]}) == 7
+    assert engine_capacity({"max_running_requests": None, "internal_states": []}) is None
+
+
+def test_default_inflight_limit_is_each_engines_own_capacity():
+    async def main() -> None:
+        fleet = EngineFleet(_ft())  # no configured limit
+        small = await fleet.add_engine(EngineHandle(_SizedEngine("small", [1])))
+        big = await fleet.add_engine(EngineHandle(_SizedEngine("big", [2, 1])))
+        plain = EngineFleet(_ft(), max_inflight_per_engine=5)
+        fixed = await plain.add_engine(EngineHandle(_SizedEngine("fixed", [1])))
+        assert (small.capacity, big.capacity, fixed.capacity) == (1, 3, None)
+        leases = [await fleet.acquire() for _ in range(4)]
+        assert sorted(lease.engine_id for lease in leases) == ["big", "big", "big", "small"]
+        with pytest.raises(FleetExhausted):
+            await fleet.acquire(timeout_s=0.05)
+        for lease in leases:
+            await fleet.release(lease, ok=True)
+        await fleet.close()
+        await plain.close()
+
+    asyncio.run(main())
