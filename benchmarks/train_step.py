@@ -392,6 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tag", default="", help="suffix of the result keys (several runs into one --out)")
     p.add_argument("--sft-steps", type=int, default=0, help="FP8-vs-bf16 SFT curves of this many steps")
     p.add_argument("--sft-lr", type=float, default=1e-4)
+    p.add_argument("--sft-configs", default="", help="FP8 recipes of the SFT curves (default: those of --configs)")
     p.add_argument("--agreement", action="store_true", help="trainer vs HF log-probs, fp32 and bf16")
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--out", type=Path, default=None)
@@ -418,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.sft_steps:
         # Every FP8 recipe against the bf16 baseline (on CPU: the fp32 curve alone).
         base = RunConfig.parse("bf16" if gpu else "fp32")
-        for run in [base, *(r for r in runs if r.precision == "fp8")]:
+        sft_runs = [RunConfig.parse(c) for c in args.sft_configs.split(",") if c] if args.sft_configs else runs
+        for run in [base, *(r for r in sft_runs if r.precision == "fp8")]:
             record(f"sft/{run.name}", lambda r=run: sft_curve(model_dir, r, device, args.sft_steps, args.sft_lr))
     if args.agreement:
         record("agreement", lambda: agreement(make_model_dir(args.shape, args.model_root, 0.05), device))

@@ -58,8 +58,8 @@ class HostBuffers:
 
     Attributes:
         pinned: whether buffers are page-locked (CUDA available).
-        allocations: buffers allocated by `stage_all` itself, i.e. not carved from a reservation
-            (each one is an allocation inside the training step).
+        allocations / allocated_bytes: buffers (and their bytes) allocated by `stage_all` itself, i.e.
+            not carved from a reservation: allocations inside the training step.
         reserved_bytes: size of the arena `reserve` allocated (0 before, or while it runs).
     """
 
@@ -72,6 +72,7 @@ class HostBuffers:
         self._reserving: threading.Thread | None = None
         self._reserve_error: BaseException | None = None
         self.allocations = 0
+        self.allocated_bytes = 0
         self.reserved_bytes = 0
 
     # ---- reservation ----------------------------------------------------------------------------
@@ -136,6 +137,7 @@ class HostBuffers:
         raw = self._carve(nbytes)
         if raw is None:
             self.allocations += 1
+            self.allocated_bytes += nbytes
             return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self.pinned and src.is_cuda)
         return raw.view(src.dtype).view(src.shape) if nbytes else torch.empty(src.shape, dtype=src.dtype)
 

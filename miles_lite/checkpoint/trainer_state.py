@@ -142,6 +142,8 @@ def snapshot_sizes(actor: Any) -> list[int]:
     Before the first optimizer step Adam has no moments yet (torch and TE's FusedAdam create them
     lazily); they are predicted as `ADAM_MOMENTS` tensors shaped and typed like each stepped
     parameter, so that host buffers reserved from these sizes also hold the first save's moments.
+    Small tensors that appear later (torch Adam's per-parameter step counters, the driver's RNG
+    state) are not predicted: the save allocates those few bytes itself.
     """
     payload = checkpoint_payload(actor)
     loose: dict[str, Tensor] = {}

