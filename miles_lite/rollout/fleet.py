@@ -34,6 +34,7 @@ from miles_lite.rollout.engine_state import (
     Launcher,
     Transition,
     console_line,
+    engine_capacity,
 )
 
 logger = logging.getLogger(__name__)
@@ -56,17 +57,6 @@ class FleetExhausted(RuntimeError):
     """No engine is healthy and none can become healthy in time."""
 
 
-
-def engine_capacity(server_info: dict) -> int | None:
-    """Requests an engine runs at once, from its `/get_server_info`: SGLang reports each data-parallel
-    scheduler's `effective_max_running_requests_per_dp` (sized from its KV-cache memory) in
-    `internal_states`; otherwise the `max_running_requests` server argument when set."""
-    states = server_info.get("internal_states") or []
-    per_dp = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
-    if per_dp and all(isinstance(n, int) and n > 0 for n in per_dp):
-        return sum(per_dp)
-    top = server_info.get("max_running_requests")
-    return top if isinstance(top, int) and top > 0 else None
 
 class EngineFleet:
     """The engines serving rollouts, with health checks and automatic replacement.

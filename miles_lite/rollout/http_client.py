@@ -30,6 +30,9 @@ from miles_lite.types import Generation, SamplingParams
 _FINISH_TYPES = ("stop", "length", "abort")
 
 
+# Seconds an idle keep-alive connection is kept: below the servers' own idle timeout (SGLang: 5 s).
+CLIENT_KEEPALIVE_S = 3.0
+
 class HttpEngine:
     """An engine reached over HTTP at `url` (an SGLang server or the reference engine)."""
 
@@ -51,8 +54,11 @@ class HttpEngine:
         loop = asyncio.get_running_loop()
         # A session belongs to the loop that made it; callers that run several loops get one each.
         if self._session is None or self._session.closed or self._session_loop is not loop:
-            # No total-connection cap: the rollout manager bounds concurrency itself.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+            # No total-connection cap: the rollout manager bounds concurrency itself. Idle connections are
+            # dropped before the server drops them (SGLang's uvicorn: 5 s): reusing one the server has just
+            # closed fails with ServerDisconnectedError, which an H200 run hit after 5 s of training.
+            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+                limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S))
             self._session_loop = loop
         return self._session
 

@@ -287,11 +287,16 @@ class _SizedEngine(FakeEngine):
 
 
 def test_engine_capacity_reads_sglang_and_reference_server_info():
-    from miles_lite.rollout.fleet import engine_capacity
+    from miles_lite.rollout.engine_state import engine_capacity
 
     assert engine_capacity({"internal_states": [{"effective_max_running_requests_per_dp": 48}] * 2}) == 96
     assert engine_capacity({"max_running_requests": 7, "internal_states": [{"paused": False}]}) == 7
     assert engine_capacity({"max_running_requests": None, "internal_states": []}) is None
+    # Decode batches above SGLang's CUDA-graph size run eagerly: the capacity stops there (per scheduler).
+    graphs = {"cuda_graph_max_bs": 256, "disable_cuda_graph": False,
+              "internal_states": [{"effective_max_running_requests_per_dp": 4096}] * 2}
+    assert engine_capacity(graphs) == 512
+    assert engine_capacity({**graphs, "disable_cuda_graph": True}) == 8192
 
 
 def test_default_inflight_limit_is_each_engines_own_capacity():
