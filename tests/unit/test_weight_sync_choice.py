@@ -66,3 +66,19 @@ def test_gsm8k_recipe_uses_nccl_on_two_gpus_and_gloo_on_one(paths):  # noqa: F81
     assert collective_backend(tp2) == "gloo"
     tp2.rollout.sglang_args["base_gpu_id"] = 2
     assert collective_backend(tp2) == "nccl"
+
+
+def test_ipc_handles_needs_colocated_sglang_with_its_loader() -> None:
+    from miles_lite.config.schema import IPC_HANDLES_LOADER, MilesConfig
+    from miles_lite.config.weight_sync_choice import weight_sync_problems
+
+    cfg = MilesConfig()
+    cfg.weight_sync.transport = "ipc_handles"
+    cfg.rollout.backend = "sglang"
+    problems = " ".join(weight_sync_problems(cfg))
+    assert "cluster.placement=colocated" in problems and IPC_HANDLES_LOADER in problems
+    cfg.cluster.placement = "colocated"
+    cfg.rollout.sglang_args = {"custom_weight_loader": [IPC_HANDLES_LOADER]}
+    assert weight_sync_problems(cfg) == []
+    cfg.rollout.backend = "reference"
+    assert "hands CUDA IPC handles to SGLang" in " ".join(weight_sync_problems(cfg))
