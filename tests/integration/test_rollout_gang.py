@@ -139,7 +139,7 @@ def test_engines_run_on_the_rollout_node_and_a_killed_one_is_replaced_there(clus
     assert "rollout gang: engine" in driver_log
     # The engines joined the weight-update group at the trainer rank 0 node's address.
     engine_logs = "".join(f.read_text(errors="replace") for f in (run / "logs").glob("reference-*.log"))
-    joined = re.findall(r"joining weight-update group \S+ at (\S+):\d+", engine_logs)
+    joined = re.findall(r"weight-update group \S+ at ([^\s:]+):\d+", engine_logs)
     assert joined and set(joined) == {trainer_ip}, joined
     # Every push was verified (the probe scored the same on both sides), every step ran once.
     records = _records(run)

@@ -69,8 +69,8 @@ class WeightReceiver:
         self.group_name = request.group
         self.backend = f["backend"]
         self.state = ReceiverState.JOINED
-        log.info("joined weight-update group %s as rank %s of %s (%s)", request.group, f["rank"], f["world_size"],
-                 self.backend)
+        log.info("joined weight-update group %s at %s:%s as rank %s of %s (%s)", request.group, f["master_address"],
+                 f["master_port"], f["rank"], f["world_size"], self.backend)
 
     def receive(self, params: dict[str, torch.Tensor], request: LoaderRequest) -> list[str]:
         """Receive one bucket's blocks into `params` in place; the HF names loaded."""
