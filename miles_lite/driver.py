@@ -24,17 +24,20 @@ resumes with `checkpoint.resume=auto`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from miles_lite.checkpoint.driver_state import DriverState, restore_driver_rng
 from miles_lite.config import MilesConfig, to_yaml
 from miles_lite.data.problems import load_problems
 from miles_lite.data.source import PromptSource
 from miles_lite.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.evaluation import EvalResult, evaluate
+from miles_lite.rewards import score_groups
 from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rl_distill_coef, rollout_stats
 from miles_lite.rollout.pipeline import RolloutPipeline
 from miles_lite.run_io import RunIO, checkpoint_root, finished_summary
@@ -99,10 +102,11 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
 def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: list, held_out: list,
            start: float) -> RunSummary:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
+    cfg = checkpoints_under(cfg, run_dir)
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
     with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg)) as io:
         system.report_fleet_events(io.log)
-        first_step = io.resume(system, data)
+        first_step = continue_from(io.resume(system), system, data, io)
         summary = RunSummary(str(run_dir), first_step, 0.0)
         if first_step == 0 and not prepare_rl(system, data, train_problems, held_out, io, stop, summary):
             # A checkpoint at step 0 would be resumed as a fresh run, warm-up included, on warmed weights.
@@ -117,7 +121,7 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
                                    **refill_hooks(system, data))
         try:
             for step in range(first_step, cfg.experiment.steps):
-                rl_step(system, data, io, rollouts, step)
+                rl_step(system, data, io, rollouts, step, held_out)
                 summary.steps_done = step + 1
                 if stop.requested:
                     summary.stopped_by_signal = True
@@ -153,9 +157,30 @@ def prepare_rl(system: System, data: PromptSource, train_problems: list, held_ou
     return not stop.requested
 
 
+def checkpoints_under(cfg: MilesConfig, run_dir: Path) -> MilesConfig:
+    """Checkpoints live with the run unless `checkpoint.dir` names a shared directory."""
+    if cfg.checkpoint.dir is not None:
+        return cfg
+    checkpoint = dataclasses.replace(cfg.checkpoint, dir=str(checkpoint_root(cfg, run_dir)))
+    return dataclasses.replace(cfg, checkpoint=checkpoint)
+
+
+def continue_from(driver: DriverState | None, system: System, data: PromptSource, io: RunIO) -> int:
+    """The step to start from: 0 for a fresh run, else the restored one, with the data cursor, the driver's
+    RNG streams and the weight version put back and the restored weights pushed to the engines (they
+    started from the initial model)."""
+    if driver is None:
+        return 0
+    data.load_state_dict(driver.data)
+    restore_driver_rng(driver.rng)
+    system.version = driver.weight_version
+    io.report_sync(*system.push_weights())
+    return driver.step
+
+
 def eval_now(system: System, held_out: list) -> EvalResult:
     assert system.rollout is not None
-    return evaluate(system.rollout, held_out, system.render, system.encode, system.sampling)
+    return evaluate(system.rollout, held_out, system.encoder.render, system.encoder.encode, system.sampling)
 
 
 @dataclass(frozen=True)
@@ -171,7 +196,7 @@ class CursorAt:
 def start_rollouts(system: System, data: PromptSource, rollouts: RolloutPipeline) -> None:
     """Draw the next step's prompts and start generating them; the pipeline keeps the cursor from before."""
     cursor = data.state_dict()
-    rollouts.start(system.prompt_specs(data.next_batch(system.cfg.rollout.prompts_per_step)), tag=cursor)
+    rollouts.start(system.encoder.prompt_specs(data.next_batch(system.cfg.rollout.prompts_per_step)), tag=cursor)
 
 
 def refill_hooks(system: System, data: PromptSource) -> dict[str, Any]:
@@ -180,21 +205,41 @@ def refill_hooks(system: System, data: PromptSource) -> dict[str, Any]:
     thread-safe)."""
     if not system.cfg.rollout.dynamic_sampling:
         return {}
-    return {"scorer": system.score, "more_prompts": lambda n: system.prompt_specs(data.next_batch(n))}
+    return {"scorer": lambda groups: score_groups(system.reward_set, groups),
+            "more_prompts": lambda n: system.encoder.prompt_specs(data.next_batch(n))}
 
 
-def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int) -> None:
-    """One RL step; with `rollout.async_steps=N` the next N steps' generation overlaps its training."""
+def eval_due(cfg: MilesConfig, step: int) -> bool:
+    """Whether step `step` starts with a held-out evaluation: every `experiment.eval_every` steps done."""
+    every = cfg.experiment.eval_every
+    return every > 0 and step > 0 and step % every == 0
+
+
+def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int,
+            held_out: list | None = None) -> None:
+    """One RL step; with `rollout.async_steps=N` the next N steps' generation overlaps its training.
+
+    When `eval_due`, the held-out problems are evaluated (greedy) on the weights of the steps done so
+    far, between collecting this step's groups and starting the next generation (no generation is in
+    flight then: validation keeps `rollout.async_steps <= 1` with `experiment.eval_every`), and the
+    shares join this step's stats as `eval/<measure>`.
+    """
     cfg = system.cfg
     timer = io.timer()
     with timer.phase("generate"):
         if not rollouts.busy:
             start_rollouts(system, data, rollouts)
         rollout = rollouts.collect()
+    eval_stats: dict[str, float] = {}
+    if held_out and eval_due(cfg, step) and not rollouts.busy:
+        with timer.phase("eval"):
+            result = eval_now(system, held_out)
+        io.log(result.table(f"held-out evaluation after {step} RL steps"))
+        eval_stats = {f"eval/{k}": v for k, v in result.as_dict().items() if k != "n"}
     while rollouts.pending < cfg.rollout.async_steps and step + 1 + rollouts.pending < cfg.experiment.steps:
         start_rollouts(system, data, rollouts)
     with timer.phase("reward"):  # dynamic sampling scored the groups as they completed
-        groups = rollout.groups if cfg.rollout.dynamic_sampling else system.score(rollout.groups)
+        groups = rollout.groups if cfg.rollout.dynamic_sampling else score_groups(system.reward_set, rollout.groups)
     fresh, stale_stats = drop_stale(groups, system.version, cfg.rollout.max_staleness)
     batch, algo_stats = build_train_batch(fresh, cfg.algo)
     train_stats: dict[str, float] = {}
@@ -210,7 +255,8 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         rollouts.resume()
     io.report_sync(sync_report, sync_seconds)
     stats: dict[str, Any] = {**reward_stats(groups), **algo_stats, **train_stats, **timer.stats(),
-                             **rollout_stats(rollout.stats), **stale_stats, "rollout/pauses": float(rollout.pauses),
+                             **rollout_stats(rollout.stats), **stale_stats, **eval_stats,
+                             "rollout/pauses": float(rollout.pauses),
                              "rollout/groups_short": float(max(0, cfg.rollout.prompts_per_step - len(groups))),
                              "weight_version": system.version}
     io.publish_step(step, stats, groups, system.fleet_stats())

@@ -37,32 +37,25 @@ def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from miles_lite.config import load_config
+    from miles_lite.data.encoding import PromptEncoder
     from miles_lite.data.problems import read_problems
-    from miles_lite.data.prompts import render_prompt
-    from miles_lite.engines.fleet_launch import start_fleet
+    from miles_lite.engines.fleet_launch import build_rollout
     from miles_lite.evaluation import evaluate
-    from miles_lite.rollout.manager import RolloutManager
     from miles_lite.rollout.prompt_spec import sampling_from_config
-    from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 
     cfg = load_config(list(args.overrides))
     cfg.rollout.engines = args.engines
+    cfg.model.hf_path = args.model
     if args.max_new_tokens is not None:
         cfg.rollout.max_new_tokens = args.max_new_tokens
     problems = read_problems(args.data, args.n if args.n or args.data != "synthetic" else 64, cfg)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    with EventLoopThread() as loop:
-        fleet = loop.run(start_fleet(cfg.rollout, cfg.fault_tolerance, args.model, args.log_dir))
-        try:
-            manager = RolloutManager(fleet, cfg.rollout, cfg.fault_tolerance, stop_token_ids=eos,
-                                     decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-            template = cfg.data.prompt_template
-            result = evaluate(SyncRolloutManager(manager, loop), problems,
-                              lambda q: render_prompt(tokenizer, q, template),
-                              lambda t: list(tokenizer(t, add_special_tokens=False)["input_ids"]),
-                              sampling_from_config(cfg.rollout, stop_token_ids=eos))
-        finally:
-            loop.run(fleet.close())
+    encoder = PromptEncoder(tokenizer, cfg.data.prompt_template)
+    rollout = build_rollout(cfg, tokenizer, args.log_dir)
+    try:
+        result = evaluate(rollout.manager, problems, encoder.render, encoder.encode,
+                          sampling_from_config(cfg.rollout, stop_token_ids=encoder.stop_token_ids))
+    finally:
+        rollout.close()
     print(result.table(f"{args.model} on {args.data}"))
     return 0

@@ -18,18 +18,16 @@ below override them, and trailing KEY=VALUE arguments are Hydra overrides of any
 from __future__ import annotations
 
 import argparse
-import asyncio
 import sys
 from pathlib import Path
 from typing import Any
 
 from miles_lite.config.compose import load_config
 from miles_lite.config.schema import MilesConfig
+from miles_lite.data.encoding import PromptEncoder
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.problems import read_problems
-from miles_lite.data.prompts import render_prompt
-from miles_lite.engines.fleet_launch import start_fleet
-from miles_lite.rollout.manager import RolloutManager
+from miles_lite.engines.fleet_launch import build_rollout
 from miles_lite.rollout.presample import SCORINGS, PresampleReport, presample, write_filtered
 from miles_lite.rollout.prompt_spec import sampling_from_config
 
@@ -80,25 +78,22 @@ def _config(args: argparse.Namespace) -> MilesConfig:
     return cfg
 
 
-async def _presample(cfg: MilesConfig, problems: list[MathProblem], tokenizer: Any, log_dir: str, seed: int,
-                     chunk: int) -> PresampleReport:
-    fleet = await start_fleet(cfg.rollout, cfg.fault_tolerance, str(cfg.model.hf_path), log_dir)
+def _presample(cfg: MilesConfig, problems: list[MathProblem], tokenizer: Any, log_dir: str, seed: int,
+               chunk: int) -> PresampleReport:
+    rollout = build_rollout(cfg, tokenizer, log_dir, seed=seed)
     try:
-        eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-        manager = RolloutManager(fleet, cfg.rollout, cfg.fault_tolerance, stop_token_ids=eos, seed=seed,
-                                 decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        encoder = PromptEncoder(tokenizer, cfg.data.prompt_template)
 
         def progress(done: int, total: int) -> None:
             print(f"presampled {done:,}/{total:,} questions", file=sys.stderr, flush=True)
 
-        return await presample(
-            manager, problems, lambda q: render_prompt(tokenizer, q, cfg.data.prompt_template),
-            lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]),
-            cfg.data.presample, sampling_from_config(cfg.rollout, stop_token_ids=eos, seed=seed),
+        return rollout.loop.run(presample(
+            rollout.manager.manager, problems, encoder.render, encoder.encode, cfg.data.presample,
+            sampling_from_config(cfg.rollout, stop_token_ids=encoder.stop_token_ids, seed=seed),
             chunk_size=chunk, progress=progress,
-        )
+        ))
     finally:
-        await fleet.close()
+        rollout.close()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -114,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
     out = Path(args.out)
     log_dir = args.log_dir or str(out.parent / "presample_logs")
-    report = asyncio.run(_presample(cfg, problems, tokenizer, log_dir, args.seed, args.chunk))
+    report = _presample(cfg, problems, tokenizer, log_dir, args.seed, args.chunk)
     print(f"pass@k over {len(problems):,} questions, {report.k} samples each:")
     print(report.table())
     print(f"{report.scoring} scoring: {report.summary_line()}")

@@ -3,7 +3,6 @@ tables, progress lines, evaluation tables, checkpoints and the final summary wit
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -12,8 +11,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from miles_lite.checkpoint.driver_state import DriverState, capture_driver_rng
+from miles_lite.checkpoint.resume import resolve_resume, set_aside_newer
+from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.schema import MilesConfig
-from miles_lite.data.source import PromptSource
 from miles_lite.evaluation import EvalResult
 from miles_lite.observability.exporter import MetricsExporter, start_exporter
 from miles_lite.observability.gpu import nvml_collector
@@ -82,10 +83,6 @@ class RunIO:
     """Outputs of one run under `run_dir`; a context manager that starts and stops the exporter."""
 
     def __init__(self, cfg: MilesConfig, run_dir: Path, run_name: str) -> None:
-        if cfg.checkpoint.dir is None:
-            # Checkpoints live with the run unless a shared directory is configured.
-            cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint,
-                                                                          dir=str(checkpoint_root(cfg, run_dir))))
         self.cfg = cfg
         self.run_dir = run_dir
         self.metrics = MetricsRegistry(run_name, "driver")
@@ -168,21 +165,59 @@ class RunIO:
 
     # ---- checkpoints --------------------------------------------------------------------------------
 
-    def resume(self, system: Any, data: PromptSource) -> int:
-        """The step to start from: 0, or the step of the checkpoint `checkpoint.resume` selects."""
-        from miles_lite.checkpoint.run_state import resume_run
+    def resume(self, system: Any) -> DriverState | None:
+        """Load the checkpoint `checkpoint.resume` selects into `system.trainer` (any TP/DP); the driver
+        state it holds (None: a fresh run, or an initial checkpoint with weights only). Pushes nothing.
 
-        return resume_run(self.cfg, system, data, self.log)
+        Checkpoints in `checkpoint.dir` newer than the one resumed (a roll-back, or damaged ones passed
+        over) are moved aside, so that the run's own later checkpoints are the ones auto-resume and
+        retention see.
+        """
+        path = resolve_resume(self.cfg.checkpoint, self.log)
+        if path is None:
+            return None
+        trainer: TrainerRole = system.trainer
+        driver = trainer.restore_checkpoint(str(path))
+        step = driver.step if driver is not None else 0
+        if self.cfg.checkpoint.dir:
+            set_aside_newer(self.cfg.checkpoint.dir, step, self.log)
+            if path.parent.resolve() == Path(self.cfg.checkpoint.dir).resolve():
+                # This step's checkpoint exists where the run writes: a final save at this step is skipped.
+                system.last_checkpoint_step = step
+        if driver is None:
+            self.log(f"checkpoint {path}: weights loaded (no driver state: an initial checkpoint); starting at step 0")
+        else:
+            self.log(f"resumed from {path} at step {driver.step} (weight version {driver.weight_version})")
+        return driver
 
-    def maybe_save_checkpoint(self, system: Any, data: PromptSource, steps_done: int) -> None:
+    def maybe_save_checkpoint(self, system: Any, data: Any, steps_done: int) -> None:
+        """`save_checkpoint` every `checkpoint.interval` steps."""
         interval = self.cfg.checkpoint.interval
         if interval and steps_done % interval == 0:
             self.save_checkpoint(system, data, steps_done)
 
-    def save_checkpoint(self, system: Any, data: PromptSource, steps_done: int, final: bool = False) -> None:
-        from miles_lite.checkpoint.run_state import save_run
+    def save_checkpoint(self, system: Any, data: Any, steps_done: int, final: bool = False) -> None:
+        """Checkpoint the run after `steps_done` steps (nothing when `checkpoint.dir` is unset).
 
-        stats = save_run(self.cfg, system, data, steps_done, self.metrics, final=final)
+        Every trainer rank snapshots its own shards through its role's checkpointer and returns to
+        training while the flush runs; rank 0 adds the driver state (step, weight version, data cursor,
+        RNG) and commits. `data`: what `PromptSource.state_dict` gives the cursor; `final` waits for the
+        commit (end of run).
+        """
+        if not self.cfg.checkpoint.dir:
+            return
+        trainer = system.trainer
+        if final and system.last_checkpoint_step == steps_done:
+            # The periodic save already took this step: only wait for its commit.
+            stats = trainer.finalize_checkpoint()
+        else:
+            driver = DriverState(step=steps_done, weight_version=int(system.version), data=data.state_dict(),
+                                 rng=capture_driver_rng())
+            stats = trainer.save_checkpoint(steps_done, driver, final)
+            system.last_checkpoint_step = steps_done
+            self.metrics.checkpoint_blocked(stats.blocked_s)
+        if stats is not None and stats.flush_s is not None:
+            self.metrics.checkpoint_committed(stats.flush_s, int(stats.total_bytes or stats.bytes), stats.step)
         if stats is not None and final:
             self.log(f"checkpoint step {steps_done}: {stats.path} (training blocked {stats.blocked_s:.2f} s)"
                      + ("; it replaced an older checkpoint of that step" if stats.replaced else ""))

@@ -169,3 +169,25 @@ class TrainBatch:
     @property
     def response_lengths(self) -> list[int]:
         return [len(t) - p for t, p in zip(self.tokens, self.prompt_lengths, strict=True)]
+
+
+@dataclass(frozen=True)
+class PromptSpec:
+    """One prompt to sample a group for.
+
+    `prompt_ids` are the rendered prompt's token ids (P tokens); `question`, `answer` and `steps`
+    are the reference data the rewards need; `prompt_text` is kept for the rollout table.
+    """
+
+    prompt_index: int
+    prompt_ids: tuple[int, ...]
+    prompt_text: str = ""
+    question: str = ""
+    answer: float = 0.0
+    steps: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prompt_ids:
+            raise ValueError(f"prompt {self.prompt_index}: prompt_ids is empty; render and tokenize the prompt first")
+        if any(not isinstance(t, int) or t < 0 for t in self.prompt_ids):
+            raise ValueError(f"prompt {self.prompt_index}: prompt_ids must be non-negative ints")

@@ -82,7 +82,7 @@ def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
         picked = rng.sample(range(len(problems)), min(exp.warmup_batch_size, len(problems)))
         if seen is not None:
             seen.update(picked)
-        batch = system.sft_batch([problems[i] for i in picked])
+        batch = system.encoder.sft_batch([problems[i] for i in picked])
         stats = system.trainer.sft_step(batch, lr=exp.warmup_lr)
         loss = stats.get("loss/sft", stats.get("loss/total", loss))
         _record(system, "sft", step, {"loss": loss, **{k: stats[k] for k in ("update_ratio", "skipped") if k in stats}})
@@ -115,7 +115,7 @@ def run_opd(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
     rng = random.Random(exp.seed)
     for step in range(exp.warmup_steps):
         picked = rng.sample(range(len(problems)), min(exp.warmup_batch_size, len(problems)))
-        groups = system.rollout.generate_groups(system.prompt_specs([(i, problems[i]) for i in picked]), 1)
+        groups = system.rollout.generate_groups(system.encoder.prompt_specs([(i, problems[i]) for i in picked]), 1)
         batch = distill_batch(groups)
         if batch is None:
             io.log(f"opd warm-up {step + 1}/{exp.warmup_steps}: every completion was empty; step skipped")
@@ -146,7 +146,8 @@ def presample_filter(system: Any, data: PromptSource, problems: Sequence[MathPro
         return
     subset = list(problems[: pre.max_questions] if pre.max_questions else problems)
     manager = system.rollout.manager
-    report = system.loop_thread.run(presample(manager, subset, system.render, system.encode, pre, system.sampling))
+    enc = system.encoder
+    report = system.loop_thread.run(presample(manager, subset, enc.render, enc.encode, pre, system.sampling))
     io.log(f"presample pass@k ({report.k} samples, {len(subset):,} questions):\n{report.table()}")
     io.log(f"presample ({report.scoring}): {report.summary_line()}")
     (system.run_dir / "presample.json").write_text(report.to_json())

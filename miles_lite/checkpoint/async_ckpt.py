@@ -23,7 +23,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from enum import StrEnum
@@ -208,12 +208,6 @@ class AsyncCheckpointer:
         if self.state is SaverState.CLOSED:
             raise RuntimeError("AsyncCheckpointer is closed")
         self._buffers.reserve(sizes)
-
-    def maybe_save(self, step: int, interval: int, build: Callable[[], CheckpointPayload]) -> SaveStats | None:
-        """`save(step, build())` when `interval > 0` and `step` is a multiple of it; else None."""
-        if interval <= 0 or step % interval != 0:
-            return None
-        return self.save(step, build())
 
     def _run_flush(self, step: int, tmp_dir: Path, snap: Snapshot) -> None:
         try:

@@ -1,4 +1,4 @@
-"""The driver's own resumable state: step, weight version, data order, RNG streams, filter, buffer.
+"""The driver's own resumable state: step, weight version, data order, RNG streams, filter.
 
 The data order is the `PromptSource` state (seed, epoch, cursor and the epoch's full order, so a
 resume continues the same permutation even after a presample filter shrank it). The RNG states
@@ -43,7 +43,6 @@ class DriverState:
         data: `PromptSource.state_dict()` (data cursor and epoch order).
         rng: `capture_driver_rng()` of the driver process.
         presample_keep: dataset indices the presample filter kept (None: no filter applied).
-        rollout_buffer: rollouts generated ahead of training (one-step-off async), picklable.
         extra: anything else a caller records (JSON-like values).
     """
 
@@ -52,7 +51,6 @@ class DriverState:
     data: dict[str, Any]
     rng: dict[str, Any] = field(default_factory=capture_driver_rng)
     presample_keep: list[int] | None = None
-    rollout_buffer: list[Any] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -71,5 +69,7 @@ class DriverState:
         if tree.get("format") != _FORMAT:
             raise ValueError(f"driver state format {tree.get('format')!r} is not {_FORMAT}; "
                              "the checkpoint was written by an incompatible version")
-        fields = {k: v for k, v in tree.items() if k != "format"}
+        # `rollout_buffer` (always empty) was written by earlier versions: async rollouts in flight go
+        # back to the prompt stream instead (the cursor from before them is saved).
+        fields = {k: v for k, v in tree.items() if k not in ("format", "rollout_buffer")}
         return DriverState(**fields)

@@ -45,7 +45,7 @@ def _bundle(cpus: float, gpus: float, resource: str | None) -> dict[str, float]:
 
 def trainer_gang(cfg: MilesConfig) -> GangSpec:
     """One bundle per trainer rank (tp * dp * pp ranks), packed to keep TP groups on a node."""
-    world = cfg.trainer.tp * cfg.trainer.dp * cfg.trainer.pp
+    world = cfg.trainer.world_size
     gpus = cfg.cluster.trainer_gpus_per_rank
     resource = cfg.cluster.trainer_resource
     if cfg.cluster.placement == "colocated":

@@ -19,13 +19,14 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from miles_lite.checkpoint.run_state import ActorCheckpoints
+from miles_lite.checkpoint.async_ckpt import SaveStats
+from miles_lite.checkpoint.driver_state import DriverState
 from miles_lite.cluster.gang import reserve, trainer_gang
+from miles_lite.cluster.rank import RankCoords, TrainerRank
 from miles_lite.config.schema import MilesConfig
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.types import TrainBatch
@@ -49,22 +50,8 @@ class GroupState(enum.Enum):
     CLOSED = "closed"
 
 
-@dataclass(frozen=True)
-class RankCoords:
-    """Where a rank sits in the trainer's grid (global rank, tensor- and data-parallel coordinates)."""
-
-    rank: int
-    tp_rank: int
-    dp_rank: int
-
-
-class TrainerRank:
-    """Body of one trainer rank's Ray actor: owns a `TrainerActor` once `setup` has run."""
-
-    def __init__(self) -> None:
-        self.actor: Any = None
-        self.checkpoints = ActorCheckpoints()
-        self.sender: Any = None
+class RayTrainerRank(TrainerRank):
+    """Body of one trainer rank's Ray actor; rank 0 also hosts the process-group rendezvous."""
 
     def rendezvous(self) -> str:
         """`tcp://<this node's address>:<free port>`: the process-group rendezvous rank 0 will host."""
@@ -79,75 +66,6 @@ class TrainerRank:
         from miles_lite.ports import free_port, node_address
 
         return node_address(advertise), free_port("")
-
-    def setup(self, cfg: MilesConfig, rank: int, world_size: int, init_method: str, total_steps: int) -> RankCoords:
-        """Join the trainer's process group and build this rank's model shard and optimizer."""
-        from miles_lite.trainer.actor import TrainerActor
-
-        self.actor = TrainerActor(cfg, rank=rank, world_size=world_size, init_method=init_method,
-                                  total_steps=total_steps)
-        self.checkpoints.prepare(self.actor, cfg)
-        par = self.actor.par
-        return RankCoords(par.rank, par.tp_rank, par.dp_rank)
-
-    def layouts(self) -> list[ParamLayout]:
-        return list(self.actor.layouts.values())
-
-    def weight_shards(self) -> dict[str, torch.Tensor]:
-        """This rank's `{megatron name: tensor}` (copies: the live parameters keep training)."""
-        return {name: tensor.clone() for name, tensor, _ in self.actor.named_shards()}
-
-    def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout_s: float) -> None:
-        """Join the weight-update group as group rank = this rank's TP rank (blocks until all joined)."""
-        from miles_lite.weight_sync.senders import RankSender
-
-        if self.sender is None:
-            self.sender = RankSender(self.actor.par.tp_rank)
-        self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s)
-
-    def send_weight_bucket(self, schedule: Any) -> Any:
-        """Send this rank's part of one bucket from the live parameters; its `SendStats`."""
-        shards = {name: tensor for name, tensor, _ in self.actor.named_shards()}
-        return self.sender.send(shards, schedule)
-
-    def leave_weight_group(self) -> None:
-        if self.sender is not None:
-            self.sender.leave()
-
-    def compute_logprobs(self, batch: TrainBatch, model: str, quantized: bool = True) -> list[list[float]]:
-        return self.actor.compute_logprobs(batch, model, quantized)
-
-    def train_step(self, batch: TrainBatch, distill_coef: float | None = None) -> dict[str, float]:
-        return self.actor.train_step(batch, distill_coef)
-
-    def sft_step(self, batch: TrainBatch, lr: float | None) -> dict[str, float]:
-        return self.actor.sft_step(batch, lr)
-
-    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return self.actor.export_hf_state_dict()
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.actor.state_dict_for_checkpoint()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.actor.load_checkpoint_state(state)
-
-    def save_checkpoint(self, cfg: MilesConfig, step: int, driver: Any, final: bool) -> Any:
-        """Snapshot this rank's shards (rank 0 adds the driver state); `final` waits for the commit."""
-        return self.checkpoints.save(self.actor, cfg, step, driver, final)
-
-    def finalize_checkpoint(self) -> Any:
-        return self.checkpoints.finalize()
-
-    def restore_checkpoint(self, path: str) -> Any:
-        return self.checkpoints.restore(self.actor, path)
-
-    def close(self) -> None:
-        self.leave_weight_group()
-        self.checkpoints.close()
-        if self.actor is not None:
-            self.actor.close()
 
 
 def _init_ray(cfg: MilesConfig, cpus: float) -> bool:
@@ -186,12 +104,12 @@ def _python_stop_handlers() -> dict[signal.Signals, Any]:
 
 
 class RayTrainerGroup:
-    """`tp * dp` trainer ranks as Ray actors with the calls `LocalTrainer` offers (rank 0 answers)."""
+    """A `TrainerRole` of `tp * dp` ranks as Ray actors (every call goes to all ranks; rank 0 answers)."""
 
     def __init__(self, cfg: MilesConfig) -> None:
         self.cfg = cfg
         self.state = GroupState.NEW
-        self.world_size = cfg.trainer.tp * cfg.trainer.dp * cfg.trainer.pp
+        self.world_size = cfg.trainer.world_size
         self.actors: list[Any] = []
         self.coords: list[RankCoords] = []
         self.placement_group: Any = None
@@ -223,7 +141,7 @@ class RayTrainerGroup:
         spec = trainer_gang(self.cfg)
         self.owns_ray = _init_ray(self.cfg, spec.total().get("CPU", 1.0))
         self.placement_group = reserve(spec, self.cfg.cluster.placement_timeout_s)
-        remote_cls = ray.remote(TrainerRank)
+        remote_cls = ray.remote(RayTrainerRank)
         for rank, bundle in enumerate(spec.bundles):
             strategy = PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=rank)
             resources = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
@@ -322,7 +240,7 @@ class RayTrainerGroup:
         refs = {rank: getattr(actor, method).remote(*args) for rank, actor in enumerate(self.actors)}
         return self._collect(refs, method)[0]
 
-    # ---- the LocalTrainer calls -----------------------------------------------------------------
+    # ---- the TrainerRole calls -----------------------------------------------------------------
 
     def layouts(self) -> list[ParamLayout]:
         """Parameter layouts of TP rank 0 (they describe every rank's sharding)."""
@@ -335,7 +253,7 @@ class RayTrainerGroup:
         """`{megatron name: local tensor}` per trainer TP rank (index = TP rank), from data-parallel rank 0."""
         self._require_ready()
         holders = {c.tp_rank: c.rank for c in self.coords if c.dp_rank == 0}
-        refs = {tp_rank: self.actors[rank].weight_shards.remote() for tp_rank, rank in sorted(holders.items())}
+        refs = {tp_rank: self.actors[rank].weight_shards.remote(True) for tp_rank, rank in sorted(holders.items())}
         return self._collect(refs, "weight_shards")
 
     # ---- weight sync, shard mode (`weight_sync.senders.ShardSenders`) -----------------------------
@@ -397,18 +315,18 @@ class RayTrainerGroup:
         """Full HF tensors gathered over TP (on CPU), from global rank 0."""
         return self._all("export_hf_state_dict")
 
-    def save_checkpoint(self, cfg: MilesConfig, step: int, driver: Any, final: bool = False) -> Any:
+    def save_checkpoint(self, step: int, driver: DriverState, final: bool = False) -> SaveStats:
         """Every rank writes its own shards (rank 0 also the driver state and commits); rank 0's `SaveStats`."""
         self._require_ready()
-        refs = {rank: a.save_checkpoint.remote(cfg, step, driver if rank == 0 else None, final)
+        refs = {rank: a.save_checkpoint.remote(step, driver if rank == 0 else None, final)
                 for rank, a in enumerate(self.actors)}
         return self._collect(refs, "save_checkpoint")[0]
 
-    def finalize_checkpoint(self) -> Any:
+    def finalize_checkpoint(self) -> SaveStats | None:
         """Wait on every rank for the save in flight to commit; rank 0's `SaveStats` (None: nothing saved)."""
         return self._all("finalize_checkpoint")
 
-    def restore_checkpoint(self, path: str) -> Any:
+    def restore_checkpoint(self, path: str) -> DriverState | None:
         """Load checkpoint `path` on every rank (resharding to this TP/DP); the driver state it holds."""
         return self._all("restore_checkpoint", str(path))
 

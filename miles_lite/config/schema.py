@@ -55,6 +55,28 @@ def ranges(cfg: object, prefix: str = "") -> dict[str, Range]:
     return found
 
 
+def one_of(default: str, *others: str) -> Any:
+    """A string field allowed to hold `default` or one of `others`.
+
+    The allowed values live in the field's metadata, where validation reads them (`choices`):
+    OmegaConf 2.3 structured configs accept neither `Literal` annotations nor enums keyed by value.
+    """
+    return field(default=default, metadata={"choices": (default, *others)})
+
+
+def choices(cfg: object, prefix: str = "") -> dict[str, tuple[str, ...]]:
+    """Dotted field name -> allowed values, for every `one_of` field of `cfg` and its sub-configs."""
+    found: dict[str, tuple[str, ...]] = {}
+    for f in fields(cfg):  # type: ignore[arg-type]
+        dotted = f"{prefix}{f.name}"
+        if "choices" in f.metadata:
+            found[dotted] = f.metadata["choices"]
+        value = getattr(cfg, f.name)
+        if is_dataclass(value) and not isinstance(value, type):
+            found.update(choices(value, dotted + "."))
+    return found
+
+
 @dataclass
 class TinyModelShape:
     """Shape of a randomly initialised model, used when `model.hf_path` is unset."""
@@ -84,7 +106,7 @@ class ModelConfig:
     # Tokenizer directory. None: the model directory's tokenizer, or the offline BPE tokenizer.
     tokenizer_path: str | None = None
     # Architecture used when building at random: qwen2 | llama | qwen3.
-    arch: str = "qwen2"
+    arch: str = one_of("qwen2", "llama", "qwen3")
     # Vocabulary of the offline tokenizer (random models only).
     vocab_size: int = 512
     shape: TinyModelShape = field(default_factory=TinyModelShape)
@@ -98,16 +120,16 @@ class TrainerConfig:
     dp: int = 1
     pp: int = 1
     # fp32 | bf16 | fp8 (fp8 needs TransformerEngine on a GPU).
-    precision: str = "fp32"
+    precision: str = one_of("fp32", "bf16", "fp8")
     # TransformerEngine FP8 recipe: delayed | tensorwise | blockwise.
-    fp8_recipe: str = "delayed"
+    fp8_recipe: str = one_of("delayed", "tensorwise", "blockwise")
     # gpu | cpu | auto (auto = gpu when CUDA is present).
-    device: str = "auto"
+    device: str = one_of("auto", "cpu", "gpu")
     # te | local (auto: te on GPU, local on CPU).
-    layer_spec: str = "auto"
+    layer_spec: str = one_of("auto", "te", "local")
     lr: float = bounded(1e-6, gt=0)
     min_lr: float = bounded(0.0, ge=0)
-    lr_schedule: str = "constant"
+    lr_schedule: str = one_of("constant", "cosine", "linear")
     lr_warmup_steps: int = bounded(0, ge=0)
     weight_decay: float = bounded(0.0, ge=0)
     adam_beta1: float = bounded(0.9, ge=0, lt=1)
@@ -122,7 +144,7 @@ class TrainerConfig:
     # extra output-layer GEMM). Off: each chunk's logits stay alive in the model dtype until backward.
     logprob_recompute: bool = False
     # auto | compiled | eager: fuse the memory-bound softmax passes with torch.compile (auto: on CUDA).
-    logprob_kernel: str = "auto"
+    logprob_kernel: str = one_of("auto", "compiled", "eager")
     # Megatron's distributed optimizer: refused at start until checkpoints can map its flat shards.
     use_distributed_optimizer: bool = False
     # LR schedule length in optimizer steps (cosine/linear decay); None: experiment.steps.
@@ -147,13 +169,18 @@ class TrainerConfig:
     # machine shared with the rollout engines, 1 avoids OpenMP threads spinning against them.
     threads: int = bounded(0, ge=0)
 
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks: tp * dp * pp."""
+        return self.tp * self.dp * self.pp
+
 
 @dataclass
 class RolloutConfig:
     """Rollout engines and how samples are drawn from them."""
 
     # reference (CPU, HF transformers, SGLang's HTTP API) | sglang
-    backend: str = "reference"
+    backend: str = one_of("reference", "sglang")
     engines: int = 2
     engine_tp: int = 1
     prompts_per_step: int = 8
@@ -194,26 +221,26 @@ class AlgoConfig:
     """Advantage estimator, policy loss and train/inference mismatch correction."""
 
     # grpo | dr_grpo | rloo | reinforce_pp_baseline | reinforce_pp (batch-normalised REINFORCE++; group_size >= 1)
-    advantage_estimator: str = "grpo"
+    advantage_estimator: str = one_of("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp")
     std_normalize: bool = True
     # Drop groups whose rewards are all equal (they carry no learning signal); always counted.
     drop_zero_signal: bool = False
     # ppo | gspo
-    policy_loss: str = "ppo"
+    policy_loss: str = one_of("ppo", "gspo")
     clip_low: float = bounded(0.2, ge=0, lt=1)
     clip_high: float = bounded(0.28, ge=0)
     dual_clip_c: float | None = None
     kl_coef: float = bounded(0.0, ge=0)
     # k1 | k2 | k3
-    kl_estimator: str = "k3"
+    kl_estimator: str = one_of("k3", "k1", "k2")
     entropy_coef: float = bounded(0.0)
     # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
-    agg_mode: str = "token_mean"
+    agg_mode: str = one_of("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
     agg_constant: float | None = None
     # Importance-sampling correction of the rollout/trainer mismatch:
     # none | token | sequence_product | sequence_geomean, mode truncate | mask.
-    is_level: str = "token"
-    is_mode: str = "truncate"
+    is_level: str = one_of("token", "none", "sequence_product", "sequence_geomean")
+    is_mode: str = one_of("truncate", "mask")
     is_upper: float = 2.0
     is_lower: float | None = None
     # On-policy distillation term weight (needs a teacher): the weight of the OPD warm-up, and of RL steps
@@ -237,7 +264,7 @@ class PresampleConfig:
     enabled: bool = True
     k: int = bounded(8, ge=1)
     # strict = exact_check (answer and format); lenient = the last number in the text is right.
-    scoring: str = "lenient"
+    scoring: str = one_of("lenient", "strict")
     drop_all_wrong: bool = True
     drop_all_right: bool = True
     max_new_tokens: int | None = None
@@ -264,7 +291,7 @@ class DataConfig:
     """Where prompts come from."""
 
     # synthetic | gsm8k
-    source: str = "synthetic"
+    source: str = one_of("synthetic", "gsm8k")
     # GSM8K jsonl/parquet files (source=gsm8k).
     train_path: str | None = None
     eval_path: str | None = None
@@ -273,7 +300,7 @@ class DataConfig:
     max_prompt_tokens: int = 512
     # System prompt: default (the format in one sentence) | worklog (the format, a worked example, and
     # no boxed answers).
-    prompt_template: str = "default"
+    prompt_template: str = one_of("default", "worklog")
     presample: PresampleConfig = field(default_factory=PresampleConfig)
 
 
@@ -295,7 +322,7 @@ class WeightSyncConfig:
     """How new weights reach the engines after each optimizer step, and how pushes are verified."""
 
     # distributed (gloo on CPU, NCCL on GPU) | ipc (colocated CUDA IPC) | disk (safetensors)
-    transport: str = "distributed"
+    transport: str = one_of("distributed", "ipc", "ipc_handles", "disk")
     bucket_mib: int = 512
     # Shared directory for the disk transport (versioned subdirectories).
     disk_dir: str | None = None
@@ -304,13 +331,12 @@ class WeightSyncConfig:
     probe_tokens: int = bounded(32, ge=1)
     # A push whose probe per-token |logp diff| (mean) exceeds this raises.
     max_probe_logp_diff: float = bounded(1e-3, gt=0)
-    checksum_samples: int = 4
     # shard: every engine rank receives its own slices from the trainer ranks, through the weight-loader
     # plugin; full: SGLang's own broadcast of full HF tensors from one process.
-    mode: str = "shard"
+    mode: str = one_of("shard", "full")
     # The weight-update group's backend: auto (NCCL between trainer GPUs and SGLang engines on other
     # GPUs, gloo otherwise) | nccl | gloo. See config/weight_sync_choice.py.
-    backend: str = "auto"
+    backend: str = one_of("auto", "nccl", "gloo")
     init_timeout_s: float = bounded(120.0, gt=0)
 
 
@@ -362,10 +388,10 @@ class ClusterConfig:
     """Where the roles run."""
 
     # local (processes on this machine) | ray
-    mode: str = "local"
+    mode: str = one_of("local", "ray")
     # disaggregated (separate devices per role) | colocated (shared devices; both roles stay resident, so
     # rollout.sglang_args.mem_fraction_static must leave the trainer room)
-    placement: str = "disaggregated"
+    placement: str = one_of("disaggregated", "colocated")
     ray_address: str | None = None
     trainer_gpus_per_rank: float = bounded(0.0, ge=0)
     engine_gpus: float = bounded(0.0, ge=0)
@@ -393,7 +419,7 @@ class ExperimentConfig:
     run_name: str | None = None
     steps: int = 20
     # sft | opd | none
-    warmup: str = "sft"
+    warmup: str = one_of("sft", "opd", "none")
     warmup_steps: int = 100
     warmup_batch_size: int = bounded(16, ge=1)
     warmup_lr: float = bounded(3e-3, gt=0)

@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from miles_lite.config.schema import MilesConfig, ranges
+from miles_lite.config.schema import MilesConfig, choices, ranges
 
 
 class ConfigError(ValueError):
@@ -29,32 +29,6 @@ class ModelDims:
     num_kv_heads: int
     vocab_size: int
 
-
-CHOICES: dict[str, tuple[str, ...]] = {
-    "model.arch": ("qwen2", "llama", "qwen3"),
-    "trainer.precision": ("fp32", "bf16", "fp8"),
-    "trainer.fp8_recipe": ("delayed", "tensorwise", "blockwise"),
-    "trainer.logprob_kernel": ("auto", "compiled", "eager"),
-    "trainer.device": ("auto", "cpu", "gpu"),
-    "trainer.layer_spec": ("auto", "te", "local"),
-    "trainer.lr_schedule": ("constant", "cosine", "linear"),
-    "rollout.backend": ("reference", "sglang"),
-    "algo.advantage_estimator": ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline", "reinforce_pp"),
-    "algo.policy_loss": ("ppo", "gspo"),
-    "algo.kl_estimator": ("k1", "k2", "k3"),
-    "algo.agg_mode": ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"),
-    "algo.is_level": ("none", "token", "sequence_product", "sequence_geomean"),
-    "algo.is_mode": ("truncate", "mask"),
-    "data.source": ("synthetic", "gsm8k"),
-    "data.presample.scoring": ("strict", "lenient"),
-    "data.prompt_template": ("default", "worklog"),
-    "weight_sync.transport": ("distributed", "ipc", "ipc_handles", "disk"),
-    "weight_sync.mode": ("shard", "full"),
-    "weight_sync.backend": ("auto", "nccl", "gloo"),
-    "cluster.mode": ("local", "ray"),
-    "cluster.placement": ("disaggregated", "colocated"),
-    "experiment.warmup": ("sft", "opd", "none"),
-}
 
 # Estimators whose baseline is the group itself need at least two samples per prompt.
 _GROUP_ESTIMATORS = ("grpo", "dr_grpo", "rloo", "reinforce_pp_baseline")
@@ -79,7 +53,7 @@ def model_dims(cfg: MilesConfig) -> ModelDims:
 
 
 def _check_choices(cfg: MilesConfig, problems: list[str]) -> None:
-    for dotted, allowed in CHOICES.items():
+    for dotted, allowed in choices(cfg).items():
         value = _get(cfg, dotted)
         if value not in allowed:
             problems.append(f"{dotted}={value!r} is not one of {', '.join(allowed)}; set {dotted}=<one of them>")
@@ -205,6 +179,11 @@ def _check_algo(cfg: MilesConfig, problems: list[str]) -> None:
             "algo.agg_constant must be set (e.g. to rollout.max_new_tokens) when "
             "algo.agg_mode=seq_mean_token_sum_norm"
         )
+    if cfg.experiment.eval_every and cfg.rollout.async_steps > 1:
+        # The evaluation runs between steps on the rollout engines; with more than one batch ahead a
+        # generation is always in flight then.
+        problems.append(f"experiment.eval_every={cfg.experiment.eval_every} needs rollout.async_steps <= 1 "
+                        f"(got {cfg.rollout.async_steps}); set experiment.eval_every=0 or lower rollout.async_steps")
     if cfg.experiment.warmup == "opd" and algo.distill_coef <= 0:
         problems.append("experiment.warmup=opd needs algo.distill_coef > 0 (e.g. algo.distill_coef=1.0)")
 

@@ -1,12 +1,21 @@
-"""Wire `EngineLauncher` (engine server processes) into `EngineFleet` (lifecycle and replacement)."""
+"""Wire `EngineLauncher` (engine server processes) into `EngineFleet` (lifecycle and replacement), and
+`build_rollout`: the rollout side of a job (event-loop thread, fleet, manager), the same for training,
+presampling and evaluation."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
 
-from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
+from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher
+from miles_lite.rollout.http_client import HttpEngine
+from miles_lite.rollout.manager import RolloutManager
+from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 
 
 def fleet_launcher(launcher: EngineLauncher, stop_grace_s: float = 10.0) -> Launcher:
@@ -89,8 +98,6 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
     started them replaces them (the operator recreates failed engine pods), and the fleet re-admits an
     engine whose URL answers again (`reattach_launcher`), up to `fault_tolerance.max_engine_restarts`.
     """
-    from miles_lite.rollout.http_client import HttpEngine
-
     fleet = EngineFleet(ft, reattach_launcher(rollout, urls),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
     try:
@@ -103,3 +110,43 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
     if health_checks:
         fleet.start_health_checks()
     return fleet
+
+
+@dataclass
+class Rollout:
+    """A started rollout side: the event-loop thread, the fleet living on it, and the blocking manager."""
+
+    loop: EventLoopThread
+    fleet: EngineFleet
+    manager: SyncRolloutManager
+
+    def close(self) -> None:
+        """Stop the engines (those this job started), then the loop; the loop stops even if the fleet fails to."""
+        try:
+            self.loop.run(self.fleet.close())
+        finally:
+            self.loop.stop()
+
+
+def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int | None = None,
+                  start: Callable[[], Awaitable[EngineFleet]] | None = None) -> Rollout:
+    """Start (or, with `rollout.engine_urls`, attach) the fleet of `model.hf_path` on a new event-loop thread,
+    with a manager decoding and stopping with `tokenizer`; `seed` seeds the manager's sampling seeds.
+    `start`: the coroutine that starts the fleet instead (the engines of a Ray rollout gang)."""
+    loop = EventLoopThread().start()
+    try:
+        rollout, ft = cfg.rollout, cfg.fault_tolerance
+        if start is not None:
+            fleet = loop.run(start())
+        elif rollout.engine_urls:
+            # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
+            fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls)))
+        else:
+            fleet = loop.run(start_fleet(rollout, ft, str(cfg.model.hf_path), log_dir))
+    except BaseException:
+        loop.stop()
+        raise
+    encoder = PromptEncoder(tokenizer)
+    manager = RolloutManager(fleet, rollout, ft, decode=encoder.decode, stop_token_ids=encoder.stop_token_ids,
+                             seed=seed)
+    return Rollout(loop, fleet, SyncRolloutManager(manager, loop))

@@ -7,7 +7,6 @@ load matplotlib.
 from miles_lite.observability.exporter import ExporterState, MetricsExporter, start_exporter
 from miles_lite.observability.gpu import NvmlCollector, nvml_collector
 from miles_lite.observability.metrics import ENGINE_STATES, PHASES, ROLES, STEP_KEYS, MetricsRegistry
-from miles_lite.observability.observer import ObserverState, RunObserver
 from miles_lite.observability.progress import RunProgress, format_summary
 from miles_lite.observability.rollout_table import (
     RolloutRow,
@@ -36,10 +35,8 @@ __all__ = [
     "MetricsFileSink",
     "MetricsRegistry",
     "NvmlCollector",
-    "ObserverState",
     "RolloutRow",
     "RolloutTableWriter",
-    "RunObserver",
     "RunProgress",
     "Sink",
     "TensorBoardSink",

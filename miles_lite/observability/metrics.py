@@ -32,12 +32,15 @@ stats key                               metric (and how the value is applied)
 ``mismatch/masked_fraction``            ``miles_lite_is_masked_tokens_ratio`` (set, 0..1)
 ``time/<phase>_seconds``                ``miles_lite_step_phase_seconds{phase=<phase>}`` (set; phases below)
 ``weight_version``                      ``miles_lite_weight_version`` (set)
+``eval/<measure>``                      ``miles_lite_held_out_accuracy_ratio{measure=<measure>}`` (set; every
+                                        ``experiment.eval_every`` steps; measures in ``EVAL_MEASURES``)
 ======================================  ==========================================================
 
 The trainer-side keys (``entropy``, ``grad_norm``, ``skipped``, ``kl/ref_k3``) are the names the
 trainer's ``train_step`` returns, so the driver passes its stats through unchanged.
 ``publish_step`` also sets ``miles_lite_step``. Events that do not follow the step rhythm have
-their own methods: engine states and restarts, weight syncs, checkpoints, single request latencies.
+their own methods: engine states and restarts, weight syncs, checkpoints. Request latencies and
+retries come from the rollout manager's per-call stats (`rl_batch.rollout_stats`) through ``publish_step``.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ from prometheus_client.registry import Collector
 
 PREFIX = "miles_lite_"
 ROLES = ("trainer", "rollout", "driver")
-PHASES = ("generate", "reward", "logprobs", "train", "sync", "checkpoint")
+PHASES = ("generate", "eval", "reward", "logprobs", "train", "sync", "checkpoint")
+# Held-out evaluation shares (`experiment.eval_every`), as `EvalResult` names them.
+EVAL_MEASURES = ("exact", "exact_format", "right_number_in_solution", "right_number_anywhere")
 ENGINE_STATES = ("starting", "healthy", "dead", "replacing", "stale")
 TRANSPORTS = ("distributed", "ipc", "ipc_handles", "disk")
 IS_KINDS = ("raw", "applied")
@@ -94,6 +99,7 @@ _SCALAR_KEYS: dict[str, _Scalar] = {
     "mismatch/is_applied_mean": _Scalar("is_ratio_mean", (("kind", "applied"),)),
     "mismatch/masked_fraction": _Scalar("is_masked_ratio"),
     "weight_version": _Scalar("weight_version"),
+    **{f"eval/{m}": _Scalar("held_out_accuracy", (("measure", m),)) for m in EVAL_MEASURES},
     **{f"time/{p}_seconds": _Scalar("phase_seconds", (("phase", p),)) for p in PHASES},
 }
 _LIST_KEYS = ("rollout/request_latency_seconds",)
@@ -139,6 +145,9 @@ class MetricsRegistry:
             return Counter(PREFIX + name, doc, [*base, *extra], registry=self.registry)
 
         self.step = gauge("step", "Last completed optimizer step")
+        self.held_out_accuracy = gauge("held_out_accuracy_ratio",
+                                       "Share of held-out problems solved by greedy decoding at the last evaluation",
+                                       "measure")
         self.weight_version = gauge("weight_version", "Weight version the trainer last pushed to the engines")
         self.rollout_tokens_per_second = gauge("rollout_tokens_per_second",
                                                "Generated tokens per second of wall time in the last rollout")
@@ -223,14 +232,6 @@ class MetricsRegistry:
         self.step.labels(self.run, self.role).set(step)
 
     # -- events -------------------------------------------------------------------------------
-    def observe_request(self, seconds: float) -> None:
-        """One generate request finished after `seconds` of wall time."""
-        self.request_latency.labels(self.run, self.role).observe(_as_float("seconds", seconds))
-
-    def request_retried(self, count: int = 1) -> None:
-        """`count` generate requests were retried."""
-        self.retried_requests.labels(self.run, self.role).inc(count)
-
     def set_engine_states(self, counts: Mapping[str, int]) -> None:
         """Engines per lifecycle state; states absent from `counts` are set to 0.
 

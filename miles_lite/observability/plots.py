@@ -43,10 +43,11 @@ def _png(fig: Figure) -> bytes:
 
 
 def reward_plot(records: Sequence[Record]) -> bytes | None:
-    """Mean total reward (± std band) and exact accuracy per step."""
+    """Mean total reward (± std band) and exact accuracy per step (rollouts, and held-out evaluations when run)."""
     steps, mean = _series(records, "reward/mean")
     acc_steps, acc = _series(records, "reward/exact_accuracy")
-    if not steps and not acc_steps:
+    eval_steps, eval_acc = _series(records, "eval/exact")
+    if not steps and not acc_steps and not eval_steps:
         return None
     fig = Figure(figsize=(9, 3.4))
     ax_r, ax_a = fig.subplots(1, 2)
@@ -60,7 +61,11 @@ def reward_plot(records: Sequence[Record]) -> bytes | None:
         ax_r.legend(loc="best")
     ax_r.set(title="Total reward", xlabel="step", ylabel="reward")
     if acc_steps:
-        ax_a.plot(acc_steps, acc, color="tab:green", marker=".")
+        ax_a.plot(acc_steps, acc, color="tab:green", marker=".", label="rollouts")
+    if eval_steps:
+        ax_a.plot(eval_steps, eval_acc, color="tab:purple", marker="o", label="held-out (greedy)")
+    if acc_steps or eval_steps:
+        ax_a.legend(loc="best")
     ax_a.set(title="Exact accuracy", xlabel="step", ylabel="share of completions", ylim=(-0.02, 1.02))
     for ax in (ax_r, ax_a):
         ax.grid(alpha=0.3)

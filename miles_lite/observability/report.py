@@ -28,6 +28,7 @@ REPORT_FILE = "report.html"
 _SUMMARY = (
     ("reward/mean", "reward mean", "{:.3f}"),
     ("reward/exact_accuracy", "exact accuracy", "{:.3f}"),
+    ("eval/exact", "held-out exact (greedy)", "{:.3f}"),
     ("algo/zero_signal_share", "zero-signal share", "{:.3f}"),
     ("mismatch/logp_abs_diff_mean", "|logp diff| mean (nats)", "{:.5f}"),
     ("mismatch/logp_abs_diff_max", "|logp diff| max (nats)", "{:.4f}"),

@@ -20,6 +20,7 @@ from miles_lite.rewards.registry import (
     get_reward_set,
     register_reward,
     score,
+    score_groups,
     unregister_reward,
     validate_reward_names,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "parse_solution_number",
     "register_reward",
     "score",
+    "score_groups",
     "score_completions",
     "unregister_reward",
     "validate_reward_names",

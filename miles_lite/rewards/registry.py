@@ -17,6 +17,7 @@ from types import MappingProxyType
 from typing import Protocol
 
 from miles_lite.rewards import math as math_rewards
+from miles_lite.types import Group
 
 TOTAL_KEY = "total"
 
@@ -260,3 +261,13 @@ def score(
         row[TOTAL_KEY] = sum(reward_set.weights[name] * row[name] for name in reward_set.names)
         results.append(row)
     return results
+
+
+def score_groups(reward_set: RewardSet | str, groups: Sequence[Group]) -> list[Group]:
+    """Fill every sample's `rewards` (each reward's raw value and the weighted `total`); returns `groups`."""
+    samples = [(g, s) for g in groups for s in g.samples]
+    scored = score(reward_set, [s.response_text for _, s in samples], [g.answer for g, _ in samples],
+                   [g.question for g, _ in samples], [g.steps for g, _ in samples])
+    for (_, sample), values in zip(samples, scored, strict=True):
+        sample.rewards = values
+    return list(groups)

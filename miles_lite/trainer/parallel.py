@@ -52,7 +52,7 @@ def init_parallel(
         raise ValueError(
             f"trainer.pp={trainer.pp}: pipeline parallelism is not supported; use trainer.pp=1 with trainer.tp/dp"
         )
-    if trainer.tp * trainer.dp != world_size:
+    if trainer.world_size != world_size:
         raise ValueError(
             f"world_size={world_size} must equal trainer.tp * trainer.dp = {trainer.tp} * {trainer.dp}; "
             "launch tp * dp trainer ranks or change trainer.tp/trainer.dp"

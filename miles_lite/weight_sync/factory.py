@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from miles_lite.config.schema import MilesConfig
 from miles_lite.weight_sync.buckets import bucket_bytes_limit
 from miles_lite.weight_sync.coordinator import WeightSyncCoordinator
 from miles_lite.weight_sync.layouts import specs_from_layouts
+from miles_lite.weight_sync.senders import WeightSource
 from miles_lite.weight_sync.transport import EngineLoop, WeightTransport
 from miles_lite.weight_sync.verify import PushVerifier, make_probe
 
 
-def build_transport(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: Path) -> WeightTransport:
+def build_transport(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop, run_dir: Path) -> WeightTransport:
     """The transport `weight_sync.transport` names, over the trainer's parameter layouts."""
 
     ws = cfg.weight_sync
@@ -46,7 +46,8 @@ def build_transport(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: P
     return IpcTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib))
 
 
-def build_coordinator(cfg: MilesConfig, trainer: Any, loop: EngineLoop, run_dir: Path) -> WeightSyncCoordinator:
+def build_coordinator(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop,
+                      run_dir: Path) -> WeightSyncCoordinator:
     """Transport plus, when `weight_sync.verify`, a probe verifier scoring a fixed batch on both sides."""
     ws = cfg.weight_sync
     transport = build_transport(cfg, trainer, loop, run_dir)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from miles_lite.trainer.layout import ParamLayout
 from miles_lite.weight_sync.shard_protocol import RankSchedule, SendStats, send_bucket
 from miles_lite.weight_sync.weight_group import init_custom_process_group
 
@@ -37,6 +38,20 @@ class ShardSenders(Protocol):
 
     def leave_weight_group(self) -> None:
         """Every TP rank destroys its membership (idempotent)."""
+
+
+class WeightSource(ShardSenders, Protocol):
+    """What weight sync needs of a trainer role: its layouts, its shards and probe logprobs (plus, for the
+    shard mode, the `ShardSenders` calls)."""
+
+    def layouts(self) -> list[ParamLayout]:
+        """Parameter layouts of TP rank 0 (they describe every rank's sharding)."""
+
+    def weight_shards(self) -> list[dict[str, torch.Tensor]]:
+        """`{megatron name: local tensor}` per trainer TP rank (index = TP rank)."""
+
+    def probe_logprobs(self, sequences: Any) -> list[list[float]]:
+        """Logprobs (nats) of each probe sequence's tokens after its prompt, under the current weights."""
 
 
 class SenderState(enum.Enum):

@@ -20,8 +20,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 STEPS = 16
 # The default recipe (its full SFT) with fewer RL steps and a smaller held-out set: 96 x 3 draws minus
 # the questions seen in training leave about 50 problems.
+EVAL_EVERY = 8
 SHORT = [f"experiment.steps={STEPS}", "data.synthetic.eval_size=96", "observability.progress=false",
-         "experiment.run_name=e2e"]
+         "experiment.run_name=e2e", f"experiment.eval_every={EVAL_EVERY}"]
 
 
 def _mean(values: list[float]) -> float:
@@ -56,6 +57,14 @@ def test_short_embedded_run_learns_and_writes_every_artifact(tmp_path: Path):
     two_se = 2 * math.sqrt(before["exact"] * (1 - before["exact"]) / after["n"])
     assert after["exact"] >= before["exact"] - two_se, summary
     assert after["exact_format"] > 0.8, summary
+
+    # experiment.eval_every: a held-out evaluation on the weights after 8 RL steps, in that step's record
+    # (the shares the final evaluation reports too) and in the report's table and plots.
+    evaluated_at = [r["step"] for r in records if "eval/exact" in r]
+    assert evaluated_at == [EVAL_EVERY], evaluated_at
+    mid = records[EVAL_EVERY]
+    assert 0.0 <= mid["eval/exact"] <= mid["eval/exact_format"] <= 1.0 and mid["time/eval_seconds"] > 0
+    assert f"held-out evaluation after {EVAL_EVERY} RL steps" in proc.stdout + proc.stderr
 
     for key in ("reward/mean", "mismatch/logp_abs_diff_mean", "mismatch/is_raw_mean", "sync/seconds",
                 "algo/zero_signal_share", "time/train_seconds", "time/generate_seconds"):

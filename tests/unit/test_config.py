@@ -162,3 +162,37 @@ def test_every_field_is_range_checked_at_start(capsys):
     table = ranges(MilesConfig())
     assert {"trainer.lr", "rollout.temperature", "checkpoint.keep_last",
             "fault_tolerance.health_interval_s"} <= set(table)
+
+
+def test_schema_choices_match_the_algorithms_they_name() -> None:
+    # Validation reads allowed values from the schema; the algorithms parse the same strings into their enums.
+    from miles_lite.algo.advantages import AdvantageEstimator
+    from miles_lite.algo.losses import AggMode, KLEstimator, PolicyLossType
+    from miles_lite.algo.mismatch import ISLevel, ISMode
+    from miles_lite.config.schema import choices
+
+    allowed = {k: set(v) for k, v in choices(MilesConfig()).items()}
+    assert allowed["algo.advantage_estimator"] == {e.value for e in AdvantageEstimator}
+    assert allowed["algo.agg_mode"] == {e.value for e in AggMode}
+    assert allowed["algo.policy_loss"] == {e.value for e in PolicyLossType}
+    assert allowed["algo.is_mode"] == {e.value for e in ISMode}
+    assert allowed["algo.is_level"] == {e.value for e in ISLevel} | {"none"}
+    assert allowed["algo.kl_estimator"] <= {e.value for e in KLEstimator}
+    assert len(allowed) == 23
+
+
+def test_a_value_outside_the_schema_choices_names_field_and_choices() -> None:
+    cfg = MilesConfig()
+    cfg.rollout.backend = "vllm"
+    cfg.trainer.lr_schedule = "step"
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    text = str(err.value)
+    assert "rollout.backend='vllm' is not one of reference, sglang" in text
+    assert "trainer.lr_schedule='step' is not one of constant, cosine, linear" in text
+
+
+def test_trainer_world_size_is_tp_dp_pp() -> None:
+    cfg = MilesConfig()
+    cfg.trainer.tp, cfg.trainer.dp, cfg.trainer.pp = 2, 3, 1
+    assert cfg.trainer.world_size == 6

@@ -11,7 +11,9 @@ from fake_rollout_engine import FakeEngine
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.data.gsm8k import MathProblem
+from miles_lite.observability.metrics import MetricsRegistry
 from miles_lite.observability.rollout_table import rows_from_groups
+from miles_lite.rl_batch import rollout_stats
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, EngineState, FleetExhausted
 from miles_lite.rollout.manager import RolloutError, RolloutManager, is_mixed_version
 from miles_lite.rollout.prompt_spec import PromptSpec, as_prompt_spec
@@ -83,6 +85,14 @@ def test_dead_engine_requests_are_retried_elsewhere_exactly_once():
         assert mgr.last_stats.retries == len(a.calls) >= 1
         assert fleet.stats()["retried_requests"] == mgr.last_stats.retries
         assert mgr.last_stats.engines_used == {"b": 16}
+        # The request-latency and retry series of Prometheus are fed from these stats, once per step.
+        registry = MetricsRegistry("r", "driver")
+        registry.publish_step(0, rollout_stats(mgr.last_stats))
+        text = registry.exposition().decode()
+        requests = float(len(mgr.last_stats.latencies_s))
+        assert requests >= 16
+        assert f'miles_lite_rollout_request_latency_seconds_count{{role="driver",run="r"}} {requests}' in text
+        assert f'miles_lite_rollout_retried_requests_total{{role="driver",run="r"}} {float(len(a.calls))}' in text
         await fleet.close()
 
     asyncio.run(main())

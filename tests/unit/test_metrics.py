@@ -62,6 +62,8 @@ def test_every_scalar_key_reaches_its_metric() -> None:
         "mismatch/masked_fraction": ("miles_lite_is_masked_tokens_ratio", lab()),
         "weight_version": ("miles_lite_weight_version", lab()),
         **{f"time/{p}_seconds": ("miles_lite_step_phase_seconds", lab(phase=p)) for p in PHASES},
+        **{f"eval/{m}": ("miles_lite_held_out_accuracy_ratio", lab(measure=m))
+           for m in ("exact", "exact_format", "right_number_in_solution", "right_number_anywhere")},
     }
     assert set(expected) == set(_SCALAR_KEYS)
     for key, sample in expected.items():
@@ -124,8 +126,6 @@ def test_events() -> None:
 
     reg.set_engine_states({"healthy": 3, "dead": 1})
     reg.engine_restarted()
-    reg.request_retried(2)
-    reg.observe_request(0.2)
     reg.sync_done("disk", 1.5, 1000, version=4, probe_logp_diff=2e-4)
     reg.sync_done("disk", 0.5, 500, version=5)
     reg.checkpoint_blocked(0.3)
@@ -134,8 +134,6 @@ def test_events() -> None:
     assert {s: got[key("miles_lite_engines", state=s)] for s in ENGINE_STATES} == {
         "starting": 0, "healthy": 3, "dead": 1, "replacing": 0, "stale": 0}
     assert got[key("miles_lite_engine_restarts_total")] == 1
-    assert got[key("miles_lite_rollout_retried_requests_total")] == 2
-    assert got[key("miles_lite_rollout_request_latency_seconds_count")] == 1
     assert got[key("miles_lite_weight_sync_seconds", transport="disk")] == 0.5
     assert got[key("miles_lite_weight_sync_bytes_total", transport="disk")] == 1500
     assert got[key("miles_lite_weight_syncs_total", transport="disk")] == 2

@@ -1,0 +1,45 @@
+"""`TrainerRole`: what the driver, weight sync and checkpoints call on the trainer, wherever its ranks run.
+
+Two implementations: `LocalTrainer` (one rank in the driver's process) and `RayTrainerGroup` (one
+Ray actor per rank in the trainer gang). Both forward to `TrainerRank`, the per-rank body.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from miles_lite.checkpoint.async_ckpt import SaveStats
+from miles_lite.checkpoint.driver_state import DriverState
+from miles_lite.types import TrainBatch
+from miles_lite.weight_sync.senders import WeightSource
+
+
+class TrainerRole(WeightSource, Protocol):
+    """The trainer as one object: compute, steps, checkpoints (plus `WeightSource` for weight sync)."""
+
+    def compute_logprobs(self, batch: TrainBatch, model: str = "policy") -> list[list[float]]:
+        """Per sequence, logprobs (nats) of its response tokens under `model` (policy | reference | teacher)."""
+
+    def train_step(self, batch: TrainBatch, distill_coef: float | None = None) -> dict[str, float]:
+        """RL optimizer steps over the whole batch (split over data-parallel ranks); float stats.
+        `distill_coef`: the distillation weight of this batch (None: `algo.distill_coef`)."""
+
+    def sft_step(self, batch: TrainBatch, lr: float | None = None) -> dict[str, float]:
+        """One supervised step on the response tokens (`lr` None: the RL schedule's current LR)."""
+
+    def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full HF tensors gathered over TP (on CPU)."""
+
+    def save_checkpoint(self, step: int, driver: DriverState, final: bool = False) -> SaveStats:
+        """Every rank snapshots its shards (rank 0 adds `driver` and commits); `final` waits for the commit."""
+
+    def finalize_checkpoint(self) -> SaveStats | None:
+        """Wait for the save in flight to commit; its stats (None when nothing was saved)."""
+
+    def restore_checkpoint(self, path: str) -> DriverState | None:
+        """Load checkpoint `path` on every rank (resharding to this TP/DP); the driver state it holds."""
+
+    def close(self) -> None:
+        """Leave the weight group, finish checkpoints, release the ranks (idempotent)."""

@@ -1,0 +1,51 @@
+"""Text <-> token ids for one tokenizer: prompts in the chat template, prompt specs for the rollout
+manager, and the tokenised SFT pairs of the warm-up."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from miles_lite.data.gsm8k import MathProblem
+from miles_lite.data.prompts import format_solution, render_prompt
+from miles_lite.types import PromptSpec, TrainBatch
+
+
+class PromptEncoder:
+    """Renders and tokenises prompts and targets with `tokenizer` (an HF tokenizer) and the system prompt
+    `template` (`data.prompt_template`)."""
+
+    def __init__(self, tokenizer: Any, template: str = "default") -> None:
+        self.tokenizer = tokenizer
+        self.template = template
+        eos = tokenizer.eos_token_id
+        self.stop_token_ids: list[int] = [eos] if eos is not None else []
+
+    def render(self, question: str) -> str:
+        """The prompt text the policy continues (chat template when the tokenizer has one)."""
+        return render_prompt(self.tokenizer, question, self.template)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def prompt_specs(self, batch: Sequence[tuple[int, MathProblem]]) -> list[PromptSpec]:
+        """One `PromptSpec` per (index, problem): rendered, tokenised, with the reference data the rewards need."""
+        specs = []
+        for index, p in batch:
+            text = self.render(p.question)
+            specs.append(PromptSpec(index, tuple(self.encode(text)), text, p.question, p.answer, p.steps))
+        return specs
+
+    def sft_batch(self, problems: Sequence[MathProblem]) -> TrainBatch:
+        """Tokenised (prompt, tag-format reference solution) pairs for the SFT warm-up."""
+        eos = self.tokenizer.eos_token or ""
+        tokens, plens = [], []
+        for p in problems:
+            prompt = self.encode(self.render(p.question))
+            target = self.encode(format_solution(p) + eos)
+            tokens.append(prompt + target)
+            plens.append(len(prompt))
+        return TrainBatch.without_rollout(tokens, plens)

@@ -1,0 +1,76 @@
+"""A weight push to a fleet: which engines it targets, and what happens when one died since its last
+health check.
+
+The fleet's state belongs to the rollout loop (its transitions wake tasks waiting there): it is read and
+changed on that loop, never from the pushing thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from miles_lite.rollout.engine_state import EngineRecord, EngineState
+from miles_lite.rollout.fleet import EngineFleet
+from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
+from miles_lite.weight_sync.plan import EngineSpec
+from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, ShardSource, WeightSyncError
+
+# Rows an engine pads its vocabulary to: reference engines hold HF shapes, SGLang pads to 64.
+VOCAB_PAD = {"reference": 1, "sglang": 64}
+
+
+class FleetPusher:
+    """Pushes versions of the trainer's weights to every engine of `fleet` that serves or waits to."""
+
+    def __init__(self, sync: WeightSyncCoordinator, fleet: EngineFleet, loop: EngineLoop, engine_tp: int,
+                 backend: str) -> None:
+        self.sync = sync
+        self.fleet = fleet
+        self.loop = loop
+        self.engine_tp = engine_tp
+        self.vocab_pad = VOCAB_PAD[backend]
+
+    def push(self, shards: ShardSource, version: str) -> SyncReport:
+        """Push `shards` as `version` to the healthy and stale engines.
+
+        An engine that died since its last health check fails the push: the engines of the push are
+        then health-checked at once, the dead ones go to the fleet for replacement, and the push is
+        made again to the others (once). A failure on live engines (a dropped update, a probe mismatch)
+        is raised.
+        """
+        fleet = self.fleet
+
+        async def begin() -> list[EngineRecord]:
+            records = [r for r in fleet.records if r.state in (EngineState.HEALTHY, EngineState.STALE)]
+            fleet.set_current_version(version)
+            fleet.begin_weight_update(records)
+            return records
+
+        async def finish(synced: Sequence[EngineRecord]) -> None:
+            fleet.end_weight_update(held, answered=bool(synced))
+            for r in synced:
+                fleet.mark_synced(r.engine_id, version)
+
+        held = records = self.loop.run(begin())
+        try:
+            try:
+                report = self.sync.push(self.targets(records), shards, version)
+            except WeightSyncError:
+                dead = self.loop.run(fleet.confirm_dead(records))
+                records = [r for r in records if all(r is not d for d in dead)]
+                if not dead or not records:
+                    raise
+                report = self.sync.push(self.targets(records), shards, version)
+        except BaseException:
+            self.loop.run(finish([]))
+            raise
+        self.loop.run(finish(records))
+        return report
+
+    def targets(self, records: Sequence[EngineRecord]) -> list[FleetEngine]:
+        """The weight-sync view of fleet `records`: each engine with its id, TP size and vocabulary padding."""
+        # A replacement keeps its slot's engine id but is a new process: naming the incarnation makes
+        # the weight-sync coordinator see a new fleet and rebuild its group with the replacement in it.
+        sync_ids = [r.engine_id if r.incarnation == 0 else f"{r.engine_id}.{r.incarnation}" for r in records]
+        return [FleetEngine(r.engine, EngineSpec(sid, self.engine_tp, self.vocab_pad))
+                for r, sid in zip(records, sync_ids, strict=True)]
