@@ -18,7 +18,7 @@ class PromptEncoder:
     def __init__(self, tokenizer: Any, template: str = "default") -> None:
         self.tokenizer = tokenizer
         self.template = template
-        eos = tokenizer.eos_token_id
+        eos = getattr(tokenizer, "eos_token_id", None)  # None tokenizer: plain-text prompts, no stop ids
         self.stop_token_ids: list[int] = [eos] if eos is not None else []
 
     def render(self, question: str) -> str:

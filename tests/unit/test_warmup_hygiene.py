@@ -9,10 +9,10 @@ import pytest
 
 from miles_lite.config.schema import MilesConfig
 from miles_lite.data.arithmetic import generate_problems
+from miles_lite.data.encoding import PromptEncoder
 from miles_lite.data.prompts import WORKLOG_SYSTEM_PROMPT, render_prompt
 from miles_lite.data.source import PromptSource
 from miles_lite.rl_batch import rl_distill_coef
-from miles_lite.system import System
 from miles_lite.warmup import run_warmup
 
 
@@ -29,8 +29,8 @@ def _system(tmp_path: Path, exclude: bool, steps: int = 3, batch_size: int = 4) 
     cfg = MilesConfig()
     cfg.experiment.warmup, cfg.experiment.warmup_steps = "sft", steps
     cfg.experiment.warmup_batch_size, cfg.experiment.warmup_exclude_from_rl = batch_size, exclude
-    return SimpleNamespace(cfg=cfg, trainer=_Trainer(), run_dir=tmp_path,
-                           sft_batch=lambda problems: [p.question for p in problems])
+    encoder = SimpleNamespace(sft_batch=lambda problems: [p.question for p in problems])
+    return SimpleNamespace(cfg=cfg, trainer=_Trainer(), run_dir=tmp_path, encoder=encoder)
 
 
 @pytest.mark.parametrize("exclude", [True, False])
@@ -74,9 +74,9 @@ def test_rl_distillation_weight_is_zero_after_opd_unless_set() -> None:
 def test_worklog_prompt_template_reaches_the_rendered_prompt() -> None:
     assert "\\boxed{}" in WORKLOG_SYSTEM_PROMPT and "<SOLUTION>72</SOLUTION>" in WORKLOG_SYSTEM_PROMPT
     cfg = MilesConfig()
-    default = System.render(SimpleNamespace(tokenizer=None, cfg=cfg), "How many?")
+    default = PromptEncoder(None, cfg.data.prompt_template).render("How many?")
     cfg.data.prompt_template = "worklog"
-    worklog = System.render(SimpleNamespace(tokenizer=None, cfg=cfg), "How many?")
+    worklog = PromptEncoder(None, cfg.data.prompt_template).render("How many?")
     assert WORKLOG_SYSTEM_PROMPT in worklog and WORKLOG_SYSTEM_PROMPT not in default
     assert worklog.endswith("User: How many?\nAssistant: ")
     with pytest.raises(ValueError, match="data.prompt_template"):
