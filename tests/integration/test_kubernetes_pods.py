@@ -142,6 +142,8 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
     # The image the build tagged is the one the kustomization deploys.
     assert container["image"] == image
 
+    # A volume left by an earlier run would hold its checkpoints, and the job would resume from them.
+    podman("volume", "rm", "-f", CLAIM, check=False)
     node = PodmanNode(api, NS, f"miles-k8s-{secrets.token_hex(3)}", tmp_path / "pods")
     node.start()
     operator_name = f"miles-operator-{secrets.token_hex(3)}"
