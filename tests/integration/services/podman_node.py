@@ -80,6 +80,8 @@ class PodmanNode:
     workdir: Path
     played: dict[str, _Played] = field(default_factory=dict)
     events: list[str] = field(default_factory=list)
+    # podman keeps a played ConfigMap as a named volume; removed on close.
+    config_volumes: set[str] = field(default_factory=set)
 
     def start(self) -> None:
         """Create the network (with DNS) this node's pods share."""
@@ -90,6 +92,8 @@ class PodmanNode:
         """Remove every pod this node played, then the network."""
         for name in list(self.played):
             self._remove(name)
+        for volume in self.config_volumes:
+            podman("volume", "rm", "-f", volume, check=False)
         podman("network", "rm", "-f", self.network, check=False)
 
     # ---- one pass ----
@@ -200,6 +204,7 @@ class PodmanNode:
                 cm = self.api.get("v1", "ConfigMap", self.namespace, vol["configMap"]["name"])
                 if cm is None:
                     raise RuntimeError(f"pod {meta['name']} mounts absent ConfigMap {vol['configMap']['name']}")
+                self.config_volumes.add(cm["metadata"]["name"])
                 docs.append({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": cm["metadata"]["name"]},
                              "data": cm.get("data") or {}})
         docs.append({"apiVersion": "v1", "kind": "Pod",
