@@ -143,7 +143,8 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
     assert container["image"] == image
 
     # A volume left by an earlier run would hold its checkpoints, and the job would resume from them.
-    podman("volume", "rm", "-f", CLAIM, f"{JOB}-config", check=False)
+    for volume in (CLAIM, f"{JOB}-config"):
+        podman("volume", "rm", "-f", volume, check=False)
     node = PodmanNode(api, NS, f"miles-k8s-{secrets.token_hex(3)}", tmp_path / "pods")
     node.start()
     operator_name = f"miles-operator-{secrets.token_hex(3)}"
