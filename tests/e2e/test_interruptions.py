@@ -82,6 +82,7 @@ def test_second_ctrl_c_aborts_at_once(tmp_path: Path) -> None:
 def test_exploding_learning_rate_is_refused_and_ends_with_the_last_good_weights(tmp_path: Path) -> None:
     # An entropy bonus gives every step a gradient, whatever the (untrained) model earns.
     proc = _start(tmp_path, "experiment.warmup=none", "experiment.steps=4", "trainer.lr=1e6", "algo.entropy_coef=0.01",
+                  "algo.drop_zero_signal=false",
                   "trainer.lr_warmup_steps=0", "trainer.max_diverged_skips=2", "checkpoint.interval=1")
     out = _finish(proc, [], timeout=500)
     assert proc.returncode == 3, out[-3000:]
