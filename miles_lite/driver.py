@@ -75,23 +75,31 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
     start = time.perf_counter()
     run_dir = Path(cfg.experiment.output_dir) / run_name(cfg)
     stop = stop or StopRequest().install()
-    train_problems, held_out = load_problems(cfg)  # a data error ends the run before it has a directory
-    new_dir = not run_dir.exists()
+    locks: list[RunLock] = []
     try:
-        probe_run_dirs(cfg, run_dir, checkpoint_root(cfg, run_dir))
-    except OutputDirError:
-        if new_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
-            run_dir.rmdir()
-        raise
-    locks = [RunLock(run_dir)]
-    try:
-        if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(run_dir.resolve()):
-            locks.append(RunLock(cfg.checkpoint.dir, "checkpoint.dir"))
-        done = finished_summary(cfg, run_dir)
+        train_problems, held_out = load_problems(cfg)  # a data error ends the run before it has a directory
+        done = finished_summary(cfg, run_dir)  # reads only: a finished run re-run writes nothing
         if done is not None:
             print(f"miles-lite: {run_dir} already finished {done['steps_done']} steps (experiment.steps="
                   f"{cfg.experiment.steps}); nothing to do. Raise experiment.steps to train further.", flush=True)
             return RunSummary(**{k: v for k, v in done.items() if k in RunSummary.__dataclass_fields__})
+        new_dir = not run_dir.exists()
+        try:
+            locks.append(RunLock(run_dir))
+            probe_run_dirs(cfg, run_dir, checkpoint_root(cfg, run_dir))
+        except (OSError, OutputDirError) as err:
+            for lock in locks:
+                lock.release(remove_file=new_dir)
+            locks.clear()
+            if new_dir and run_dir.is_dir() and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+            if isinstance(err, OutputDirError):
+                raise
+            raise OutputDirError(f"experiment.output_dir={cfg.experiment.output_dir!r}: cannot create the run "
+                                 f"directory {run_dir} ({err.strerror or err}); set experiment.output_dir to a "
+                                 "writable directory") from None
+        if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(run_dir.resolve()):
+            locks.append(RunLock(cfg.checkpoint.dir, "checkpoint.dir"))
         return _train(cfg, run_dir, stop, train_problems, held_out, start)
     finally:
         for lock in reversed(locks):

@@ -48,11 +48,14 @@ class RunLock:
                       f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n".encode(), 0)
         self._fd: int | None = fd
 
-    def release(self) -> None:
-        """Unlock (idempotent); the file stays, an unlocked file means a free directory."""
+    def release(self, remove_file: bool = False) -> None:
+        """Unlock (idempotent). The file stays (an unlocked file means a free directory) unless
+        `remove_file`, for a directory this run created and leaves empty."""
         if self._fd is not None:
             fd, self._fd = self._fd, None
             os.ftruncate(fd, 0)
+            if remove_file:
+                self.path.unlink(missing_ok=True)
             os.close(fd)
 
     def __enter__(self) -> RunLock:
