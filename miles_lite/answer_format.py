@@ -32,6 +32,10 @@ SOLUTION_START = "<SOLUTION>"
 SOLUTION_END = "</SOLUTION>"
 # In the order they must appear in a well-formed completion.
 ANSWER_TAGS = (WORK_START, WORK_END, SOLUTION_START, SOLUTION_END)
+# The calculator tool's call and result (multi-turn rollouts with rollout.environment=calculator).
+CALC_START, CALC_END = "<calc>", "</calc>"
+RESULT_START, RESULT_END = "<result>", "</result>"
+CALCULATOR_TAGS = (CALC_START, CALC_END, RESULT_START, RESULT_END)
 # A reference solution (GSM8K) ends with this marker and the final number.
 _FINAL_MARKER = "####"
 _FINAL_HINT = "GSM8K answers end with '#### <number>'"

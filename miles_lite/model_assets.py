@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
+from miles_lite.answer_format import CALCULATOR_TAGS
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import tokenizer_problem
 from miles_lite.data.tokenizer import load_or_build_tokenizer
@@ -28,7 +29,9 @@ def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
         return cfg, tokenizer
     cache = Path(cfg.experiment.output_dir) / ".cache" / "tokenizers"
-    tokenizer = load_or_build_tokenizer(cache, vocab_size=cfg.model.vocab_size, seed=0)
+    # The calculator's tags are single tokens of the offline tokenizer when a run uses that tool.
+    extra_tags = CALCULATOR_TAGS if cfg.rollout.environment == "calculator" else ()
+    tokenizer = load_or_build_tokenizer(cache, vocab_size=cfg.model.vocab_size, seed=0, extra_tags=extra_tags)
     if len(tokenizer) > cfg.model.vocab_size:
         raise ValueError(f"the offline tokenizer has {len(tokenizer)} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; raise model.vocab_size")

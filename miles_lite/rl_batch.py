@@ -111,8 +111,16 @@ def build_train_batch(groups: Sequence[Group], algo: AlgoConfig) -> tuple[TrainB
         prompt_lengths=[len(samples[i].prompt_ids) for i in chosen],
         rollout_logprobs=[list(samples[i].rollout_logprobs) for i in chosen],
         advantages=[float(result.advantages[i]) for i in chosen],
+        loss_masks=_loss_masks([samples[i] for i in chosen]),
     )
     return batch, stats
+
+
+def _loss_masks(samples: Sequence[Sample]) -> list[list[int]] | None:
+    """Per-sample loss masks when any sample has environment tokens (multi-turn), else None."""
+    if all(s.loss_mask is None for s in samples):
+        return None
+    return [list(s.loss_mask) if s.loss_mask is not None else [1] * len(s.response_ids) for s in samples]
 
 
 def distill_batch(groups: Sequence[Group]) -> TrainBatch | None:
@@ -128,7 +136,7 @@ def distill_batch(groups: Sequence[Group]) -> TrainBatch | None:
     return TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
                       prompt_lengths=[len(s.prompt_ids) for s in samples],
                       rollout_logprobs=[list(s.rollout_logprobs) for s in samples],
-                      advantages=[0.0] * len(samples))
+                      advantages=[0.0] * len(samples), loss_masks=_loss_masks(samples))
 
 
 def rollout_stats(stats: Any) -> dict[str, object]:

@@ -14,10 +14,11 @@ from typing import Any
 
 from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.schema import MilesConfig
+from miles_lite.config.validate import remote_reward_spec
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.fleet_launch import Rollout, build_rollout
 from miles_lite.model_assets import prepare_model
-from miles_lite.rewards import get_reward_set
+from miles_lite.rewards.setup import build_reward_set
 from miles_lite.rollout.fleet import EngineFleet
 from miles_lite.rollout.prompt_spec import sampling_from_config
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
@@ -44,8 +45,10 @@ class System:
         self.cfg = cfg
         self.run_dir = run_dir
         self.tokenizer = tokenizer
-        self.encoder = PromptEncoder(tokenizer, cfg.data.prompt_template)
-        self.reward_set = get_reward_set(cfg.rewards.set).with_weights(dict(cfg.rewards.weights))
+        self.encoder = PromptEncoder(tokenizer, cfg.data.prompt_template,
+                                     tool_solutions=cfg.rollout.environment == "calculator")
+        self.reward_set = build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom,
+                                           remote_reward_spec(cfg))
         self.sampling = sampling_from_config(cfg.rollout, stop_token_ids=self.encoder.stop_token_ids,
                                              seed=cfg.experiment.seed)
         self.trainer: TrainerRole | None = None

@@ -74,6 +74,11 @@ class Sample:
     weight_version: str = ""
     # Raw value of every reward function, plus "total" (the weighted sum).
     rewards: dict[str, float] = field(default_factory=dict)
+    # Multi-turn rollouts: 1 per response token the model sampled, 0 for environment replies (no loss,
+    # rollout log-prob 0.0); None when every token is the model's.
+    loss_mask: list[int] | None = None
+    # Model turns in the response (1 for a single-turn rollout).
+    turns: int = 1
 
     @property
     def reward(self) -> float:
@@ -124,9 +129,19 @@ class TrainBatch:
     ref_logprobs: list[list[float]] | None = None
     teacher_logprobs: list[list[float]] | None = None
     old_logprobs: list[list[float]] | None = None
+    # R_i ints each (1: the token is trained on, 0: an environment reply of a multi-turn rollout, left out
+    # of the loss and of the mismatch metrics); None: every response token counts.
+    loss_masks: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
+        if self.loss_masks is not None:
+            if len(self.loss_masks) != n:
+                raise ValueError(f"TrainBatch.loss_masks has {len(self.loss_masks)} entries for {n} sequences")
+            for i, (toks, plen, m) in enumerate(zip(self.tokens, self.prompt_lengths, self.loss_masks, strict=True)):
+                if len(toks) - plen != len(m):
+                    raise ValueError(f"TrainBatch sequence {i}: {len(toks) - plen} response tokens but a loss mask "
+                                     f"of {len(m)}")
         for name in ("prompt_lengths", "rollout_logprobs", "advantages"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries for {n} sequences")
@@ -155,7 +170,7 @@ class TrainBatch:
         return TrainBatch(tokens=rows(self.tokens) or [], prompt_lengths=rows(self.prompt_lengths) or [],
                           rollout_logprobs=rows(self.rollout_logprobs) or [], advantages=rows(self.advantages) or [],
                           ref_logprobs=rows(self.ref_logprobs), teacher_logprobs=rows(self.teacher_logprobs),
-                          old_logprobs=rows(self.old_logprobs))
+                          old_logprobs=rows(self.old_logprobs), loss_masks=rows(self.loss_masks))
 
     @property
     def num_sequences(self) -> int:
@@ -170,6 +185,12 @@ class TrainBatch:
     def response_lengths(self) -> list[int]:
         return [len(t) - p for t, p in zip(self.tokens, self.prompt_lengths, strict=True)]
 
+    @property
+    def loss_token_counts(self) -> list[int]:
+        """Response tokens of each sequence that the loss covers (all of them without `loss_masks`)."""
+        if self.loss_masks is None:
+            return self.response_lengths
+        return [sum(1 for v in m if v) for m in self.loss_masks]
 
 @dataclass(frozen=True)
 class PromptSpec:

@@ -211,6 +211,17 @@ class RolloutConfig:
     # Extra environment of the engine server processes, e.g. {PYTHONPATH: /opt/sglang-site} when SGLang
     # lives in its own install (its pinned torch) beside the trainer's.
     engine_env: dict[str, str] = field(default_factory=dict)
+    # Multi-turn tool rollouts: a built-in environment ("calculator") or an import path
+    # "package.module:Environment"; None: single-turn. Replies count against max_new_tokens.
+    environment: str | None = None
+    # Model turns per trajectory at most (a turn ends at a tool call or the end of the answer).
+    max_turns: int = 4
+    # Dynamic sampling's group filter "package.module:fn", fn(group) -> bool (True keeps the group); None: keep
+    # the groups whose rewards differ (not zero-signal).
+    group_filter: str | None = None
+    # Rollout plug-in "package.module:fn": an async function producing each completion itself
+    # (miles_lite/rollout/generate_plugin.py); None: the manager samples one turn (or tool turns).
+    generate_fn: str | None = None
     # Base URLs (http://host:port) of engines started outside this run's process tree, e.g. the
     # rollout pods of a Kubernetes MilesJob; when set, no engines are launched and `engines` must equal their count.
     engine_urls: list[str] = field(default_factory=list)
@@ -299,9 +310,26 @@ class DataConfig:
     shuffle_seed: int = 0
     max_prompt_tokens: int = 512
     # System prompt: default (the format in one sentence) | worklog (the format, a worked example, and
-    # no boxed answers).
-    prompt_template: str = one_of("default", "worklog")
+    # no boxed answers) | calculator (the format and how to call the calculator tool).
+    prompt_template: str = one_of("default", "worklog", "calculator")
     presample: PresampleConfig = field(default_factory=PresampleConfig)
+
+
+@dataclass
+class RemoteRewardConfig:
+    """A reward model behind HTTP (protocol in `miles_lite/rewards/remote.py`), scored beside the others."""
+
+    # POST endpoint, e.g. http://reward-model:8000/score; None: no remote reward.
+    url: str | None = None
+    # Its column in the rollout table and metrics, its weight in the total, its largest score.
+    name: str = "remote"
+    weight: float = 1.0
+    max_score: float = 1.0
+    batch_size: int = 32
+    timeout_s: float = 30.0
+    retries: int = 3  # attempts after the first (exponential backoff from backoff_s), then the run stops
+    backoff_s: float = 0.5
+    max_concurrency: int = 4
 
 
 @dataclass
@@ -310,6 +338,10 @@ class RewardsConfig:
 
     set: str = "worklog"
     weights: dict[str, float] = field(default_factory=dict)
+    # Plug-in by import path "package.module:name": a batch reward function (added to the set under its
+    # name, weight 1.0 unless `weights` names it) or a RewardSet (replaces `set`).
+    custom: str | None = None
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
 
 # The SGLang weight loader that `weight_sync.transport=ipc_handles` pushes into (the engine lists it in

@@ -189,16 +189,59 @@ def _check_algo(cfg: MilesConfig, problems: list[str]) -> None:
 
 
 def _check_rewards(cfg: MilesConfig, problems: list[str]) -> None:
-    from miles_lite.rewards import get_reward_set, validate_reward_names
+    from miles_lite.rewards import get_reward_set
+    from miles_lite.rewards.setup import build_reward_set
 
     try:
         get_reward_set(cfg.rewards.set)
     except ValueError as err:
         problems.append(f"rewards.set: {err}")
+        return
+    remote = cfg.rewards.remote
+    for name in ("batch_size", "max_concurrency"):
+        if getattr(remote, name) < 1:
+            problems.append(f"rewards.remote.{name}={getattr(remote, name)} must be a positive integer")
+    if remote.timeout_s <= 0 or remote.retries < 0 or remote.backoff_s < 0:
+        problems.append("rewards.remote: timeout_s must be > 0, retries and backoff_s >= 0")
     try:
-        validate_reward_names(cfg.rewards.weights)
-    except ValueError as err:
-        problems.append(f"rewards.weights: {err}")
+        build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom, remote_reward_spec(cfg))
+    except ValueError as err:  # PluginError is a ValueError and names its field
+        problems.append(str(err))
+
+
+def _check_rollout_plugins(cfg: MilesConfig, problems: list[str]) -> None:
+    from miles_lite.plugins import BUILTIN_ENVIRONMENTS, environment_from_plugin, load_async_fn, load_sync_fn
+
+    rollout = cfg.rollout
+    if rollout.environment and rollout.generate_fn:
+        problems.append("rollout.environment and rollout.generate_fn exclude each other (a generate plug-in runs its "
+                        "own turns); unset one")
+    if rollout.max_turns < 1:
+        problems.append(f"rollout.max_turns={rollout.max_turns} must be a positive integer")
+    if rollout.group_filter and not rollout.dynamic_sampling:
+        problems.append(f"rollout.group_filter={rollout.group_filter!r} filters dynamic sampling's groups; set "
+                        "rollout.dynamic_sampling=true")
+    try:
+        if rollout.group_filter:
+            load_sync_fn(rollout.group_filter, "rollout.group_filter", positional=1)
+        if rollout.environment and rollout.environment not in BUILTIN_ENVIRONMENTS:
+            environment_from_plugin(rollout.environment, "rollout.environment")
+        if rollout.generate_fn:
+            load_async_fn(rollout.generate_fn, "rollout.generate_fn", positional=3)
+    except ValueError as err:  # PluginError names the field
+        problems.append(str(err))
+
+
+def remote_reward_spec(cfg: MilesConfig):
+    """`rewards.remote` as the reward client's spec (None when no URL is set)."""
+    from miles_lite.rewards.remote import RemoteRewardSpec
+
+    r = cfg.rewards.remote
+    if not r.url:
+        return None
+    return RemoteRewardSpec(url=r.url, name=r.name, weight=r.weight, max_score=r.max_score, batch_size=r.batch_size,
+                            timeout_s=r.timeout_s, retries=r.retries, backoff_s=r.backoff_s,
+                            max_concurrency=r.max_concurrency)
 
 
 def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
@@ -251,6 +294,7 @@ def validate(cfg: MilesConfig) -> ModelDims | None:
         _check_parallelism(cfg, dims, problems)
     _check_algo(cfg, problems)
     _check_rewards(cfg, problems)
+    _check_rollout_plugins(cfg, problems)
     _check_paths_and_devices(cfg, problems)
     if problems:
         raise ConfigError(problems)

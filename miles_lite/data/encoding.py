@@ -3,9 +3,11 @@ manager, and the tokenised SFT pairs of the warm-up."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from miles_lite.data.calculator import tool_solution_segments
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.prompts import format_solution, render_prompt
 from miles_lite.types import PromptSpec, TrainBatch
@@ -13,11 +15,12 @@ from miles_lite.types import PromptSpec, TrainBatch
 
 class PromptEncoder:
     """Renders and tokenises prompts and targets with `tokenizer` (an HF tokenizer) and the system prompt
-    `template` (`data.prompt_template`)."""
+    `template` (`data.prompt_template`). With `tool_solutions` the SFT targets show the calculator's turns."""
 
-    def __init__(self, tokenizer: Any, template: str = "default") -> None:
+    def __init__(self, tokenizer: Any, template: str = "default", tool_solutions: bool = False) -> None:
         self.tokenizer = tokenizer
         self.template = template
+        self.tool_solutions = tool_solutions
         eos = getattr(tokenizer, "eos_token_id", None)  # None tokenizer: plain-text prompts, no stop ids
         self.stop_token_ids: list[int] = [eos] if eos is not None else []
 
@@ -40,12 +43,25 @@ class PromptEncoder:
         return specs
 
     def sft_batch(self, problems: Sequence[MathProblem]) -> TrainBatch:
-        """Tokenised (prompt, tag-format reference solution) pairs for the SFT warm-up."""
+        """Tokenised (prompt, tag-format reference solution) pairs for the SFT warm-up.
+
+        With `tool_solutions` the solutions are written as calculator calls; the calculator's replies are
+        tokenised on their own (as in a rollout) and masked out of the loss.
+        """
         eos = self.tokenizer.eos_token or ""
-        tokens, plens = [], []
+        tokens, plens, masks = [], [], []
         for p in problems:
             prompt = self.encode(self.render(p.question))
-            target = self.encode(format_solution(p) + eos)
+            segments = tool_solution_segments(p) if self.tool_solutions else [(format_solution(p), True)]
+            segments[-1] = (segments[-1][0] + eos, True)
+            target: list[int] = []
+            mask: list[int] = []
+            for text, trained in segments:
+                ids = self.encode(text)
+                target += ids
+                mask += [int(trained)] * len(ids)
             tokens.append(prompt + target)
             plens.append(len(prompt))
-        return TrainBatch.without_rollout(tokens, plens)
+            masks.append(mask)
+        batch = TrainBatch.without_rollout(tokens, plens)
+        return dataclasses.replace(batch, loss_masks=masks) if self.tool_solutions else batch

@@ -8,7 +8,17 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from miles_lite.answer_format import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START, format_number
+from miles_lite.answer_format import (
+    CALC_END,
+    CALC_START,
+    RESULT_END,
+    RESULT_START,
+    SOLUTION_END,
+    SOLUTION_START,
+    WORK_END,
+    WORK_START,
+    format_number,
+)
 from miles_lite.data.gsm8k import MathProblem, strip_annotations
 
 if TYPE_CHECKING:
@@ -33,8 +43,12 @@ WORKLOG_SYSTEM_PROMPT = (
     f"{SOLUTION_START}72{SOLUTION_END}"
 )
 
+# For runs with the calculator tool (rollout.environment=calculator): how to call it.
+CALCULATOR_SYSTEM_PROMPT = (f"{SYSTEM_PROMPT} To compute, write {CALC_START}expression{CALC_END}: its value follows "
+                            f"as {RESULT_START}value{RESULT_END}.")
+
 # `data.prompt_template` -> system prompt.
-PROMPT_TEMPLATES = {"default": SYSTEM_PROMPT, "worklog": WORKLOG_SYSTEM_PROMPT}
+PROMPT_TEMPLATES = {"default": SYSTEM_PROMPT, "worklog": WORKLOG_SYSTEM_PROMPT, "calculator": CALCULATOR_SYSTEM_PROMPT}
 
 
 def system_prompt(template: str = "default") -> str:

@@ -9,6 +9,7 @@ byte-identical ``tokenizer.json``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -40,7 +41,7 @@ _BYTE_ALPHABET = 256
 _MIN_VOCAB = _BYTE_ALPHABET + len(CONTROL_TOKENS) + len(ANSWER_TAGS) + 1
 
 
-def _training_corpus(seed: int) -> list[str]:
+def _training_corpus(seed: int, extra_tags: tuple[str, ...] = ()) -> list[str]:
     """Texts the model will see: questions, reference solutions, tagged targets and prompts."""
     spec = ArithmeticSpec(min_steps=1, max_steps=4, ops=SUPPORTED_OPS, seed=seed)
     texts = []
@@ -50,12 +51,13 @@ def _training_corpus(seed: int) -> list[str]:
     texts += [f"system\n{SYSTEM_PROMPT}", "user\n", "assistant\n"]
     # Tags and control tokens are single added tokens and never reach the BPE model, so they
     # are cut out here to keep merges from being spent on their pieces.
-    for token in (*ANSWER_TAGS, *CONTROL_TOKENS):
+    for token in (*ANSWER_TAGS, *extra_tags, *CONTROL_TOKENS):
         texts = [text.replace(token, "\n") for text in texts]
     return texts
 
 
-def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0) -> PreTrainedTokenizerFast:
+def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0,
+                    extra_tags: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer and save it with ``save_pretrained`` into ``out_dir``.
 
     Args:
@@ -64,6 +66,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0) -
         vocab_size: upper bound on the vocabulary, including the 256 byte tokens, the three
             control tokens and the four answer tags; the regular corpus may saturate below it.
         seed: seed of the synthetic training corpus.
+        extra_tags: more tags to hold as single added tokens (e.g. a tool's call and result tags).
 
     Returns:
         The tokenizer as loaded back from ``out_dir``: eos ``<|im_end|>``, pad
@@ -74,21 +77,23 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0) -
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    if vocab_size < _MIN_VOCAB:
-        raise ValueError(f"vocab_size must be >= {_MIN_VOCAB} (bytes + added tokens + 1), got {vocab_size}")
+    tags = (*ANSWER_TAGS, *extra_tags)
+    if vocab_size < _MIN_VOCAB + len(extra_tags):
+        raise ValueError(f"vocab_size must be >= {_MIN_VOCAB + len(extra_tags)} (bytes + added tokens + 1), "
+                         f"got {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
     )
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size - len(ANSWER_TAGS),
+        vocab_size=vocab_size - len(tags),
         special_tokens=list(CONTROL_TOKENS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_corpus(seed), trainer)
-    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in ANSWER_TAGS])
+    tokenizer.train_from_iterator(_training_corpus(seed, tuple(extra_tags)), trainer)
+    tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in tags])
 
     wrapped = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer, eos_token=IM_END, pad_token=ENDOFTEXT, chat_template=CHATML_TEMPLATE
@@ -105,13 +110,16 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0) -
     return PreTrainedTokenizerFast.from_pretrained(out_dir)
 
 
-def tokenizer_cache_key(vocab_size: int = 512, seed: int = 0) -> str:
+def tokenizer_cache_key(vocab_size: int = 512, seed: int = 0, extra_tags: tuple[str, ...] = ()) -> str:
     """Directory name under which :func:`load_or_build_tokenizer` caches a build."""
-    return f"bpe-v{_RECIPE_VERSION}-vocab{vocab_size}-seed{seed}"
+    key = f"bpe-v{_RECIPE_VERSION}-vocab{vocab_size}-seed{seed}"
+    if extra_tags:
+        key += "-tags" + hashlib.sha256("\0".join(extra_tags).encode()).hexdigest()[:12]
+    return key
 
 
 def load_or_build_tokenizer(
-    cache_dir: str | Path, vocab_size: int = 512, seed: int = 0
+    cache_dir: str | Path, vocab_size: int = 512, seed: int = 0, extra_tags: tuple[str, ...] = ()
 ) -> PreTrainedTokenizerFast:
     """Load the tokenizer for these arguments from ``cache_dir``, building it on first use.
 
@@ -122,12 +130,12 @@ def load_or_build_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     cache_dir = Path(cache_dir)
-    target = cache_dir / tokenizer_cache_key(vocab_size, seed)
+    target = cache_dir / tokenizer_cache_key(vocab_size, seed, tuple(extra_tags))
     if not (target / "tokenizer.json").is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
         try:
-            build_tokenizer(staging, vocab_size=vocab_size, seed=seed)
+            build_tokenizer(staging, vocab_size=vocab_size, seed=seed, extra_tags=tuple(extra_tags))
             # mkdtemp makes the directory private; a shared cache must stay readable.
             staging.chmod(0o755)
             try:

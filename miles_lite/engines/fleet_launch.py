@@ -12,7 +12,10 @@ from typing import Any
 from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.launcher import EngineLauncher
+from miles_lite.plugins import load_sync_fn
+from miles_lite.rollout.environment import load_environment
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher
+from miles_lite.rollout.generate_plugin import load_generate_fn
 from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
@@ -147,6 +150,12 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
         loop.stop()
         raise
     encoder = PromptEncoder(tokenizer)
+    # Plug-ins (checked at start by config validation): a tool environment (multi-turn), a generate function,
+    # dynamic sampling's group filter.
+    environment = load_environment(rollout.environment) if rollout.environment else None
+    generate_fn = load_generate_fn(rollout.generate_fn) if rollout.generate_fn else None
+    group_filter = load_sync_fn(rollout.group_filter, "rollout.group_filter", 1) if rollout.group_filter else None
     manager = RolloutManager(fleet, rollout, ft, decode=encoder.decode, stop_token_ids=encoder.stop_token_ids,
-                             seed=seed)
+                             seed=seed, encode=encoder.encode, environment=environment, generate_fn=generate_fn,
+                             group_filter=group_filter)
     return Rollout(loop, fleet, SyncRolloutManager(manager, loop))

@@ -37,6 +37,8 @@ SCHEMA = pa.schema([
     pa.field("mean_logprob", pa.float64()),
     pa.field("engine", pa.string()),
     pa.field("weight_version", pa.string()),
+    # Model turns of a multi-turn trajectory (1 for single-turn); `completion` holds every turn and reply.
+    pa.field("turns", pa.int64()),
 ])
 
 
@@ -58,6 +60,7 @@ class RolloutRow:
     weight_version: str
     # Raw value of every reward function (the weighted sum is `total`).
     rewards: dict[str, float] = field(default_factory=dict)
+    turns: int = 1
 
 
 def rows_from_groups(step: int, groups: Sequence[Group]) -> list[RolloutRow]:
@@ -79,6 +82,7 @@ def rows_from_groups(step: int, groups: Sequence[Group]) -> list[RolloutRow]:
                 engine=sample.engine_id,
                 weight_version=sample.weight_version,
                 rewards={k: float(v) for k, v in sample.rewards.items() if k != "total"},
+                turns=sample.turns,
             ))
     return rows
 

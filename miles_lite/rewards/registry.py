@@ -75,6 +75,9 @@ class RewardSet:
 
     name: str
     weights: Mapping[str, float] = field(hash=False)
+    # Rewards this set brings along instead of taking them from the registry (plug-ins, a remote
+    # reward model): name -> reward. Names here shadow registered ones.
+    functions: Mapping[str, RegisteredReward] = field(default_factory=dict, hash=False)
 
     def __post_init__(self) -> None:
         if not self.weights:
@@ -86,6 +89,7 @@ class RewardSet:
         if TOTAL_KEY in weights:
             raise ValueError(f"{TOTAL_KEY!r} is reserved for the weighted sum, not a reward name")
         object.__setattr__(self, "weights", MappingProxyType(weights))
+        object.__setattr__(self, "functions", MappingProxyType(dict(self.functions)))
 
     def with_weights(self, overrides: Mapping[str, float]) -> RewardSet:
         """A copy whose weights are these weights updated by ``overrides`` (which may add rewards).
@@ -93,8 +97,20 @@ class RewardSet:
         Raises:
             ValueError: an override names an unregistered reward or a non-finite weight.
         """
-        validate_reward_names(overrides)
-        return RewardSet(self.name, {**self.weights, **overrides})
+        validate_reward_names(overrides, self.functions)
+        return RewardSet(self.name, {**self.weights, **overrides}, self.functions)
+
+    def with_reward(self, name: str, reward: RegisteredReward, weight: float) -> RewardSet:
+        """A copy that also scores with ``reward`` under ``name`` (carried by the set, not registered)."""
+        if name == TOTAL_KEY or not name.strip():
+            raise ValueError(f"invalid reward name {name!r}")
+        if name in self.weights:
+            raise ValueError(f"reward set {self.name!r} already has a reward named {name!r}")
+        return RewardSet(self.name, {**self.weights, name: weight}, {**self.functions, name: reward})
+
+    def reward(self, name: str) -> RegisteredReward:
+        """The reward scored under ``name``: the set's own, else the registry's."""
+        return self.functions.get(name) or REWARD_REGISTRY[name]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -105,10 +121,8 @@ class RewardSet:
     def max_total(self) -> float:
         """Highest reachable ``total``: each positive weight times its reward's maximum raw value
         (rewards are assumed non-negative). Rewards must be registered."""
-        validate_reward_names(self.names)
-        return sum(
-            max(weight, 0.0) * REWARD_REGISTRY[name].max_value for name, weight in self.weights.items()
-        )
+        validate_reward_names(self.names, self.functions)
+        return sum(max(weight, 0.0) * self.reward(name).max_value for name, weight in self.weights.items())
 
 
 WORKLOG_WEIGHTS = {
@@ -146,17 +160,16 @@ def get_reward_set(name: str | RewardSet) -> RewardSet:
     return REWARD_SETS[name]
 
 
-def validate_reward_names(names: Iterable[str]) -> None:
-    """Check that every name is a registered reward.
+def validate_reward_names(names: Iterable[str], extra: Mapping[str, object] = MappingProxyType({})) -> None:
+    """Check that every name is a registered reward (or one of ``extra``'s names).
 
     Raises:
         ValueError: listing the unknown names and the known reward names.
     """
-    unknown = [name for name in names if name not in REWARD_REGISTRY]
+    unknown = [name for name in names if name not in REWARD_REGISTRY and name not in extra]
     if unknown:
-        raise ValueError(
-            f"unknown reward name(s) {unknown}; known rewards: {', '.join(sorted(REWARD_REGISTRY))}"
-        )
+        known = sorted({*REWARD_REGISTRY, *extra})
+        raise ValueError(f"unknown reward name(s) {unknown}; known rewards: {', '.join(known)}")
 
 
 def register_reward(name: str, fn: RewardFn, *, max_value: float = 1.0) -> None:
@@ -242,7 +255,7 @@ def score(
             not return exactly one finite float per completion (the message names the reward).
     """
     reward_set = get_reward_set(reward_set)
-    validate_reward_names(reward_set.names)
+    validate_reward_names(reward_set.names, reward_set.functions)
     n = len(completions)
     for label, values in (("answers", answers), ("questions", questions), ("steps", steps)):
         if len(values) != n:
@@ -250,7 +263,7 @@ def score(
     raw = {
         name: _checked_values(
             name,
-            REWARD_REGISTRY[name].fn(completions, answers=answers, questions=questions, steps=steps),
+            reward_set.reward(name).fn(completions, answers=answers, questions=questions, steps=steps),
             n,
         )
         for name in reward_set.names

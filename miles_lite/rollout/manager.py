@@ -17,133 +17,43 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import itertools
 import logging
 import math
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.rollout.environment import ToolEnvironment
 from miles_lite.rollout.fleet import EngineFleet, EngineLease
+from miles_lite.rollout.generate_plugin import GenerateFn, GenerateResult, Interrupted, SlotClient
 from miles_lite.rollout.prompt_spec import PromptLike, PromptSpec, as_prompt_spec, sampling_from_config
-from miles_lite.types import Generation, Group, Sample, SamplingParams
+from miles_lite.rollout.slots import (
+    MIXED_SEPARATOR,
+    ManagerState,
+    PendingGroup,
+    RolloutError,
+    RolloutStats,
+    Slot,
+    is_mixed_version,
+    joined,
+    slot_seed,
+)
+from miles_lite.types import Group, Sample, SamplingParams
+
+# Names the rest of the package imports from here.
+__all__ = ["MIXED_SEPARATOR", "ManagerState", "PromptSource", "RolloutError", "RolloutManager", "RolloutStats",
+           "Scorer", "is_mixed_version"]
 
 logger = logging.getLogger(__name__)
-
-# Joins the weight versions (and engine ids) that produced one completion's tokens.
-MIXED_SEPARATOR = "+"
 
 # How HttpEngine reports an answer "400 Bad Request"-like: the request, not the engine, is at fault.
 _BAD_REQUEST = re.compile(r"HTTP (?:400|404|405|413|422)\b")
 
 Scorer = Callable[[list[Group]], None]
 PromptSource = Callable[[int], Sequence[PromptLike]]
-
-
-class ManagerState(enum.Enum):
-    IDLE = "idle"
-    RUNNING = "running"
-    ABORTING = "aborting"
-
-
-class RolloutError(RuntimeError):
-    """A completion could not be produced within the retry budget."""
-
-
-@dataclass
-class RolloutStats:
-    """What one `generate_groups` call did. Times in seconds, tokens counted as generated ids."""
-
-    requests: int = 0
-    tokens_generated: int = 0
-    wall_s: float = 0.0
-    latencies_s: list[float] = field(default_factory=list)
-    retries: int = 0
-    engines_used: dict[str, int] = field(default_factory=dict)
-    sampling_rounds: int = 0
-    dropped_groups: int = 0
-    refill_prompts: int = 0
-    resumed_partials: int = 0
-    aborted: bool = False
-    carried_groups: int = 0
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens_generated / self.wall_s if self.wall_s > 0 else 0.0
-
-    def as_dict(self) -> dict[str, float]:
-        """Scalar summary for metrics (latency as mean and max)."""
-        lat = self.latencies_s
-        return {
-            "requests": float(self.requests),
-            "tokens_generated": float(self.tokens_generated),
-            "tokens_per_s": self.tokens_per_s,
-            "wall_s": self.wall_s,
-            "latency_mean_s": sum(lat) / len(lat) if lat else 0.0,
-            "latency_max_s": max(lat, default=0.0),
-            "retries": float(self.retries),
-            "engines_used": float(len(self.engines_used)),
-            "sampling_rounds": float(self.sampling_rounds),
-            "dropped_groups": float(self.dropped_groups),
-            "refill_prompts": float(self.refill_prompts),
-            "resumed_partials": float(self.resumed_partials),
-            "aborted": float(self.aborted),
-            "carried_groups": float(self.carried_groups),
-        }
-
-
-@dataclass
-class _Slot:
-    """One completion being produced: tokens so far and where they came from."""
-
-    sample_index: int
-    seed: int | None
-    response_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    versions: list[str] = field(default_factory=list)
-    engines: list[str] = field(default_factory=list)
-    failed_on: set[str] = field(default_factory=set)
-    failures: int = 0
-    finish_reason: str = ""
-    done: bool = False
-    in_request: bool = False
-
-    def append(self, gen: Generation) -> None:
-        self.response_ids.extend(gen.output_ids)
-        self.logprobs.extend(gen.output_logprobs)
-        self.versions.append(gen.weight_version)
-        self.engines.append(gen.engine_id)
-        self.finish_reason = gen.finish_reason
-
-
-@dataclass
-class _PendingGroup:
-    spec: PromptSpec
-    sampling: SamplingParams
-    slots: list[_Slot]
-
-    @property
-    def complete(self) -> bool:
-        return all(s.done for s in self.slots)
-
-
-def _joined(values: Sequence[str]) -> str:
-    return MIXED_SEPARATOR.join(dict.fromkeys(v for v in values if v))
-
-
-def is_mixed_version(sample: Sample) -> bool:
-    """Whether a completion's tokens came from more than one weight version (a resumed partial)."""
-    return MIXED_SEPARATOR in sample.weight_version
-
-
-def _slot_seed(base: int | None, prompt_index: int, sample_index: int) -> int | None:
-    # Distinct seeds per sample, else every sample of a seeded group would be identical.
-    if base is None:
-        return None
-    return (base * 1_000_003 + prompt_index * 10_007 + sample_index) % (2**31 - 1)
 
 
 class RolloutManager:
@@ -158,11 +68,24 @@ class RolloutManager:
         decode: Callable[[list[int]], str] | None = None,
         stop_token_ids: Sequence[int] = (),
         seed: int | None = None,
+        encode: Callable[[str], list[int]] | None = None,
+        environment: ToolEnvironment | None = None,
+        generate_fn: GenerateFn | None = None,
+        group_filter: Callable[[Group], bool] | None = None,
     ) -> None:
         """`decode` turns response ids into text for rewards and the table (None: text stays "").
 
         `stop_token_ids` (e.g. the tokenizer's EOS) and `seed` go into the default sampling params.
+        With a tool `environment` (multi-turn rollouts), `encode` tokenises its replies and `decode` reads
+        the model's turns; see `miles_lite.rollout.environment`.
         """
+        if environment is not None and generate_fn is not None:
+            raise ValueError("rollout.environment and rollout.generate_fn exclude each other: a generate plug-in "
+                             "runs its own turns")
+        if (environment is not None or generate_fn is not None) and (encode is None or decode is None):
+            raise ValueError("a tool environment needs encode= and decode= (it reads turns and tokenises replies)")
+        if environment is not None and rollout_cfg.max_turns < 1:
+            raise ValueError(f"rollout.max_turns must be >= 1, got {rollout_cfg.max_turns}")
         if ft_cfg.request_retries < 0:
             raise ValueError(f"fault_tolerance.request_retries must be >= 0, got {ft_cfg.request_retries}")
         if rollout_cfg.request_timeout_s <= 0:
@@ -173,11 +96,16 @@ class RolloutManager:
         self.cfg = rollout_cfg
         self.ft = ft_cfg
         self.decode = decode
+        self.encode = encode
+        self.environment = environment
+        self.generate_fn = generate_fn
+        # Dynamic sampling keeps the groups this accepts (default: rewards that differ).
+        self.group_filter = group_filter or (lambda group: not group.is_zero_signal)
         self.default_sampling = sampling_from_config(rollout_cfg, stop_token_ids=stop_token_ids, seed=seed)
         self.state = ManagerState.IDLE
         self.last_stats = RolloutStats()
-        self._carry: list[_PendingGroup] = []
-        self._tasks: dict[asyncio.Task[None], _Slot] = {}
+        self._carry: list[PendingGroup] = []
+        self._tasks: dict[asyncio.Task[None], Slot] = {}
         self._idle: asyncio.Event | None = None
         self._calls = 0
         self._request_ids = itertools.count()
@@ -271,16 +199,19 @@ class RolloutManager:
     # ---------------------------------------------------------------- sampling rounds
 
     def _new_groups(self, prompts: Sequence[PromptLike], group_size: int, sampling: SamplingParams
-                    ) -> list[_PendingGroup]:
+                    ) -> list[PendingGroup]:
+        if self.environment is not None:
+            # A tool call ends the model's turn, whatever sampling the caller chose (evaluation too).
+            sampling = replace(sampling, stop=tuple(dict.fromkeys((*sampling.stop, *self.environment.stop))))
         groups = []
         for item in prompts:
             spec = as_prompt_spec(item)
-            slots = [_Slot(j, _slot_seed(sampling.seed, spec.prompt_index, j)) for j in range(group_size)]
-            groups.append(_PendingGroup(spec, sampling, slots))
+            slots = [Slot(j, slot_seed(sampling.seed, spec.prompt_index, j)) for j in range(group_size)]
+            groups.append(PendingGroup(spec, sampling, slots))
         return groups
 
     async def _sample_rounds(
-        self, batch: list[_PendingGroup], group_size: int, sampling: SamplingParams,
+        self, batch: list[PendingGroup], group_size: int, sampling: SamplingParams,
         scorer: Scorer | None, more_prompts: PromptSource | None, stats: RolloutStats, target: int, max_rounds: int,
     ) -> list[Group]:
         kept: list[Group] = []
@@ -295,7 +226,7 @@ class RolloutManager:
                 scorer(groups)
             seen += len(groups)
             if more_prompts is not None:
-                signal = [g for g in groups if not g.is_zero_signal]
+                signal = [g for g in groups if self.group_filter(g)]
                 stats.dropped_groups += len(groups) - len(signal)
                 kept.extend(signal)
             else:
@@ -312,7 +243,7 @@ class RolloutManager:
                 break
         return kept[:max(target, 0)] if more_prompts is not None else kept
 
-    async def _run_slots(self, groups: list[_PendingGroup], stats: RolloutStats) -> None:
+    async def _run_slots(self, groups: list[PendingGroup], stats: RolloutStats) -> None:
         tasks = {}
         for group in groups:
             for slot in group.slots:
@@ -335,7 +266,10 @@ class RolloutManager:
 
     # -------------------------------------------------------------------- one slot
 
-    async def _fill_slot(self, group: _PendingGroup, slot: _Slot, stats: RolloutStats) -> None:
+    async def _fill_slot(self, group: PendingGroup, slot: Slot, stats: RolloutStats) -> None:
+        if self.generate_fn is not None:
+            await self._fill_slot_with_plugin(group, slot, stats)
+            return
         spec = group.spec
         while not slot.done and self.state is ManagerState.RUNNING:
             remaining = group.sampling.max_new_tokens - len(slot.response_ids)
@@ -354,7 +288,7 @@ class RolloutManager:
             finally:
                 slot.in_request = False
 
-    async def _request(self, spec: PromptSpec, sampling: SamplingParams, slot: _Slot, lease: EngineLease,
+    async def _request(self, spec: PromptSpec, sampling: SamplingParams, slot: Slot, lease: EngineLease,
                        remaining: int, stats: RolloutStats) -> None:
         """One request for `slot` on `lease`'s engine; updates the slot, the fleet and the stats."""
         params = replace(sampling, max_new_tokens=remaining, seed=slot.seed)
@@ -394,9 +328,49 @@ class RolloutManager:
             # An abort that produced nothing leaves no trace (its version did not write any token).
             slot.append(replace(gen, engine_id=gen.engine_id or lease.engine_id))
         if gen.finish_reason != "abort":
-            slot.done = True
+            slot.done = not self._environment_reply(spec, slot, sampling.max_new_tokens)
 
-    def _record_failure(self, spec: PromptSpec, slot: _Slot, engine_id: str, error: str, stats: RolloutStats) -> None:
+    def _environment_reply(self, spec: PromptSpec, slot: Slot, budget: int) -> bool:
+        """After a finished model turn, append the environment's reply; True if the model goes on."""
+        env = self.environment
+        if env is None or slot.finish_reason != "stop":
+            return False
+        slot.turns += 1
+        if slot.turns >= self.cfg.max_turns:
+            return False
+        assert self.decode is not None and self.encode is not None
+        reply = env.reply(self.decode(slot.response_ids[slot.turn_start:]), spec.question)
+        if reply is None:
+            return False
+        ids = self.encode(reply)
+        if len(ids) >= budget - len(slot.response_ids):
+            # No room for the reply and an answer after it: the trajectory ends at its token budget.
+            slot.finish_reason = "length"
+            return False
+        slot.append_environment(ids)
+        return True
+
+    async def _fill_slot_with_plugin(self, group: PendingGroup, slot: Slot, stats: RolloutStats) -> None:
+        """The generate plug-in produces the whole completion; interrupted, it starts over in the next call."""
+        assert self.generate_fn is not None
+        client = SlotClient(self, group.spec, slot, stats)
+        try:
+            result = await self.generate_fn(client, group.spec, replace(group.sampling, seed=slot.seed))
+        except Interrupted:
+            return
+        if not isinstance(result, GenerateResult):
+            raise RolloutError(f"rollout.generate_fn returned {type(result).__name__}, expected a GenerateResult")
+        try:
+            result.check()
+        except ValueError as exc:
+            raise RolloutError(f"rollout.generate_fn: {exc}") from None
+        slot.response_ids = list(result.response_ids)
+        slot.logprobs = [float(v) for v in result.logprobs]
+        slot.loss_mask = [int(v) for v in result.loss_mask]
+        slot.versions, slot.engines = client.versions, client.engines
+        slot.finish_reason, slot.done = result.finish_reason, True
+
+    def _record_failure(self, spec: PromptSpec, slot: Slot, engine_id: str, error: str, stats: RolloutStats) -> None:
         slot.failures += 1
         slot.failed_on.add(engine_id)
         logger.warning("prompt %d sample %d failed on %s (%d/%d): %s", spec.prompt_index, slot.sample_index,
@@ -414,7 +388,7 @@ class RolloutManager:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(lease.engine.abort(rid), self.ft.health_timeout_s)
 
-    def _to_group(self, pending: _PendingGroup) -> Group:
+    def _to_group(self, pending: PendingGroup) -> Group:
         spec = pending.spec
         samples = []
         for slot in pending.slots:
@@ -425,8 +399,10 @@ class RolloutManager:
                 rollout_logprobs=list(slot.logprobs),
                 response_text=self.decode(list(slot.response_ids)) if self.decode else "",
                 finish_reason=slot.finish_reason,
-                engine_id=_joined(slot.engines),
-                weight_version=_joined(slot.versions),
+                engine_id=joined(slot.engines),
+                weight_version=joined(slot.versions),
+                loss_mask=list(slot.loss_mask) if 0 in slot.loss_mask else None,
+                turns=slot.turns if self.environment is not None else 1,
             ))
         return Group(prompt_index=spec.prompt_index, prompt_text=spec.prompt_text, question=spec.question,
                      answer=spec.answer, steps=spec.steps, samples=samples)

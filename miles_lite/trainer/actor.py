@@ -236,8 +236,7 @@ class TrainerActor:
         old = batch.old_logprobs
         if len(plan) > 1 and old is None:
             old = self.compute_logprobs(batch, "policy")
-        full = TrainBatch(batch.tokens, batch.prompt_lengths, batch.rollout_logprobs, batch.advantages,
-                          ref_logprobs=ref, teacher_logprobs=teacher, old_logprobs=old)
+        full = dataclasses.replace(batch, ref_logprobs=ref, teacher_logprobs=teacher, old_logprobs=old)
         t0 = time.perf_counter()
         per_update = []
         for k, indices in enumerate(plan):
@@ -272,7 +271,7 @@ class TrainerActor:
 
         def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
             lp, _ = response_logprobs(self.policy, mb, self.logprob_options, with_entropy=False)
-            loss, stats = sft_micro_loss(lp, mb)
+            loss, stats = sft_micro_loss(lp, mb, batch)
             return loss, stats, totals.share(mb, "token_mean")
 
         return self._step(batch, micro_loss, lr=lr)
@@ -320,6 +319,7 @@ class TrainerActor:
             lr=current_lr(self.optimizer) if lr is None else lr,
             tokens=float(batch.num_tokens),
             response_tokens=float(sum(batch.response_lengths)),
+            loss_tokens=float(sum(batch.loss_token_counts)),
             tokens_per_s=batch.num_tokens / max(elapsed, 1e-9),
             step_time_s=elapsed,
             nonfinite_total=float(self.nonfinite_total),

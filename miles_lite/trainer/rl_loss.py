@@ -42,13 +42,15 @@ def loss_config(algo: AlgoConfig) -> LossConfig:
 class BatchTotals:
     """Denominators of the whole (all data-parallel ranks) batch, for micro-batch loss scaling."""
 
-    response_tokens: int
-    sequences: int  # sequences with at least one response token
+    response_tokens: int  # tokens in the loss (environment replies of multi-turn rollouts excluded)
+    sequences: int  # sequences with at least one token in the loss
+    # Tokens in the loss, per sequence of the batch.
+    per_sequence: tuple[int, ...] = ()
 
     @staticmethod
     def of(batch: TrainBatch) -> BatchTotals:
-        lengths = batch.response_lengths
-        return BatchTotals(sum(lengths), sum(1 for n in lengths if n > 0))
+        counts = tuple(batch.loss_token_counts)
+        return BatchTotals(sum(counts), sum(1 for n in counts if n > 0), counts)
 
     def share(self, mb: PackedMicroBatch, agg_mode: str) -> float:
         """Fraction of the batch loss this micro-batch's aggregated loss stands for.
@@ -56,9 +58,19 @@ class BatchTotals:
         token_mean averages over tokens, the other modes over sequences, so the weight is the
         micro-batch's share of tokens or of sequences.
         """
+        counts = [self.per_sequence[i] for i in mb.seq_indices] if self.per_sequence else mb.response_lengths
         if agg_mode == AggMode.TOKEN_MEAN:
-            return sum(mb.response_lengths) / max(self.response_tokens, 1)
-        return sum(1 for n in mb.response_lengths if n > 0) / max(self.sequences, 1)
+            return sum(counts) / max(self.response_tokens, 1)
+        return sum(1 for n in counts if n > 0) / max(self.sequences, 1)
+
+
+def response_mask(mb: PackedMicroBatch, batch: TrainBatch, padded_mask: Tensor) -> Tensor:
+    """The padded `[B, T]` mask of response tokens in the loss: `padded_mask` (real tokens) times the
+    batch's loss masks (environment replies out)."""
+    if batch.loss_masks is None:
+        return padded_mask
+    masks = padded_floats([batch.loss_masks[i] for i in mb.seq_indices]).to(padded_mask.device)
+    return padded_mask * masks
 
 
 def _rows(values: Sequence[Sequence[float]] | None, idx: Sequence[int]) -> list[Sequence[float]] | None:
@@ -91,6 +103,7 @@ def rl_micro_loss(
     """
     idx = mb.seq_indices
     logp, mask = to_padded(logp_flat, mb.response_lengths)
+    mask = response_mask(mb, batch, mask)
     old_rows = _rows(batch.old_logprobs, idx)
     old = logp.detach() if old_rows is None else padded_floats(old_rows).to(logp.device)
     rollout = padded_floats(_rows(batch.rollout_logprobs, idx) or []).to(logp.device)
@@ -125,9 +138,10 @@ def rl_micro_loss(
     return loss, stats
 
 
-def sft_micro_loss(logp_flat: Tensor, mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float]]:
-    """Cross-entropy (token mean of -logp) over the micro-batch's response tokens."""
+def sft_micro_loss(logp_flat: Tensor, mb: PackedMicroBatch, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+    """Cross-entropy (token mean of -logp) over the micro-batch's response tokens in the loss."""
     logp, mask = to_padded(logp_flat, mb.response_lengths)
+    mask = response_mask(mb, batch, mask)
     loss = sft_loss(logp, mask, AggMode.TOKEN_MEAN)
     return loss, {"loss/sft": float(loss.detach())}
 

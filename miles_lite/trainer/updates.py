@@ -56,6 +56,7 @@ def combine_update_stats(per_update: Sequence[dict[str, float]], batch: TrainBat
         lr=per_update[-1]["lr"],
         tokens=float(batch.num_tokens),
         response_tokens=float(sum(batch.response_lengths)),
+        loss_tokens=float(sum(batch.loss_token_counts)),
         tokens_per_s=processed / max(seconds, 1e-9),
         step_time_s=seconds,
     )

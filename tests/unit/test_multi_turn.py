@@ -1,0 +1,180 @@
+"""Multi-turn tool rollouts and generate plug-ins in the rollout manager: token in / token out, environment
+tokens masked out of the loss, turn and budget limits; the calculator; SFT targets in the tool format."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from pathlib import Path
+
+import pytest
+
+from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.data.calculator import Calculator, evaluate, tool_solution_segments
+from miles_lite.data.gsm8k import MathProblem
+from miles_lite.rl_batch import build_train_batch
+from miles_lite.rollout.environment import load_environment
+from miles_lite.rollout.fleet import EngineFleet, EngineHandle
+from miles_lite.rollout.generate_plugin import load_generate_fn
+from miles_lite.rollout.manager import RolloutManager
+from miles_lite.rollout.prompt_spec import PromptSpec
+from miles_lite.types import Generation, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+
+
+def encode(text: str) -> list[int]:  # one token per character: easy to read back
+    return [ord(c) for c in text]
+
+
+def decode(ids) -> str:
+    return "".join(chr(i) for i in ids)
+
+
+class ScriptedEngine:
+    """Answers each request with the next scripted turn whose trigger is the end of the input text."""
+
+    engine_id = "scripted"
+    url = "fake://scripted"
+
+    def __init__(self, script: list[tuple[str, str, str]]) -> None:
+        self.script = script  # (input ends with, output text, finish reason)
+        self.inputs: list[list[int]] = []
+        self.stops: list[tuple[str, ...]] = []
+
+    async def generate(self, input_ids, sampling: SamplingParams, *, rid=None) -> Generation:
+        self.inputs.append(list(input_ids))
+        self.stops.append(tuple(sampling.stop))
+        text = decode(input_ids)
+        for trigger, output, reason in self.script:
+            if text.endswith(trigger):
+                ids = encode(output)[: sampling.max_new_tokens]
+                return Generation(tuple(ids), tuple(-0.5 for _ in ids), reason, "1", self.engine_id)
+        raise AssertionError(f"no scripted turn for input {text!r}")
+
+    async def health(self, timeout_s: float) -> bool:
+        return True
+
+    async def abort(self, rid=None) -> None:
+        return None
+
+
+PROMPT = "Q: 2*3?\n"
+SCRIPT = [(PROMPT, "<calc>2*3</calc>", "stop"), ("<result>6</result>", "so 6", "stop")]
+
+
+def _run(engine, *, max_new_tokens=64, max_turns=4, generate_fn=None, environment="calculator"):
+    async def main():
+        ft = FaultToleranceConfig(health_interval_s=60, request_retries=0)
+        rollout = RolloutConfig(group_size=1, max_new_tokens=max_new_tokens, max_turns=max_turns)
+        fleet = EngineFleet(ft)
+        await fleet.add_engine(EngineHandle(engine))
+        env = load_environment(environment) if environment and not generate_fn else None
+        manager = RolloutManager(fleet, rollout, ft, decode=decode, encode=encode, environment=env,
+                                 generate_fn=generate_fn)
+        spec = PromptSpec(0, tuple(encode(PROMPT)), PROMPT, "2*3?", 6.0, ())
+        groups = await manager.generate_groups([spec])
+        await fleet.close()
+        return groups[0].samples[0]
+
+    return asyncio.run(main())
+
+
+def test_calculator_turns_are_token_in_token_out_and_replies_are_masked():
+    engine = ScriptedEngine(SCRIPT)
+    sample = _run(engine)
+    assert sample.response_text == "<calc>2*3</calc><result>6</result>so 6"
+    assert sample.turns == 2 and sample.finish_reason == "stop"
+    reply = len("<result>6</result>")
+    first = len("<calc>2*3</calc>")
+    assert sample.loss_mask == [1] * first + [0] * reply + [1] * len("so 6")
+    assert sample.rollout_logprobs == [-0.5] * first + [0.0] * reply + [-0.5] * 4
+    # The second request continues from exactly the ids produced so far (nothing re-tokenised).
+    assert engine.inputs[1] == encode(PROMPT) + sample.response_ids[: first + reply]
+    assert "</calc>" in engine.stops[0]  # the tool call ends the model's turn
+    batch, _ = build_train_batch([_group(sample)], _algo())
+    assert batch is not None and batch.loss_masks == [sample.loss_mask] * 2
+    assert batch.loss_token_counts == [first + 4] * 2
+
+
+def test_max_turns_and_token_budget_end_the_trajectory():
+    sample = _run(ScriptedEngine(SCRIPT), max_turns=1)
+    assert sample.response_text == "<calc>2*3</calc>" and sample.turns == 1 and sample.loss_mask is None
+    # The reply fits, but no room would be left for an answer: the trajectory ends at its budget.
+    sample = _run(ScriptedEngine(SCRIPT), max_new_tokens=len("<calc>2*3</calc><result>6</result>"))
+    assert sample.finish_reason == "length" and sample.response_text == "<calc>2*3</calc>"
+
+
+def test_generate_plugin_writes_masked_tokens_of_its_own():
+    script = [(PROMPT, "<start_working_out>2*3=6<end_working_out>", "stop"), ("<SOLUTION>", "6</SOLUTION>", "stop")]
+    fn = load_generate_fn("miles_plugins.generate:think_then_answer")
+    sample = _run(ScriptedEngine(script), generate_fn=fn)
+    assert sample.response_text == "<start_working_out>2*3=6<end_working_out><SOLUTION>6</SOLUTION>"
+    n1 = len("<start_working_out>2*3=6<end_working_out>")
+    assert sample.loss_mask == [1] * n1 + [0] * len("<SOLUTION>") + [1] * len("6</SOLUTION>")
+    assert sample.weight_version == "1" and sample.engine_id == "scripted"
+
+
+def test_generate_plugin_must_be_async_and_take_three_arguments(tmp_path, monkeypatch):
+    (tmp_path / "bad_gen.py").write_text("def sync_fn(client, prompt, sampling): ...\nasync def two(a, b): ...\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="rollout.generate_fn=.bad_gen:sync_fn. must be an `async def`"):
+        load_generate_fn("bad_gen:sync_fn")
+    with pytest.raises(ValueError, match="^rollout.generate_fn: .*two.*cannot be called"):
+        load_generate_fn("bad_gen:two")
+    with pytest.raises(ValueError, match="neither a built-in environment"):
+        load_environment("abacus")
+
+
+@pytest.mark.parametrize(("expression", "value"), [("2*3", 6), ("(7-2)/2", 2.5), ("1,200+3", 1203), ("-4*-2", 8)])
+def test_calculator_evaluates_arithmetic_only(expression, value):
+    assert evaluate(expression) == value
+    assert Calculator().reply(f"x <calc>{expression}</calc>", "") is not None
+
+
+@pytest.mark.parametrize("expression", ["__import__('os')", "2**100000", "1/0", "x+1"])
+def test_calculator_refuses_anything_else(expression):
+    assert Calculator().reply(f"<calc>{expression}</calc>", "") == "<result>error</result>"
+
+
+def test_sft_targets_show_the_tool_turns():
+    problem = MathProblem("q", "Mia has 3+4=<<3+4=7>>7 apples.\n7*2=<<7*2=14>>14\n#### 14", 14.0, (7.0,))
+    segments = tool_solution_segments(problem)
+    assert segments == [("<start_working_out>Mia has <calc>3+4</calc>", True), ("<result>7</result>", False),
+                        (" apples.\n<calc>7*2</calc>", True), ("<result>14</result>", False),
+                        ("<end_working_out><SOLUTION>14</SOLUTION>", True)]
+
+
+def _group(sample):
+    from miles_lite.types import Group
+
+    other = type(sample)(**{**sample.__dict__, "rewards": {"total": 0.0}})
+    sample.rewards = {"total": 1.0}
+    return Group(0, PROMPT, "q", 6.0, (), [sample, other])
+
+
+def _algo():
+    from miles_lite.config.schema import AlgoConfig
+
+    return AlgoConfig()
+
+
+def test_masked_tokens_get_no_gradient_and_leave_the_mismatch_metrics():
+    import torch
+
+    from miles_lite.config.schema import AlgoConfig
+    from miles_lite.trainer.packing import pack
+    from miles_lite.trainer.rl_loss import BatchTotals, rl_micro_loss
+    from miles_lite.types import TrainBatch
+
+    # One sequence: 2 prompt tokens, 4 response tokens, the middle two an environment reply.
+    batch = TrainBatch(tokens=[[1, 2, 3, 4, 5, 6]], prompt_lengths=[2], rollout_logprobs=[[-1.0, 0.0, 0.0, -1.0]],
+                       advantages=[1.0], loss_masks=[[1, 0, 0, 1]])
+    mb = pack(batch.tokens, batch.prompt_lengths, [0])
+    logp = torch.tensor([-1.0, -3.0, -4.0, -1.0], requires_grad=True)
+    loss, stats = rl_micro_loss(logp, None, mb, batch, AlgoConfig(), None, None)
+    loss.backward()
+    assert logp.grad[1] == 0 and logp.grad[2] == 0 and logp.grad[0] != 0 and logp.grad[3] != 0
+    # The reply tokens' rollout log-prob is 0.0 by construction: were they counted, the diff would be 3.5.
+    assert stats["mismatch/logp_abs_diff_mean"] == 0.0
+    assert BatchTotals.of(batch).response_tokens == 2
