@@ -23,7 +23,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SHORT = ["data.presample.enabled=false", "rollout.prompts_per_step=4", "rollout.group_size=4",
          "data.synthetic.eval_size=4", "observability.progress=false", "experiment.run_name=run",
-         "experiment.warmup=none", "rollout.engines=1", "experiment.steps=2"]
+         "experiment.warmup=none", "rollout.engines=1", "experiment.steps=2",
+         # Every group trains (the embedded default leaves zero-signal groups out), so every step has train stats.
+         "algo.drop_zero_signal=false", "rollout.async_steps=0"]
 
 
 def test_run_scores_with_plugin_rewards_a_remote_reward_model_and_a_group_filter(tmp_path: Path):
