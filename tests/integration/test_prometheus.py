@@ -41,6 +41,8 @@ RUN_TIMEOUT_S = 600.0
 SHORT = [f"experiment.steps={STEPS}", "experiment.warmup_steps=4", "data.presample.enabled=false",
          f"rollout.prompts_per_step={PROMPTS}", f"rollout.group_size={GROUP}", "data.synthetic.eval_size=4",
          "algo.kl_coef=0.001", "checkpoint.interval=2", "observability.progress=false",
+         # A held-out evaluation every 2 steps feeds the dashboard's held-out accuracy panel.
+         "experiment.eval_every=2",
          "observability.linger_s=120"]
 
 

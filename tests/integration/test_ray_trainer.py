@@ -108,7 +108,9 @@ def test_tp2_logprobs_and_step_stats_equal_tp1(scenario: dict[str, Any]) -> None
         assert sorted(stats2) == sorted(stats1), kind
         assert stats1["skipped"] == 0.0 and stats1["grad_norm"] > 0
         for key, value in stats1.items():
-            if key not in TIMING_STATS:
+            # The divergence guard's update ratio sums every rank's shards: parameters that TP replicates
+            # (norms, row-parallel biases) count once per rank, so it is not TP-invariant by design.
+            if key not in TIMING_STATS and key != "update_ratio":
                 assert stats2[key] == pytest.approx(value, rel=STAT_TOL, abs=STAT_TOL), (kind, key)
 
 

@@ -111,13 +111,15 @@ def test_disk_push_from_tp2_trainer(system: System) -> None:
     cfg = dataclasses.replace(system.cfg, weight_sync=dataclasses.replace(system.cfg.weight_sync, transport="disk",
                                                                           bucket_mib=1))
     distributed = system.sync
-    assert system.loop_thread is not None
-    system.sync = build_coordinator(cfg, system.trainer, EngineLoop(system.loop_thread.loop), system.run_dir)
+    assert system.loop_thread is not None and system.pusher is not None
+    # The push goes through the fleet pusher: it gets the disk coordinator for this one push.
+    system.sync = system.pusher.sync = build_coordinator(cfg, system.trainer, EngineLoop(system.loop_thread.loop),
+                                                         system.run_dir)
     try:
         report, trained = train_and_push(system, seed=2)
     finally:
         system.sync.close()
-        system.sync = distributed
+        system.sync = system.pusher.sync = distributed
     assert report.push.transport == "disk" and report.verify is not None
     assert report.verify.logp_diff_mean < PROBE_TOL
     assert [p.name for p in complete_versions(system.run_dir / "weights")] == [f"v{system.version}"]
