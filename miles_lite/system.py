@@ -46,7 +46,8 @@ class System:
         self.run_dir = run_dir
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer, cfg.data.prompt_template,
-                                     tool_solutions=cfg.rollout.environment == "calculator")
+                                     tool_solutions=cfg.rollout.environment == "calculator",
+                                     max_prompt_tokens=cfg.data.max_prompt_tokens)
         self.reward_set = build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom,
                                            remote_reward_spec(cfg))
         self.sampling = sampling_from_config(cfg.rollout, stop_token_ids=self.encoder.stop_token_ids,

@@ -17,8 +17,10 @@ class PromptEncoder:
     """Renders and tokenises prompts and targets with `tokenizer` (an HF tokenizer) and the system prompt
     `template` (`data.prompt_template`). With `tool_solutions` the SFT targets show the calculator's turns."""
 
-    def __init__(self, tokenizer: Any, template: str = "default", tool_solutions: bool = False) -> None:
+    def __init__(self, tokenizer: Any, template: str = "default", tool_solutions: bool = False,
+                 max_prompt_tokens: int | None = None) -> None:
         self.tokenizer = tokenizer
+        self.max_prompt_tokens = max_prompt_tokens
         self.template = template
         self.tool_solutions = tool_solutions
         eos = getattr(tokenizer, "eos_token_id", None)  # None tokenizer: plain-text prompts, no stop ids
@@ -39,7 +41,11 @@ class PromptEncoder:
         specs = []
         for index, p in batch:
             text = self.render(p.question)
-            specs.append(PromptSpec(index, tuple(self.encode(text)), text, p.question, p.answer, p.steps))
+            ids = self.encode(text)
+            if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
+                raise ValueError(f"problem {index}: its prompt has {len(ids)} tokens, over data.max_prompt_tokens="
+                                 f"{self.max_prompt_tokens}; raise data.max_prompt_tokens or shorten the question")
+            specs.append(PromptSpec(index, tuple(ids), text, p.question, p.answer, p.steps))
         return specs
 
     def sft_batch(self, problems: Sequence[MathProblem]) -> TrainBatch:

@@ -89,3 +89,19 @@ def test_every_experiment_composes_and_validates():
         if path.stem.startswith("gsm8k"):
             continue  # needs a checkpoint and GSM8K files
         validate(load_config([f"experiment={path.stem}"]))
+
+
+def test_prompts_over_max_prompt_tokens_are_refused_naming_the_field():
+    from types import SimpleNamespace
+
+    from miles_lite.data.encoding import PromptEncoder
+    from miles_lite.data.gsm8k import MathProblem
+
+    tokenizer = SimpleNamespace(eos_token_id=None, chat_template=None)
+    encoder = PromptEncoder(tokenizer, max_prompt_tokens=5)
+    encoder.encode = lambda text: list(range(len(text.split())))  # one token per word
+    problem = MathProblem("one two three four five six seven", "#### 1", 1.0, ())
+    with pytest.raises(ValueError, match="over data.max_prompt_tokens=5"):
+        encoder.prompt_specs([(0, problem)])
+    encoder.max_prompt_tokens = 1000
+    assert len(encoder.prompt_specs([(0, problem)])[0].prompt_ids) > 5
