@@ -28,6 +28,7 @@ from typing import Any
 from miles_lite.cluster.engine_actor import EngineLocation, EngineServer
 from miles_lite.cluster.gang import reserve, rollout_gang
 from miles_lite.config.schema import MilesConfig
+from miles_lite.engines.fleet_launch import populate
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.engine_state import EngineHandle
 from miles_lite.rollout.fleet import EngineFleet
@@ -199,11 +200,4 @@ async def start_gang_fleet(gang: RolloutGang, *, health_checks: bool = True) -> 
     """
     cfg = gang.cfg
     fleet = EngineFleet(cfg.fault_tolerance, gang.launch, max_inflight_per_engine=cfg.rollout.max_inflight_per_engine)
-    try:
-        await fleet.launch(cfg.rollout.engines)
-    except BaseException:
-        await fleet.close()
-        raise
-    if health_checks:
-        fleet.start_health_checks()
-    return fleet
+    return await populate(fleet, fleet.launch(cfg.rollout.engines), health_checks)

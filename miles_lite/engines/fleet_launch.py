@@ -39,6 +39,19 @@ def fleet_launcher(launcher: EngineLauncher, stop_grace_s: float = 10.0) -> Laun
     return launch
 
 
+
+async def populate(fleet: EngineFleet, fill: Awaitable[object], health_checks: bool = True) -> EngineFleet:
+    """Await `fill` (launching or attaching the fleet's engines); on any failure stop the engines already up
+    and re-raise. Then start the periodic health checks if asked. Returns the fleet."""
+    try:
+        await fill
+    except BaseException:
+        await fleet.close()
+        raise
+    if health_checks:
+        fleet.start_health_checks()
+    return fleet
+
 async def start_fleet(
     rollout: RolloutConfig,
     ft: FaultToleranceConfig,
@@ -60,14 +73,7 @@ async def start_fleet(
     launcher = EngineLauncher(rollout, model_path, log_dir, env={str(k): str(v) for k, v in rollout.engine_env.items()})
     fleet = EngineFleet(ft, fleet_launcher(launcher),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
-    try:
-        await fleet.launch(n)
-    except BaseException:
-        await fleet.close()
-        raise
-    if health_checks:
-        fleet.start_health_checks()
-    return fleet
+    return await populate(fleet, fleet.launch(n), health_checks)
 
 
 def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1.0) -> Launcher:
@@ -103,16 +109,13 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
     """
     fleet = EngineFleet(ft, reattach_launcher(rollout, urls),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
-    try:
+
+    async def attach_all() -> None:
         for i, url in enumerate(urls):
             engine = HttpEngine(f"engine-{i}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s)
             await fleet.add_engine(EngineHandle(engine))
-    except BaseException:
-        await fleet.close()
-        raise
-    if health_checks:
-        fleet.start_health_checks()
-    return fleet
+
+    return await populate(fleet, attach_all(), health_checks)
 
 
 @dataclass
