@@ -76,43 +76,55 @@ async def start_fleet(
     return await populate(fleet, fleet.launch(n), health_checks)
 
 
+async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, poll_s: float = 1.0) -> HttpEngine:
+    """A client of engine `index` at `url` once it answers its health check, polled every `poll_s` for up to
+    `rollout.startup_timeout_s` (then TimeoutError naming the engine, `what` it was awaited for and the field)."""
+    engine = HttpEngine(f"engine-{index}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + rollout.startup_timeout_s
+    while not await engine.health(timeout_s=min(5.0, rollout.startup_timeout_s)):
+        if loop.time() > deadline:
+            await engine.close()
+            raise TimeoutError(f"engine-{index} at {url} did not answer /health_generate within "
+                               f"rollout.startup_timeout_s={rollout.startup_timeout_s}s {what}")
+        await asyncio.sleep(poll_s)  # the poll period between health checks
+    return engine
+
+
 def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1.0) -> Launcher:
     """The fleet's `launcher(index, incarnation)` for engines started elsewhere: the replacement of a dead
     engine is whatever answers at its URL again (the operator recreates a failed engine pod under the same
     DNS name), awaited for up to `rollout.startup_timeout_s`. The fleet then admits it as stale, and the
     next weight push brings it to the current version. Stopping it is not this process's business.
     """
-    from miles_lite.rollout.http_client import HttpEngine
 
     async def launch(index: int, incarnation: int) -> EngineHandle:
-        engine = HttpEngine(f"engine-{index}", urls[index], request_timeout_s=rollout.request_timeout_s)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + rollout.startup_timeout_s
-        while not await engine.health(timeout_s=min(5.0, rollout.startup_timeout_s)):
-            if loop.time() > deadline:
-                await engine.close()
-                raise TimeoutError(f"engine-{index} at {urls[index]} did not answer /health_generate within "
-                                   f"rollout.startup_timeout_s={rollout.startup_timeout_s}s after it died")
-            await asyncio.sleep(poll_s)  # the poll period between health checks
-        return EngineHandle(engine)
+        return EngineHandle(await await_engine(rollout, index, urls[index], "after it died", poll_s))
 
     return launch
 
 
 async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: list[str], *,
-                       health_checks: bool = True) -> EngineFleet:
+                       health_checks: bool = True, poll_s: float = 1.0) -> EngineFleet:
     """A fleet of engines started elsewhere (`rollout.engine_urls`, e.g. pods of the Kubernetes operator).
 
-    The fleet does not own these servers: it health-checks them and stops routing to dead ones; whoever
-    started them replaces them (the operator recreates failed engine pods), and the fleet re-admits an
-    engine whose URL answers again (`reattach_launcher`), up to `fault_tolerance.max_engine_restarts`.
+    Engines that do not answer yet are awaited (up to `rollout.startup_timeout_s` each, concurrently): pods
+    start in any order, and an engine still loading is starting, not dead. The fleet does not own these
+    servers: it health-checks them and stops routing to dead ones; whoever started them replaces them (the
+    operator recreates failed engine pods), and the fleet re-admits an engine whose URL answers again
+    (`reattach_launcher`), up to `fault_tolerance.max_engine_restarts`.
     """
-    fleet = EngineFleet(ft, reattach_launcher(rollout, urls),
+    fleet = EngineFleet(ft, reattach_launcher(rollout, urls, poll_s),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
 
     async def attach_all() -> None:
-        for i, url in enumerate(urls):
-            engine = HttpEngine(f"engine-{i}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s)
+        answered = await asyncio.gather(*(await_engine(rollout, i, url, "at start", poll_s)
+                                          for i, url in enumerate(urls)), return_exceptions=True)
+        errors = [e for e in answered if isinstance(e, BaseException)]
+        if errors:
+            await asyncio.gather(*(e.close() for e in answered if isinstance(e, HttpEngine)))
+            raise errors[0]
+        for engine in answered:
             await fleet.add_engine(EngineHandle(engine))
 
     return await populate(fleet, attach_all(), health_checks)

@@ -56,3 +56,51 @@ def test_dead_attached_engine_is_readmitted_stale_when_its_url_answers_again():
             await fleet.close()
 
     asyncio.run(scenario())
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_attach_awaits_engines_that_start_after_the_trainer():
+    # Pods start in any order: an engine still loading at attach time is awaited, not declared dead.
+    async def scenario() -> None:
+        early = await _serve(0, "0")
+        late_port = _free_port()
+        rollout = RolloutConfig(startup_timeout_s=20.0)
+        ft = FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=1,
+                                  max_engine_restarts=0)
+        attach = asyncio.ensure_future(attach_fleet(
+            rollout, ft, [f"http://127.0.0.1:{early.addresses[0][1]}", f"http://127.0.0.1:{late_port}"],
+            poll_s=0.05))
+        await asyncio.sleep(0.5)
+        assert not attach.done()
+        late = await _serve(late_port, "0")
+        fleet = await attach
+        try:
+            assert [r.state for r in fleet.records] == [EngineState.HEALTHY] * 2
+            assert fleet.restarts == 0 and [r.engine_id for r in fleet.records] == ["engine-0", "engine-1"]
+        finally:
+            await fleet.close()
+            await early.cleanup()
+            await late.cleanup()
+
+    asyncio.run(scenario())
+
+
+def test_attach_names_an_engine_that_never_answers():
+    async def scenario() -> None:
+        rollout = RolloutConfig(startup_timeout_s=0.3)
+        url = f"http://127.0.0.1:{_free_port()}"
+        try:
+            await attach_fleet(rollout, FaultToleranceConfig(), [url], poll_s=0.05)
+        except TimeoutError as exc:
+            assert url in str(exc) and "rollout.startup_timeout_s=0.3" in str(exc) and "at start" in str(exc)
+        else:
+            raise AssertionError("attach_fleet returned without the engine answering")
+
+    asyncio.run(scenario())
