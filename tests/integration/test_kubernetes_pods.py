@@ -6,8 +6,11 @@ Service address), checkpoints to the job's volume, and goes on when an engine co
 operator replaces the pod and the trainer's fleet re-admits the new engine after a push. Then the trainer
 container gets SIGTERM (the graceful stop): it checkpoints, exits 0, and the job is Succeeded.
 
-`kubectl` is Debian's kubernetes-client (scripts/install-services.sh unpacks it) and applies `k8s/` and the
-job exactly as docs/kubernetes.md says. The image is built by scripts/build-image.sh (cached by its inputs).
+`kubectl` is Debian's kubernetes-client (scripts/install-services.sh unpacks it): it applies `k8s/` exactly as
+docs/kubernetes.md says, has the server validate `k8s/examples/tiny-cpu.yaml` as the docs submit it, and
+submits that example shortened (a few steps, checkpoints on a named volume). The operator runs as the
+Deployment's user on a read-only root filesystem. The image is built by scripts/build-image.sh (cached by its
+inputs).
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ import pytest
 import yaml
 from kubernetes import client, config
 from services.kube_apiserver import ControlPlane, apiserver_binary, start_control_plane
-from services.podman_node import PodmanNode, podman, volume_path
+from services.podman_node import PodmanNode, container_logs, podman, volume_path
 
 from launcher.kube import KubeApi
 from launcher.spec import API_VERSION
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow,
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.container_image,
               pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -128,6 +131,27 @@ def metrics_lines(volume: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def service_names_resolve(api: KubeApi, node: PodmanNode) -> dict[str, str]:
+    """Once the job's three pods run: the DNS names the pods dial each other by (engine URLs, the trainer's
+    advertise address), resolved inside the other role's container, mapped to the address they resolve to;
+    asserted equal to the podIP the API server holds for the named pod. Empty while a pod is not up yet."""
+    pods = {p["metadata"]["name"]: p for p in api.list("v1", "Pod", NS, {"mileslite.dev/job": JOB})}
+    trainer = next((n for n in pods if n.startswith(f"{JOB}-trainer-0-")), None)
+    engines = [f"{JOB}-rollout-{i}" for i in range(2)]
+    if trainer is None or any(n not in pods or not (pods[n].get("status") or {}).get("podIP")
+                              for n in [trainer, *engines]):
+        return {}
+    lookups = [(trainer, f"{JOB}-trainer-0.{JOB}-trainer.{NS}.svc", engines[0])]
+    lookups += [(e, f"{e}.{JOB}-rollout.{NS}.svc", trainer) for e in engines]
+    out = {}
+    for pod, name, from_pod in lookups:
+        address = podman("exec", node.container(from_pod), "python3", "-c",
+                         f"import socket; print(socket.gethostbyname({name!r}))").strip()
+        assert address == pods[pod]["status"]["podIP"], (name, address, pods[pod]["status"])
+        out[name] = address
+    return out
+
+
 # A cold machine builds the image first (Debian base, wheelhouse, dependency layer: minutes).
 @pytest.mark.timeout(3000)
 def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl, api: KubeApi,
@@ -142,6 +166,10 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
     # The image the build tagged is the one the kustomization deploys.
     assert container["image"] == image
 
+    # The example exactly as the docs submit it passes the server's schema validation of the CRD.
+    assert "milesjob.mileslite.dev/tiny-cpu created (server dry run)" in kubectl(
+        "apply", "--dry-run=server", "-f", "k8s/examples/tiny-cpu.yaml")
+
     # A volume left by an earlier run would hold its checkpoints, and the job would resume from them.
     for volume in (CLAIM, f"{JOB}-config"):
         podman("volume", "rm", "-f", volume, check=False)
@@ -150,18 +178,23 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
     operator_name = f"miles-operator-{secrets.token_hex(3)}"
     try:
         # The operator's own container command, in the image, against the test API server (host network:
-        # the API server listens on loopback), reconciling every second. Outside a pod it cannot read its
-        # own image, so it is told (--job-image), as the Deployment's pod would find it.
+        # the API server listens on loopback), reconciling every second, as the Deployment's user on a
+        # read-only root filesystem (no tmpfs either: Kubernetes mounts none). Outside a pod it cannot read
+        # its own image, so it is told (--job-image), as the Deployment's pod would find it.
         command = [a for a in container["command"]]
         command[command.index("--interval") + 1] = "1"
         command = command[:command.index("--liveness")]
+        security = deployment["spec"]["template"]["spec"]["securityContext"]
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
         podman("run", "-d", "--name", operator_name, "--network", "host",
-               "-v", f"{control_plane.kubeconfig}:/kube/config:ro", "-e", "KUBECONFIG=/kube/config",
-               image, *command, "-n", NS, "--job-image", image)
+               "--user", f"{security['runAsUser']}:{security['runAsGroup']}", "--read-only",
+               "--read-only-tmpfs=false", "-v", f"{control_plane.kubeconfig}:/kube/config:ro",
+               "-e", "KUBECONFIG=/kube/config", image, *command, "-n", NS, "--job-image", image)
         job_file = tmp_path / "job.yaml"
         job_file.write_text(yaml.safe_dump(tiny_job()))
         kubectl("apply", "-f", str(job_file))
 
+        resolved: dict[str, str] = {}
         killed_after: int | None = None
         readmitted_at: int | None = None
         volume: Path | None = None
@@ -175,6 +208,8 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
                 break
             volume = volume or volume_path(CLAIM)
             lines = metrics_lines(volume) if volume is not None else []
+            if lines and not resolved and killed_after is None:
+                resolved = service_names_resolve(api, node)
             if killed_after is None and len(lines) >= KILL_AFTER_STEPS:
                 killed_after = len(lines)
                 podman("kill", node.container(f"{JOB}-rollout-1"))
@@ -187,12 +222,15 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
         trainer_pod = next((n for n in node.played if n.startswith(f"{JOB}-trainer-0-")), None)
         logs = node.logs(trainer_pod) if trainer_pod else "<no trainer pod>"
         assert phase == "Succeeded", (f"phase {phase}; events: {node.events}\ntrainer log tail:\n{logs[-6000:]}\n"
-                                      f"operator log:\n{podman('logs', operator_name, check=False)[-3000:]}")
+                                      f"removed pods' logs:\n{node.removed_logs()}\n"
+                                      f"operator log:\n{container_logs(operator_name)[-3000:]}")
         print(f"MilesJob {JOB}: Succeeded after {time.monotonic() - started:.0f} s; events: {node.events}")
     finally:
         podman("rm", "-f", operator_name, check=False)
         node.close()
 
+    # Each side dialled the other by its Service name, resolved to that pod's own address.
+    assert len(resolved) == 3, resolved
     job = api.get(API_VERSION, "MilesJob", NS, JOB)
     assert job["spec"]["image"] == image  # written by the operator: the example names none
     status = job["status"]
@@ -212,3 +250,7 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
     ckpts = sorted(p.name for p in (volume / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert ckpts and ckpts[-1] == f"step_{len(lines):08d}", (ckpts, len(lines))
     assert (volume / "checkpoints" / ckpts[-1] / "manifest.json").is_file()
+    # `kubectl get milesjobs` shows the job as docs/kubernetes.md does.
+    header, row = kubectl("get", "milesjobs").splitlines()
+    assert header.split() == ["NAME", "PHASE", "ENGINES", "STEP", "ENGINE-RESTARTS", "AGE"], header
+    assert row.split()[:5] == [JOB, "Succeeded", status["engines"], str(status["step"]), "1"], row

@@ -56,6 +56,13 @@ def podman(*args: str, check: bool = True, timeout: float = 120.0, stdin: str | 
     return done.stdout
 
 
+def container_logs(container: str) -> str:
+    """A container's stdout and stderr, interleaved as written."""
+    done = subprocess.run(["podman", "logs", container], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=120, env=podman_env())
+    return done.stdout
+
+
 def volume_path(name: str) -> Path | None:
     """Host directory of podman volume `name` (what a PVC claim of that name is played as), or None."""
     out = podman("volume", "inspect", name, "--format", "{{.Mountpoint}}", check=False).strip()
@@ -115,9 +122,15 @@ class PodmanNode:
                 self._report(pod)
 
     def logs(self, pod: str) -> str:
-        """The logs of every container of a played pod."""
+        """The logs (stdout and stderr) of every container of a played pod, or of one removed before."""
         played = self.played.get(pod)
-        return "".join(podman("logs", c, check=False) for c in (played.containers if played else []))
+        if played is None:
+            return "".join(p.read_text() for p in sorted(self.workdir.glob(f"{pod}.*.log")))
+        return "".join(container_logs(c) for c in played.containers)
+
+    def removed_logs(self, tail: int = 3000) -> str:
+        """The last `tail` characters of each removed pod's logs, headed by its name and uid."""
+        return "".join(f"--- {p.stem} ---\n{p.read_text()[-tail:]}\n" for p in sorted(self.workdir.glob("*.log")))
 
     def container(self, pod: str) -> str:
         """podman's name of the (single) container of `pod`."""
@@ -226,6 +239,9 @@ class PodmanNode:
         self._report(pod)
 
     def _remove(self, name: str) -> None:
+        # Keep what the pod wrote (a kubelet keeps a dead container's logs until the pod is gone).
+        played = self.played[name]
+        (self.workdir / f"{name}.{played.uid}.log").write_text(self.logs(name))
         podman("pod", "rm", "-f", "-t", "5", name, check=False)
         self.played.pop(name, None)
         self.events.append(f"removed pod {name}")
