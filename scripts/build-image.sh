@@ -68,6 +68,9 @@ fi
 
 CACHE="${MILES_LITE_CACHE:-/var/cache/miles-lite}/images"
 mkdir -p "$CACHE"
+# One build at a time (they share .image-build/ and the caches): a second waits, then finds them filled.
+exec 9>"$CACHE/.build.lock"
+flock 9
 
 # A Debian 12 base made with mmdebstrap, imported once per package list.
 debootstrap_base() {
