@@ -15,7 +15,9 @@ old weights (an OOM swallowed with a 200, a dropped update) is named:
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
@@ -91,27 +93,43 @@ class PushVerifier:
         # The trainer's probe scores at the last verified push: a dropped update is named only when the
         # trainer's own scores moved since then (an optimizer step that changes nothing is not a drop).
         self._trainer_last: torch.Tensor | None = None
+        # Per engine: (serving key, probe scores) at the last push it passed.
+        self._verified: dict[str, tuple[tuple[str, str, int], torch.Tensor]] = {}
 
-    def _score_all(self, fleet: Sequence[FleetEngine]) -> dict[str, torch.Tensor]:
+    def _submit_scores(self, fleet: Sequence[FleetEngine]) -> dict[str, Future[torch.Tensor]]:
         async def score(engine: FleetEngine) -> torch.Tensor:
-            rows = [await engine.engine.score(list(seq), plen)
-                    for seq, plen in zip(self.probe.sequences, self.probe.prompt_lens, strict=True)]
+            # One request per sequence, all in flight at once: the engine batches them.
+            rows = await asyncio.gather(*(engine.engine.score(list(seq), plen) for seq, plen
+                                          in zip(self.probe.sequences, self.probe.prompt_lens, strict=True)))
             return _flat(rows)
 
-        futures = {f.engine_id: self.loop.submit(score(f)) for f in fleet}
-        return self.loop.gather(futures)
+        return {f.engine_id: self.loop.submit(score(f)) for f in fleet}
+
+    @staticmethod
+    def _serving_key(f: FleetEngine) -> tuple[str, str, int]:
+        # A replaced engine (new process, new client) never matches its predecessor's key.
+        return f.engine_id, f.engine.url, id(f.engine)
 
     def before_push(self, fleet: Sequence[FleetEngine], version: str) -> None:
         """Record each engine's probe scores under the weights it serves now.
 
-        A repeated push of the same `version` (made again without an engine that died during the
-        first) keeps the scores taken before the first attempt: some engines may hold the new weights.
+        An engine that passed the last verification still serves those weights (only pushes change
+        them), so its scores from then are reused instead of asking it again. A repeated push of the
+        same `version` (made again without an engine that died during the first) keeps the scores taken
+        before the first attempt: some engines may hold the new weights.
         """
         if version != self._before_version:
             self._before, self._before_version = {}, version
         missing = [f for f in fleet if f.engine_id not in self._before]
-        if missing:
-            self._before.update(self._score_all(missing))
+        to_score = []
+        for f in missing:
+            key, scores = self._verified.get(f.engine_id, (None, None))
+            if key == self._serving_key(f) and scores is not None:
+                self._before[f.engine_id] = scores
+            else:
+                to_score.append(f)
+        if to_score:
+            self._before.update(self.loop.gather(self._submit_scores(to_score)))
 
     def verify(self, fleet: Sequence[FleetEngine], version: str,
                new_tensors: Mapping[str, torch.Tensor] | None = None,
@@ -121,8 +139,9 @@ class PushVerifier:
         `new_tensors` / `old_tensors`: full HF tensors (at least `checksum_names`) after / before the push.
         """
         report = VerifyReport(str(version))
+        pending = self._submit_scores(fleet)  # the engines score while the trainer does
         want = _flat(self.trainer_logprobs(self.probe))
-        got = self._score_all(fleet)
+        got = self.loop.gather(pending)
         problems: list[str] = []
         for f in fleet:
             eid = f.engine_id
@@ -147,6 +166,7 @@ class PushVerifier:
         if problems:
             raise WeightSyncError("weight push verification failed: " + "; ".join(problems))
         self._trainer_last = want
+        self._verified = {f.engine_id: (self._serving_key(f), got[f.engine_id]) for f in fleet}
         return report
 
     def _checksums(self, fleet: Sequence[FleetEngine], version: str, new: Mapping[str, torch.Tensor],
