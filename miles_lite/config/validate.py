@@ -218,6 +218,13 @@ def _check_rollout_plugins(cfg: MilesConfig, problems: list[str]) -> None:
                         "own turns); unset one")
     if rollout.max_turns < 1:
         problems.append(f"rollout.max_turns={rollout.max_turns} must be a positive integer")
+    if rollout.backend == "sglang" and rollout.sglang_args.get("skip_tokenizer_init") and (
+            rollout.stop or rollout.environment):
+        # SGLang matches stop strings on decoded text; without its tokenizer its scheduler fails on the first one.
+        what = "rollout.environment's tool-call tags" if rollout.environment else f"rollout.stop={list(rollout.stop)}"
+        problems.append(f"{what} are stop strings, which SGLang matches on text: set "
+                        "rollout.sglang_args.skip_tokenizer_init=false (SGLang still takes and returns token ids; "
+                        "model.hf_path must then hold the tokenizer files)")
     if rollout.group_filter and not rollout.dynamic_sampling:
         problems.append(f"rollout.group_filter={rollout.group_filter!r} filters dynamic sampling's groups; set "
                         "rollout.dynamic_sampling=true")

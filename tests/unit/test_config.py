@@ -196,3 +196,15 @@ def test_trainer_world_size_is_tp_dp_pp() -> None:
     cfg = MilesConfig()
     cfg.trainer.tp, cfg.trainer.dp, cfg.trainer.pp = 2, 3, 1
     assert cfg.trainer.world_size == 6
+
+
+@pytest.mark.parametrize("extra", [["rollout.environment=calculator"], ["rollout.stop=['</answer>']"]])
+def test_stop_strings_into_sglang_need_its_tokenizer(extra):
+    # SGLang's scheduler decodes the output tail to match stop strings; with skip_tokenizer_init it has nothing
+    # to decode with and fails on the first request.
+    sglang = ["rollout=sglang", "trainer=gpu_bf16", "weight_sync.transport=disk", *extra]
+    assert "rollout.sglang_args.skip_tokenizer_init=false" in _problems(sglang)
+    try:
+        validate(load_config([*sglang, "rollout.sglang_args.skip_tokenizer_init=false"]))
+    except ConfigError as err:
+        assert "skip_tokenizer_init" not in str(err)
