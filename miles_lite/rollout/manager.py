@@ -333,10 +333,10 @@ class RolloutManager:
     def _environment_reply(self, spec: PromptSpec, slot: Slot, budget: int) -> bool:
         """After a finished model turn, append the environment's reply; True if the model goes on."""
         env = self.environment
-        if env is None or slot.finish_reason != "stop":
+        if env is None:
             return False
-        slot.turns += 1
-        if slot.turns >= self.cfg.max_turns:
+        slot.turns += 1  # a finished model turn, whether a tool call, the answer or the token budget ended it
+        if slot.finish_reason != "stop" or slot.turns >= self.cfg.max_turns:
             return False
         assert self.decode is not None and self.encode is not None
         reply = env.reply(self.decode(slot.response_ids[slot.turn_start:]), spec.question)
