@@ -209,10 +209,13 @@ def _check_rewards(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append(str(err))
 
 
-def _check_rollout_plugins(cfg: MilesConfig, problems: list[str]) -> None:
+def _check_rollout(cfg: MilesConfig, problems: list[str]) -> None:
     from miles_lite.plugins import BUILTIN_ENVIRONMENTS, environment_from_plugin, load_async_fn, load_sync_fn
 
     rollout = cfg.rollout
+    if rollout.top_k == 0:
+        # SGLang and the reference engine refuse it on the first request; say so before anything starts.
+        problems.append("rollout.top_k=0 samples from no token: use -1 (no top-k cut) or a positive integer")
     if rollout.environment and rollout.generate_fn:
         problems.append("rollout.environment and rollout.generate_fn exclude each other (a generate plug-in runs its "
                         "own turns); unset one")
@@ -301,7 +304,7 @@ def validate(cfg: MilesConfig) -> ModelDims | None:
         _check_parallelism(cfg, dims, problems)
     _check_algo(cfg, problems)
     _check_rewards(cfg, problems)
-    _check_rollout_plugins(cfg, problems)
+    _check_rollout(cfg, problems)
     _check_paths_and_devices(cfg, problems)
     if problems:
         raise ConfigError(problems)

@@ -208,3 +208,7 @@ def test_stop_strings_into_sglang_need_its_tokenizer(extra):
         validate(load_config([*sglang, "rollout.sglang_args.skip_tokenizer_init=false"]))
     except ConfigError as err:
         assert "skip_tokenizer_init" not in str(err)
+
+
+def test_top_k_zero_is_refused_before_any_engine_starts():
+    assert "rollout.top_k=0 samples from no token" in _problems(["rollout.top_k=0"])
