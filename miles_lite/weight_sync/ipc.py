@@ -74,8 +74,8 @@ class IpcTransport(WeightTransport):
                  device: str | torch.device = "cuda") -> None:
         super().__init__()
         if not torch.cuda.is_available():
-            raise WeightSyncError("weight_sync.transport=ipc needs CUDA (colocated GPU engines); use 'distributed' "
-                                  "or 'disk' on CPU")
+            raise WeightSyncError(f"weight_sync.transport={self.name} needs CUDA (colocated GPU engines); use "
+                                  "'distributed' or 'disk' on CPU")
         self.specs = tuple(specs)
         self.trainer_tp = trainer_tp
         self.loop = loop

@@ -18,45 +18,28 @@ import torch
 from miles_lite.config.schema import IPC_HANDLES_LOADER
 from miles_lite.weight_sync.buckets import shard_buckets
 from miles_lite.weight_sync.cuda_ipc import ExportedBuffer, encode_request, layout_slots, slot_view
-from miles_lite.weight_sync.ipc import _fused_whole, direct_named_tensors, serialize_named_tensors
-from miles_lite.weight_sync.plan import ParamSpec, apply_rank_plan, build_plan
+from miles_lite.weight_sync.ipc import IpcTransport, _fused_whole, direct_named_tensors, serialize_named_tensors
+from miles_lite.weight_sync.plan import ParamSpec, apply_rank_plan
 from miles_lite.weight_sync.transport import (
     EngineLoop,
-    FleetEngine,
     PushReport,
     ShardSource,
     TransportState,
-    WeightSyncError,
-    WeightTransport,
     resolve_shards,
 )
 
 LOADER = IPC_HANDLES_LOADER
 
 
-class IpcHandleTransport(WeightTransport):
+class IpcHandleTransport(IpcTransport):
     """Per-engine-rank slots of one shared device buffer, handed to colocated engines by IPC handle."""
 
     name = "ipc_handles"
 
     def __init__(self, specs: Sequence[ParamSpec], trainer_tp: int, loop: EngineLoop, *, bucket_bytes: int,
                  device: str | torch.device = "cuda") -> None:
-        super().__init__()
-        if not torch.cuda.is_available():
-            raise WeightSyncError("weight_sync.transport=ipc_handles needs CUDA (colocated GPU engines); use "
-                                  "'distributed' or 'disk' on CPU")
-        self.specs = tuple(specs)
-        self.trainer_tp = trainer_tp
-        self.loop = loop
-        self.bucket_bytes = bucket_bytes
-        self.device = torch.device(device)
+        super().__init__(specs, trainer_tp, loop, bucket_bytes=bucket_bytes, device=device)
         self.buffer: ExportedBuffer | None = None
-
-    def connect(self, fleet_engines: Sequence[FleetEngine]) -> None:
-        self._require(TransportState.NEW, TransportState.CONNECTED, TransportState.FAILED)
-        self._set_fleet(fleet_engines)
-        self.plan = build_plan(self.specs, self.trainer_tp, [f.spec for f in self.fleet])
-        self.state = TransportState.CONNECTED
 
     def _buffer(self, nbytes: int) -> ExportedBuffer:
         if self.buffer is None or self.buffer.nbytes < nbytes:
