@@ -72,14 +72,16 @@ def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
     """`warmup_steps` cross-entropy steps on (prompt, reference solution) pairs at `experiment.warmup_lr`.
 
     The worklog's lesson: RL from a model that never emits the answer format has no reward signal;
-    a short SFT teaches the format so RL can work on correctness. `seen` collects the indices of the
-    questions it trained on.
+    a short SFT teaches the format so RL can work on correctness. The pairs come from the first
+    `experiment.warmup_demos` problems (all when 0). `seen` collects the indices of the questions it
+    trained on.
     """
     exp = system.cfg.experiment
+    pool = demo_count(exp.warmup_demos, len(problems))
     rng = random.Random(exp.seed)
     loss = float("nan")
     for step in range(exp.warmup_steps):
-        picked = rng.sample(range(len(problems)), min(exp.warmup_batch_size, len(problems)))
+        picked = rng.sample(range(pool), min(exp.warmup_batch_size, pool))
         if seen is not None:
             seen.update(picked)
         batch = system.encoder.sft_batch([problems[i] for i in picked])
@@ -91,6 +93,14 @@ def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
         if should_stop():
             return _stopped(io, "sft", step, exp.warmup_steps)
     return True
+
+
+def demo_count(demos: int, n_problems: int) -> int:
+    """How many problems the SFT warm-up may take reference solutions from (`experiment.warmup_demos`)."""
+    if demos > n_problems:
+        raise ValueError(f"experiment.warmup_demos={demos} asks for more demonstrations than the {n_problems:,} "
+                         "training problems hold: lower it, or set 0 to use every problem")
+    return demos or n_problems
 
 
 def run_opd(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: Callable[[], bool] = _never) -> bool:

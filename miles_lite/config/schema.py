@@ -450,13 +450,13 @@ class ExperimentConfig:
     output_dir: str = "outputs"
     run_name: str | None = None
     steps: int = 20
-    # sft | opd | none
     warmup: str = one_of("sft", "opd", "none")
     warmup_steps: int = 100
     warmup_batch_size: int = bounded(16, ge=1)
     warmup_lr: float = bounded(3e-3, gt=0)
-    # Leave the questions the SFT warm-up trained on out of the RL prompt stream (a presample filter
-    # afterwards cannot bring them back).
+    # SFT takes reference solutions from the first N training problems only (0: all); RL uses every one's answer.
+    warmup_demos: int = bounded(0, ge=0)
+    # Leave the questions the SFT warm-up trained on out of the RL prompt stream (a later presample cannot add them).
     warmup_exclude_from_rl: bool = True
     # Teacher for on-policy distillation (HF directory); None: trained tiny teacher.
     teacher_path: str | None = None

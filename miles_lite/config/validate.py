@@ -265,6 +265,10 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
                     f"{dotted}={path!r} does not exist; data.source=gsm8k reads GSM8K jsonl or parquet files "
                     "(fields question, answer)"
                 )
+    demos, train_size = cfg.experiment.warmup_demos, cfg.data.synthetic.train_size
+    if cfg.data.source == "synthetic" and demos > train_size:
+        problems.append(f"experiment.warmup_demos={demos} exceeds data.synthetic.train_size={train_size}; lower "
+                        "experiment.warmup_demos (0 uses every training problem)")
     if cfg.trainer.precision == "fp8" and cfg.trainer.device == "cpu":
         problems.append("trainer.precision=fp8 needs TransformerEngine on a GPU; use fp32 or bf16 on CPU")
     if cfg.trainer.layer_spec == "te" and cfg.trainer.device == "cpu":

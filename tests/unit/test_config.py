@@ -99,6 +99,12 @@ def test_gsm8k_paths_fp8_on_cpu_and_staleness():
                                                      "rollout.async_steps=3", "rollout.max_staleness=1"])
 
 
+def test_more_demonstrations_than_synthetic_problems_is_refused():
+    msg = _problems(["data.synthetic.train_size=100", "experiment.warmup_demos=101"])
+    assert "experiment.warmup_demos=101 exceeds data.synthetic.train_size=100" in msg
+    validate(load_config(["data.synthetic.train_size=100", "experiment.warmup_demos=100"]))
+
+
 def test_distributed_optimizer_is_refused_until_checkpoints_support_it():
     assert "trainer.use_distributed_optimizer=false" in _problems(["trainer.use_distributed_optimizer=true"])
     for trainer in ("gpu_bf16", "gpu_fp8"):

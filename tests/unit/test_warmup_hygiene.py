@@ -81,3 +81,23 @@ def test_worklog_prompt_template_reaches_the_rendered_prompt() -> None:
     assert worklog.endswith("User: How many?\nAssistant: ")
     with pytest.raises(ValueError, match="data.prompt_template"):
         render_prompt(None, "q", "fancy")
+
+
+def test_sft_draws_only_from_the_first_warmup_demos_problems(tmp_path: Path) -> None:
+    problems = generate_problems(40)
+    system = _system(tmp_path, exclude=False, steps=20, batch_size=4)
+    system.cfg.experiment.warmup_demos = 6
+    data = PromptSource(problems, seed=0)
+    run_warmup(system, problems, SimpleNamespace(log=lambda _: None), data=data)
+    demos = {p.question for p in problems[:6]}
+    sft_questions = {q for batch in system.trainer.batches for q in batch}
+    assert sft_questions == demos  # 20 batches of 4 from 6 demonstrations reach every one, and only them
+    assert len(data.active) == len(problems)  # RL keeps every question (answers only)
+
+
+def test_more_demos_than_problems_names_the_field(tmp_path: Path) -> None:
+    problems = generate_problems(5)
+    system = _system(tmp_path, exclude=False)
+    system.cfg.experiment.warmup_demos = 6
+    with pytest.raises(ValueError, match="experiment.warmup_demos=6"):
+        run_warmup(system, problems, SimpleNamespace(log=lambda _: None), data=PromptSource(problems, seed=0))
