@@ -1,16 +1,21 @@
 """The embedded default (`miles-lite train`, `experiment=tiny_cpu`) over several seeds, against more SFT.
 
-    python benchmarks/embedded_default.py                       # seeds 0-4, each with its SFT control
+    python benchmarks/embedded_default.py                       # seeds 0-4, then each seed's SFT control
     python benchmarks/embedded_default.py --seeds 1 --no-control
-    python benchmarks/embedded_default.py --seeds 0 1 -- rollout.temperature=1.0   # overrides for both runs
+    python benchmarks/embedded_default.py --control-seeds 0 1  # RL on seeds 0-4, the control on 0 and 1
+    python benchmarks/embedded_default.py --seeds 0 1 -- rollout.temperature=0.7   # overrides for every run
+    python benchmarks/embedded_default.py --table DIR/embedded_default.json     # the table of a saved run
 
 For each seed it runs the default exactly as a user would (`miles-lite train experiment.seed=S`, one
 process at a time) and reads held-out exact accuracy after the SFT warm-up and after RL from the run's
 `summary.json`. The control answers "would the same time spent on more SFT do as well?": the same seed
 with the RL steps replaced by as many extra SFT steps as fit in the time the RL loop took
 (`experiment.steps=0 experiment.warmup_steps=W+X`, X = RL-loop seconds / seconds per SFT step, both
-measured on the seed's RL run). Its first W SFT steps are the RL run's warm-up (the same batches from the
-same seed), which the table checks by comparing the SFT loss at step W of both runs.
+measured on the seed's RL run). The control's SFT draws from the same demonstrations as the warm-up
+(`experiment.warmup_demos`), while RL draws answer-only questions from the whole training set. Its first
+W SFT steps are the RL run's warm-up (the same batches from the same seed), which the table checks by
+comparing the SFT loss at step W of both runs. Every RL run comes first, then the controls, and the
+results are saved after each run, so an interrupted benchmark keeps what it measured.
 
 Times come from the run's own output lines, stamped as they arrive: the SFT rate from the first and last
 "sft warm-up" lines, the RL loop from the end of the first evaluation to the final checkpoint line.
@@ -101,40 +106,54 @@ def pct(x: float) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
+    parser.add_argument("--control-seeds", type=int, nargs="*", default=None,
+                        help="seeds that also get the more-SFT control (default: every seed)")
     parser.add_argument("--no-control", action="store_true", help="skip the more-SFT control runs")
     parser.add_argument("--out", type=Path, default=None, help="run directories and logs (default: a temp dir)")
+    parser.add_argument("--table", type=Path, default=None, help="print the table of a saved embedded_default.json")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides passed to every run (after --)")
     args = parser.parse_args()
+    if args.table:
+        print(table(json.loads(args.table.read_text())))
+        return 0
     out = args.out or Path(tempfile.mkdtemp(prefix="embedded_default_"))
     out.mkdir(parents=True, exist_ok=True)
     print(f"runs under {out}", flush=True)
+    control_seeds = [] if args.no_control else (args.seeds if args.control_seeds is None else args.control_seeds)
 
-    rows = []
+    # Every RL run first, then the controls: an interrupted benchmark still has the whole RL column.
+    rows: dict[int, dict] = {}
     for seed in args.seeds:
-        common = [f"experiment.seed={seed}", *args.overrides]
-        rl = run_train(out, f"rl-seed{seed}", common, out / f"rl-seed{seed}.log")
-        row: dict = {"seed": seed, "rl": asdict(rl)}
+        load = os.getloadavg()[0]
+        rl = run_train(out, f"rl-seed{seed}", [f"experiment.seed={seed}", *args.overrides], out / f"rl-seed{seed}.log")
+        rows[seed] = {"seed": seed, "rl": asdict(rl), "load": [load, os.getloadavg()[0]]}
         n = int(rl.before["n"])
         b, a = rl.before["exact"], rl.after["exact"]
         print(f"seed {seed}: {pct(b)} after warm-up -> {pct(a)} after RL ({(a - b) * 100:+.1f} points, "
               f"SE {gain_se(b, a, n) * 100:.1f}, {n} problems), RL loop {rl.rl_loop_s:.0f} s, "
               f"wall {rl.wall_s:.0f} s", flush=True)
-        if not args.no_control:
-            extra = max(1, round(rl.rl_loop_s / rl.sft_s_per_step))
-            steps = rl.sft_steps + extra
-            ctl = run_train(out, f"sft-seed{seed}", [*common, "experiment.steps=0", f"experiment.warmup_steps={steps}"],
-                            out / f"sft-seed{seed}.log")
-            row["control"] = asdict(ctl)
-            row["control_extra_steps"] = extra
-            # The control repeats the RL run's warm-up: same batches, so the same loss at its last step.
-            row["same_warmup"] = ctl.sft_losses[rl.sft_steps - 1] == rl.sft_losses[-1]
-            c = ctl.before["exact"]
-            print(f"seed {seed} control: {extra} more SFT steps -> {pct(c)} ({(c - b) * 100:+.1f} points), "
-                  f"same warm-up as the RL run: {row['same_warmup']}, wall {ctl.wall_s:.0f} s", flush=True)
-        rows.append(row)
-    (out / "embedded_default.json").write_text(json.dumps(rows, indent=2))
-    print(table(rows))
+        save(out, rows)
+    for seed in control_seeds:
+        row = rows[seed]
+        rl = Run(**row["rl"])
+        extra = max(1, round(rl.rl_loop_s / rl.sft_s_per_step))
+        ctl = run_train(out, f"sft-seed{seed}", [f"experiment.seed={seed}", *args.overrides, "experiment.steps=0",
+                                                 f"experiment.warmup_steps={rl.sft_steps + extra}"],
+                        out / f"sft-seed{seed}.log")
+        row["control"] = asdict(ctl)
+        row["control_extra_steps"] = extra
+        # The control repeats the RL run's warm-up: same batches, so the same loss at its last step.
+        row["same_warmup"] = ctl.sft_losses[rl.sft_steps - 1] == rl.sft_losses[-1]
+        c, b = ctl.before["exact"], rl.before["exact"]
+        print(f"seed {seed} control: {extra} more SFT steps -> {pct(c)} ({(c - b) * 100:+.1f} points), "
+              f"same warm-up as the RL run: {row['same_warmup']}, wall {ctl.wall_s:.0f} s", flush=True)
+        save(out, rows)
+    print(table(list(rows.values())))
     return 0
+
+
+def save(out: Path, rows: dict[int, dict]) -> None:
+    (out / "embedded_default.json").write_text(json.dumps(list(rows.values()), indent=2))
 
 
 def table(rows: list[dict]) -> str:
@@ -166,6 +185,9 @@ def table(rows: list[dict]) -> str:
                      f"median {statistics.median(control_gains):+.1f} points")
     met = (min(gains) >= MIN_GAIN and statistics.median(gains) >= MIN_MEDIAN_GAIN and max(walls) <= MAX_WALL_S
            and (not control_gains or statistics.median(control_gains) < statistics.median(gains)))
+    loads = [x for r in rows for x in r.get("load", [])]
+    if loads:
+        lines.append(f"1-minute load average at the start and end of the RL runs: {min(loads):.1f} to {max(loads):.1f}")
     lines.append(f"goal (every seed >= +{MIN_GAIN:.0f}, median >= +{MIN_MEDIAN_GAIN:.0f}, wall <= {MAX_WALL_S:.0f} s"
                  f"{', RL beats more SFT' if control_gains else ''}): {'met' if met else 'NOT met'}")
     return "\n".join(lines)
