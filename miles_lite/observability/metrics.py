@@ -15,6 +15,10 @@ stats key                               metric (and how the value is applied)
 ``rollout/request_latency_seconds``     ``miles_lite_rollout_request_latency_seconds`` (observe each; list)
 ``rollout/retried_requests``            ``miles_lite_rollout_retried_requests_total`` (inc)
 ``rollout/dynamic_sampling_rounds``     ``miles_lite_dynamic_sampling_rounds`` (set)
+``rollout/stale_dropped``               ``miles_lite_stale_dropped_groups_total`` (inc; async rollouts too old)
+``rollout/mixed_version_samples``       ``miles_lite_mixed_version_samples_total`` (inc; tokens of two versions)
+``rollout/staleness_mean``              ``miles_lite_staleness_versions{stat="mean"}`` (set, versions behind)
+``rollout/staleness_max``               ``miles_lite_staleness_versions{stat="max"}`` (set)
 ``reward/mean``                         ``miles_lite_reward_mean`` (set)
 ``reward/std``                          ``miles_lite_reward_std`` (set)
 ``reward/values/<name>``                ``miles_lite_reward_value{reward=<name>}`` (observe each; list)
@@ -84,6 +88,10 @@ _SCALAR_KEYS: dict[str, _Scalar] = {
     "rollout/generated_tokens": _Scalar("rollout_generated_tokens", add=True),
     "rollout/retried_requests": _Scalar("retried_requests", add=True),
     "rollout/dynamic_sampling_rounds": _Scalar("dynamic_sampling_rounds"),
+    "rollout/stale_dropped": _Scalar("stale_dropped", add=True),
+    "rollout/mixed_version_samples": _Scalar("mixed_version_samples", add=True),
+    "rollout/staleness_mean": _Scalar("staleness", (("stat", "mean"),)),
+    "rollout/staleness_max": _Scalar("staleness", (("stat", "max"),)),
     "reward/mean": _Scalar("reward_mean"),
     "reward/std": _Scalar("reward_std"),
     "reward/exact_accuracy": _Scalar("exact_accuracy"),
@@ -158,6 +166,11 @@ class MetricsRegistry:
         self.retried_requests = counter("rollout_retried_requests", "Generate requests retried after a failure")
         self.dynamic_sampling_rounds = gauge("dynamic_sampling_rounds",
                                              "Sampling rounds dynamic sampling needed to fill the last batch")
+        self.stale_dropped = counter("stale_dropped_groups",
+                                     "Rollout groups dropped as more than rollout.max_staleness versions old")
+        self.mixed_version_samples = counter("mixed_version_samples",
+                                             "Completions whose tokens came from two weight versions")
+        self.staleness = gauge("staleness_versions", "Versions a step's samples lag the trainer by", "stat")
         self.reward_mean = gauge("reward_mean", "Mean total reward of the last step's completions")
         self.reward_std = gauge("reward_std", "Standard deviation of the last step's total rewards")
         self.reward_value = Histogram(
