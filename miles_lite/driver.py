@@ -126,7 +126,7 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
             io.finish(summary)
             return summary
         rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size,
-                                   **refill_hooks(system, data))
+                                   relay=system.relay, **refill_hooks(system, data))
         try:
             for step in range(first_step, cfg.experiment.steps):
                 rl_step(system, data, io, rollouts, step, held_out)

@@ -7,6 +7,7 @@ work itself lives in the roles: tokenization in `data.encoding.PromptEncoder`, r
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,10 +22,13 @@ from miles_lite.model_assets import prepare_model
 from miles_lite.rewards.setup import build_reward_set
 from miles_lite.rollout.fleet import EngineFleet
 from miles_lite.rollout.prompt_spec import sampling_from_config
+from miles_lite.rollout.starvation import StarvationRelay
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
 from miles_lite.weight_sync.fleet_push import FleetPusher
-from miles_lite.weight_sync.transport import EngineLoop
+from miles_lite.weight_sync.transport import EngineLoop, WeightSyncError
+
+logger = logging.getLogger(__name__)
 
 
 def start_trainer(cfg: MilesConfig) -> TrainerRole:
@@ -57,7 +61,11 @@ class System:
         self.rollout_gang: Any = None
         self.sync: WeightSyncCoordinator | None = None
         self.pusher: FleetPusher | None = None
+        # Waits on a rollout serve the fleet's requests to push the current weights to stale engines.
+        self.relay = StarvationRelay(self.refresh_stale)
         self.version = 0
+        # The report of the latest push of the current version to stale engines (`refresh_stale`).
+        self.last_refresh: SyncReport | None = None
         # Step of the newest checkpoint this process saved (None: none yet).
         self.last_checkpoint_step: int | None = None
 
@@ -101,6 +109,9 @@ class System:
         loop = EngineLoop(self.loop_thread.loop)
         self.sync = build_coordinator(self.cfg, self.trainer, loop, self.run_dir)
         self.pusher = FleetPusher(self.sync, self.fleet, loop, self.cfg.rollout.engine_tp, self.cfg.rollout.backend)
+        self.fleet.on_starved = self.relay.signal
+        assert self.rollout is not None
+        self.rollout.relay = self.relay
 
     def close(self) -> None:
         """Stop weight sync, the engines and the trainer, in that order; safe to call twice.
@@ -158,6 +169,36 @@ class System:
         self.version += 1
         report = self.pusher.push(self.trainer.weight_shards, str(self.version))
         return report, time.perf_counter() - start
+
+    def refresh_stale(self) -> SyncReport | None:
+        """Push the current version to the stale engines when no engine is healthy (the relay calls this
+        on the driver thread while it waits on a rollout, so the trainer holds that version's weights).
+
+        None when there is nothing to do: an engine serves again, or nothing was pushed yet (the trainer's
+        weights may then differ from the checkpoint the engines started from; a replacement reporting the
+        fleet's version is admitted without a push). A push that fails is logged: the fleet replaces the
+        engine and asks again, and the rollout's own timeout bounds the wait.
+        """
+        assert self.pusher is not None and self.trainer is not None and self.loop_thread is not None
+        fleet, version = self.pusher.fleet, str(self.version)
+
+        async def starved() -> bool:
+            return fleet.starved() and fleet.current_version == version
+
+        if self.version == 0 or not self.loop_thread.run(starved()):
+            return None
+        start = time.perf_counter()
+        try:
+            report = self.pusher.push(self.trainer.weight_shards, version, stale_only=True)
+        except WeightSyncError as exc:
+            logger.warning("push of version %s to the stale engines failed: %s", version, exc)
+            return None
+        self.last_refresh = report
+        if fleet.on_event is not None:
+            probe = f", probe logp diff mean {report.verify.logp_diff_mean:.2e}" if report.verify else ""
+            fleet.on_event(f"fleet: no healthy engine left mid-rollout: pushed the current version {version} to "
+                           f"{', '.join(report.push.engines)} in {time.perf_counter() - start:.1f}s{probe}")
+        return report
 
     def report_fleet_events(self, log: Callable[[str], None]) -> None:
         """Send the fleet's notable events (an engine died, a replacement admitted after push N) to `log`."""

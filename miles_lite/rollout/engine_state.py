@@ -67,6 +67,10 @@ class Transition:
     reason: str
 
 
+# Reason of a replacement admitted without a push: it started with the weights the fleet serves.
+ALREADY_CURRENT = "it already serves the current weight version"
+
+
 def console_line(t: Transition, current_version: str | None) -> str | None:
     """What a user reading the console should see of a transition (None: routine, e.g. a first start)."""
     where = f"engine slot {t.slot} ({t.engine_id})"
@@ -75,8 +79,10 @@ def console_line(t: Transition, current_version: str | None) -> str | None:
     if t.new is EngineState.REPLACING:
         return f"fleet: {where}: starting a replacement ({t.reason})"
     if t.new is EngineState.STALE:
-        return f"fleet: {where}: replacement up; it serves after the next weight push"
+        return f"fleet: {where}: replacement up; it serves after a push of the current weights"
     if t.old is EngineState.STALE and t.new is EngineState.HEALTHY:
+        if t.reason.startswith(ALREADY_CURRENT):
+            return f"fleet: {where}: replacement admitted at once: {t.reason}"
         return f"fleet: {where}: replacement admitted after push {current_version}"
     return None
 

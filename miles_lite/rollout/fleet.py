@@ -9,7 +9,10 @@ Only `healthy` engines receive requests. An engine is declared dead after
 `fault_tolerance.failure_threshold` consecutive failed health checks or failed requests; a
 replacement is then started through the launcher callable (up to `max_engine_restarts` per job) and
 comes up `stale`: it serves nothing until a weight push brings it to the fleet's current version
-(`mark_synced`). The fleet also does the request accounting that the rollout manager schedules by:
+(`mark_synced`); one that reports the current version already (no push since the fleet started) is
+admitted at once. When a request waits with no healthy engine while a stale one is up, the fleet calls
+`on_starved`: nothing else would push to the replacement before the waiting rollout ends. The fleet
+also does the request accounting that the rollout manager schedules by:
 outstanding requests per engine, and the choice of the least-loaded healthy engine.
 """
 
@@ -25,6 +28,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from miles_lite.config.schema import FaultToleranceConfig
 from miles_lite.rollout.engine import RolloutEngine
 from miles_lite.rollout.engine_state import (
+    ALREADY_CURRENT,
     TRANSITIONS,
     EngineHandle,
     EngineLease,
@@ -39,23 +43,12 @@ from miles_lite.rollout.engine_state import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "TRANSITIONS",
-    "EngineFleet",
-    "EngineHandle",
-    "EngineLease",
-    "EngineRecord",
-    "EngineState",
-    "FleetExhausted",
-    "IllegalTransition",
-    "Launcher",
-    "Transition",
-]
+__all__ = ["TRANSITIONS", "EngineFleet", "EngineHandle", "EngineLease", "EngineRecord", "EngineState",
+           "FleetExhausted", "IllegalTransition", "Launcher", "Transition"]
 
 
 class FleetExhausted(RuntimeError):
     """No engine is healthy and none can become healthy in time."""
-
 
 
 class EngineFleet:
@@ -108,6 +101,8 @@ class EngineFleet:
         self._closed = False
         # Called (on the fleet's loop) with the console line of each notable transition.
         self.on_event: Callable[[str], None] | None = None
+        # Called (on the loop, by `acquire`) while a request waits and `starved()`: push to the stale engines.
+        self.on_starved: Callable[[], None] | None = None
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -246,12 +241,16 @@ class EngineFleet:
             or (r.state is EngineState.HEALTHY and r.version != self.current_version)
         ]
 
+    def starved(self) -> bool:
+        """No engine is healthy while a stale one is up: only a push of the current weights lets a request run."""
+        states = {r.state for r in self.records}
+        return EngineState.HEALTHY not in states and EngineState.STALE in states
+
     def state_of(self, engine: str | RolloutEngine | EngineRecord) -> EngineState:
         return self.by_id(engine).state
 
     def can_recover(self) -> bool:
-        """Whether an engine is healthy or may still become healthy (starting/replacing/stale, or
-        dead with restarts left)."""
+        """Whether an engine is healthy or may become so (starting/replacing/stale, dead with restarts left)."""
         pending = {EngineState.HEALTHY, EngineState.STARTING, EngineState.REPLACING, EngineState.STALE}
         if any(r.state in pending for r in self.records):
             return True
@@ -263,14 +262,10 @@ class EngineFleet:
         out: dict[str, float] = {f"engines_{s.value}": 0.0 for s in EngineState}
         for rec in self.records:
             out[f"engines_{rec.state.value}"] += 1
-        out.update(
-            engines_total=float(len(self.records)),
-            restarts=float(self.restarts),
-            retried_requests=float(self.retried_requests),
-            failed_requests=float(self.failed_requests),
-            failed_health_checks=float(self.failed_health_checks),
-            inflight_requests=float(sum(r.inflight for r in self.records)),
-        )
+        out.update(engines_total=float(len(self.records)), restarts=float(self.restarts),
+                   retried_requests=float(self.retried_requests), failed_requests=float(self.failed_requests),
+                   failed_health_checks=float(self.failed_health_checks),
+                   inflight_requests=float(sum(r.inflight for r in self.records)))
         return out
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
@@ -306,6 +301,8 @@ class EngineFleet:
                         f"(restarts used {self.restarts}/{self.cfg.max_engine_restarts}); states: "
                         f"{[(r.engine_id, r.state.value) for r in self.records]}"
                     )
+                if self.on_starved is not None and self.starved():
+                    self.on_starved()
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise FleetExhausted(
@@ -374,11 +371,15 @@ class EngineFleet:
         return [(rec, ok) for rec, ok in zip(candidates, results, strict=True) if rec.state in live]
 
     async def check_health(self) -> None:
-        """Probe every healthy or stale engine once (concurrently) and apply the failure threshold."""
+        """Probe every healthy or stale engine once (concurrently) and apply the failure threshold.
+
+        A probe failing while the engine completes a request passes: a saturated engine (or this client's
+        busy loop: the timeout runs from submission) answers late, yet the request proves it alive."""
+        served = {id(r): r.requests_served for r in self.records}
         for rec, ok in await self._probe_live([r for r in self.records if not r.in_weight_update]):
             if rec.in_weight_update:
                 continue  # a push paused the engine while the probe waited: its answer says nothing
-            if ok:
+            if ok or rec.requests_served > served.get(id(rec), rec.requests_served):
                 rec.health_failures = 0
                 continue
             self.failed_health_checks += 1
@@ -475,6 +476,9 @@ class EngineFleet:
             return
         rec.version = await self._report_version(rec)
         self._set_state(rec, EngineState.STALE, f"replacement up with weight version {rec.version!r}")
+        if rec.version and rec.version == self.current_version:
+            # Started from the weights the fleet serves (no push since the start): nothing to wait for.
+            self._set_state(rec, EngineState.HEALTHY, f"{ALREADY_CURRENT} {rec.version!r}")
 
     def mark_synced(self, engine: str | RolloutEngine | EngineRecord, version: str) -> bool:
         """Record that `engine` now serves weight `version`; returns whether it is healthy.

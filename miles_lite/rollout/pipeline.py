@@ -30,6 +30,7 @@ from typing import Any
 from miles_lite.rollout.manager import ManagerState, RolloutManager, RolloutStats, Scorer
 from miles_lite.rollout.manager import PromptSource as RefillSource
 from miles_lite.rollout.prompt_spec import PromptLike, PromptSpec, as_prompt_spec
+from miles_lite.rollout.starvation import StarvationRelay
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.types import Group
 
@@ -112,11 +113,13 @@ class RolloutPipeline:
         scorer / more_prompts: with `rollout.dynamic_sampling`, score groups as they complete and draw
             fresh prompts to refill the zero-signal ones (see `RolloutManager.generate_groups`); a batch
             keeps its size and its rounds bound across pauses.
+        relay: while `collect`/`wait` block, push the current weights to stale engines when the fleet is
+            starved (see `miles_lite.rollout.starvation`); None: they only wait.
     """
 
     def __init__(self, manager: RolloutManager, loop: EventLoopThread, group_size: int,
                  timeout_s: float | None = None, *, scorer: Scorer | None = None,
-                 more_prompts: RefillSource | None = None) -> None:
+                 more_prompts: RefillSource | None = None, relay: StarvationRelay | None = None) -> None:
         if group_size < 1:
             raise ValueError(f"rollout.group_size must be >= 1, got {group_size}")
         self.manager = manager
@@ -125,6 +128,7 @@ class RolloutPipeline:
         self.timeout_s = timeout_s
         self.scorer = scorer
         self.more_prompts = more_prompts
+        self.relay = relay
         self.state = PipelineState.IDLE
         self._batches: deque[_Batch] = deque()
         self._worker: asyncio.Task[None] | None = None
@@ -172,7 +176,7 @@ class RolloutPipeline:
             return True
         batch = self._batches[0]
         try:
-            self.loop.run(asyncio.wait_for(batch.done.wait(), timeout_s))
+            self.loop.run(asyncio.wait_for(batch.done.wait(), timeout_s), relay=self.relay)
         except TimeoutError:
             return False
         return True
@@ -202,7 +206,7 @@ class RolloutPipeline:
             self.resume()
         if self.state is not PipelineState.GENERATING or not self._batches:
             raise RuntimeError(f"rollout pipeline is {self.state.value}: call start() before collect()")
-        batch = self.loop.run(self._pop_oldest(), self.timeout_s)
+        batch = self.loop.run(self._pop_oldest(), self.timeout_s, relay=self.relay)
         if not self._batches:
             self._move(PipelineState.IDLE)
         if batch.error is not None:

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 from miles_lite.rollout.manager import PromptSource, RolloutManager, RolloutStats, Scorer
 from miles_lite.rollout.prompt_spec import PromptLike
+from miles_lite.rollout.starvation import StarvationRelay
 from miles_lite.types import Group, SamplingParams
 
 T = TypeVar("T")
@@ -51,12 +52,18 @@ class EventLoopThread:
         self.state = LoopState.RUNNING
         return self
 
-    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None) -> T:
-        """Run `coro` on the loop and return its result (re-raising its exception)."""
+    def run(self, coro: Coroutine[Any, Any, T], timeout_s: float | None = None, *,
+            relay: StarvationRelay | None = None) -> T:
+        """Run `coro` on the loop and return its result (re-raising its exception).
+
+        `relay`: while waiting, serve the fleet's requests to push the current weights to stale engines
+        (for waits on a rollout; see `miles_lite.rollout.starvation`).
+        """
         if self.state is not LoopState.RUNNING:
             coro.close()
             raise RuntimeError(f"event loop thread {self.name} is {self.state.value}, not running")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        return fut.result(timeout_s) if relay is None else relay.wait(fut, timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Cancel leftover tasks, stop the loop and join the thread (idempotent)."""
@@ -90,6 +97,8 @@ class SyncRolloutManager:
     def __init__(self, manager: RolloutManager, loop: EventLoopThread) -> None:
         self.manager = manager
         self.loop = loop
+        # Set by the owner of the weights: blocking calls then serve its stale-engine pushes.
+        self.relay: StarvationRelay | None = None
 
     def generate_groups(
         self,
@@ -102,7 +111,7 @@ class SyncRolloutManager:
     ) -> list[Group]:
         """`RolloutManager.generate_groups`, blocking until the groups are complete."""
         return self.loop.run(self.manager.generate_groups(prompts, group_size, sampling, scorer=scorer,
-                                                         more_prompts=more_prompts))
+                                                         more_prompts=more_prompts), relay=self.relay)
 
     def abort(self, timeout_s: float = 60.0) -> None:
         """`RolloutManager.abort`; callable from another thread while `generate_groups` blocks."""

@@ -30,8 +30,9 @@ class FleetPusher:
         self.engine_tp = engine_tp
         self.vocab_pad = VOCAB_PAD[backend]
 
-    def push(self, shards: ShardSource, version: str) -> SyncReport:
-        """Push `shards` as `version` to the healthy and stale engines.
+    def push(self, shards: ShardSource, version: str, *, stale_only: bool = False) -> SyncReport:
+        """Push `shards` as `version` to the healthy and stale engines (`stale_only`: to the stale ones,
+        bringing replacements to the version the healthy ones serve; `version` must be the current one).
 
         An engine that died since its last health check fails the push: the engines of the push are
         then health-checked at once, the dead ones go to the fleet for replacement, and the push is
@@ -40,8 +41,13 @@ class FleetPusher:
         """
         fleet = self.fleet
 
+        targets = (EngineState.STALE,) if stale_only else (EngineState.HEALTHY, EngineState.STALE)
+
         async def begin() -> list[EngineRecord]:
-            records = [r for r in fleet.records if r.state in (EngineState.HEALTHY, EngineState.STALE)]
+            if stale_only and version != fleet.current_version:
+                raise ValueError(f"a push to stale engines carries the current version {fleet.current_version!r}, "
+                                 f"not {version!r}")
+            records = [r for r in fleet.records if r.state in targets]
             fleet.set_current_version(version)
             fleet.begin_weight_update(records)
             return records
@@ -52,6 +58,9 @@ class FleetPusher:
                 fleet.mark_synced(r.engine_id, version)
 
         held = records = self.loop.run(begin())
+        if stale_only and not records:
+            self.loop.run(finish([]))
+            raise WeightSyncError("no stale engine left to push to (it died or was synced meanwhile)")
         try:
             try:
                 report = self.sync.push(self.targets(records), shards, version)

@@ -176,3 +176,55 @@ def test_opd_warmup_moves_the_student_toward_a_padded_vocab_teacher(tmp_path: Pa
     # The RL step after the OPD warm-up trains without the distillation term (algo.rl_distill_coef unset).
     rl = _records(run)
     assert len(rl) == 1 and "loss/distill" not in rl[0] and "loss/policy" in rl[0]
+
+
+def test_only_engine_sigkilled_mid_rollout_is_pushed_the_current_weights_and_the_run_finishes(tmp_path: Path):
+    # One engine, synchronous GRPO: once it dies mid-rollout, its replacement comes up stale and only a push
+    # of the current weights (made while the rollout waits) lets that rollout, and the run, go on. Without
+    # it the rollout waits for the replacement until rollout.request_timeout_s and the run fails.
+    steps, prompts, group = 3, 2, 4
+    cmd = _train_cmd(tmp_path, f"experiment.steps={steps}", "experiment.warmup=none", "rollout.engines=1",
+                     f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
+                     "rollout.max_new_tokens=256", "rollout.async_steps=0", "algo.drop_zero_signal=false",
+                     "fault_tolerance.health_interval_s=0.5", "fault_tolerance.failure_threshold=2",
+                     "fault_tolerance.max_engine_restarts=1", "fault_tolerance.request_retries=4",
+                     "rollout.request_timeout_s=30")
+    log_path = tmp_path / "driver.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+        run = tmp_path / "run"
+        try:
+            _wait(lambda: len(_records(run)) >= 1, 600, "the first RL step", proc)
+            # Step 1's rollout starts as soon as step 0 is published: the kill lands in it.
+            (engine,) = [pid for pid, c in _children(proc.pid) if "miles_lite.engines.reference.engine" in c]
+            os.kill(engine, signal.SIGKILL)
+            assert proc.wait(timeout=240) == 0, log_path.read_text()[-3000:]
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    console = log_path.read_text()
+    records = _records(run)
+    assert json.loads((run / "summary.json").read_text())["steps_done"] == steps
+    assert [r["step"] for r in records] == list(range(steps)), "every step ran, none twice"
+    # The kill met step 1's requests in flight: they failed and were re-sent (partial work kept).
+    assert records[1]["rollout/retried_requests"] >= 1 and records[1]["fleet/restarts"] == 1, records[1]
+    version = records[0]["weight_version"]  # what the engines served during step 1's rollout
+    assert "is dead" in console and "replacement up" in console
+    relief = [line for line in console.splitlines() if "no healthy engine left mid-rollout" in line]
+    assert len(relief) == 1 and f"pushed the current version {version} to reference-0.1 " in relief[0], console[-3000:]
+    assert float(relief[0].rsplit("probe logp diff mean ", 1)[1]) < 1e-3, "probe-verified like every push"
+    assert console.index("replacement up") < console.index(f"replacement admitted after push {version}") \
+        < console.index(relief[0])
+    assert all(r["fleet/engines_healthy"] == 1 and r["fleet/engines_dead"] == 0 for r in records[1:])
+    # No sample lost or trained twice: every step trained all its groups, each prompt once in the run.
+    from miles_lite.observability.rollout_table import read_rollouts
+
+    table = read_rollouts(run).to_pylist()
+    for step in range(steps):
+        rows = [r for r in table if r["step"] == step]
+        assert sorted((r["prompt_index"], r["sample_index"]) for r in rows) == sorted(
+            (p, s) for p in {r["prompt_index"] for r in rows} for s in range(group)) and len(rows) == prompts * group
+    assert len({r["prompt_index"] for r in table}) == steps * prompts
+    # Step 1's completions, resumed on the replacement, carry the version of the weights they were pushed.
+    assert {r["weight_version"] for r in table if r["step"] == 1} == {str(version)}

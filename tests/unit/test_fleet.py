@@ -117,12 +117,72 @@ def test_background_health_task_detects_a_hung_engine():
     async def main() -> None:
         fleet = EngineFleet(_ft(), Launcher())
         (rec,) = await fleet.launch(1)
+        fleet.mark_synced(rec, "1")  # pushed once: a replacement (at "0") waits for a push
         fleet.start_health_checks()
         rec.engine.mode = "hang"  # type: ignore[attr-defined]
         assert await fleet.wait_for(lambda: rec.state is S.STALE, 5.0)
         assert fleet.stats()["failed_health_checks"] >= 2
         await fleet.close()
         assert fleet._health_task is None
+
+    asyncio.run(main())
+
+
+def test_a_replacement_before_any_push_is_admitted_at_once():
+    """No push yet: the replacement starts from the checkpoint the fleet serves, so it needs none."""
+    async def main() -> None:
+        fleet = EngineFleet(_ft(failure_threshold=1), Launcher())
+        console: list[str] = []
+        fleet.on_event = console.append
+        (rec,) = await fleet.launch(1)
+        rec.engine.healthy = False  # type: ignore[attr-defined]
+        await fleet.check_health()
+        assert await fleet.wait_for(lambda: rec.incarnation == 1 and rec.state is S.HEALTHY, 5.0)
+        assert [t.new for t in fleet.transitions if t.slot == 0][-2:] == [S.STALE, S.HEALTHY]
+        assert console[-1].endswith("replacement admitted at once: it already serves the current weight "
+                                    "version '0'")
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_a_request_waiting_with_only_a_stale_replacement_calls_on_starved():
+    async def main() -> None:
+        fleet = EngineFleet(_ft(failure_threshold=1), Launcher())
+        (rec,) = await fleet.launch(1)
+        fleet.mark_synced(rec, "1")
+        starved: list[bool] = []
+        fleet.on_starved = lambda: starved.append(fleet.starved())
+        rec.engine.healthy = False  # type: ignore[attr-defined]
+        await fleet.check_health()
+        waiter = asyncio.ensure_future(fleet.acquire(timeout_s=5.0))
+        assert await fleet.wait_for(lambda: rec.state is S.STALE, 5.0)
+        assert await fleet.wait_for(lambda: bool(starved), 5.0)
+        assert not waiter.done() and all(starved)
+        assert fleet.mark_synced(rec, "1")  # the push the callback asks for
+        lease = await asyncio.wait_for(waiter, 5.0)
+        assert lease.engine_id == "e0.1"
+        await fleet.release(lease, ok=True)
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_a_late_health_answer_from_an_engine_completing_requests_is_no_failure():
+    """A saturated engine answers its check after the timeout, but requests complete: it is alive."""
+    async def main() -> None:
+        fleet = EngineFleet(_ft(failure_threshold=1), Launcher())
+        (rec,) = await fleet.launch(1)
+        lease = await fleet.acquire()
+        rec.engine.mode = "hang"  # type: ignore[attr-defined]
+        check = asyncio.ensure_future(fleet.check_health())
+        await asyncio.sleep(0.05)  # the probe is waiting on the engine
+        await fleet.release(lease, ok=True)  # a request completes meanwhile
+        await check
+        assert rec.state is S.HEALTHY and rec.health_failures == 0
+        await fleet.check_health()  # no request completes during this one: it counts
+        assert rec.state is S.DEAD
+        await fleet.close()
 
     asyncio.run(main())
 
@@ -171,6 +231,8 @@ def test_confirm_dead_declares_only_the_engines_that_fail_a_check_now():
         launcher = Launcher()
         fleet = EngineFleet(_ft(failure_threshold=5), launcher)
         a, b = await fleet.launch(2)
+        fleet.mark_synced(a, "1")
+        fleet.mark_synced(b, "1")
         a.engine.mode = "dead"  # type: ignore[attr-defined]
         dead = await fleet.confirm_dead([a, b])
         assert dead == [a] and b.state is S.HEALTHY
@@ -254,6 +316,7 @@ def test_release_from_a_replaced_incarnation_does_not_corrupt_accounting():
     async def main() -> None:
         fleet = EngineFleet(_ft(failure_threshold=1), Launcher())
         (rec,) = await fleet.launch(1)
+        fleet.mark_synced(rec, "1")
         old = await fleet.acquire()
         rec.engine.healthy = False  # type: ignore[attr-defined]
         await fleet.check_health()
