@@ -38,7 +38,7 @@ from miles_lite.data.source import PromptSource
 from miles_lite.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.evaluation import EvalResult, evaluate
 from miles_lite.rewards import score_groups
-from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rl_distill_coef, rollout_stats
+from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rl_distill_coef, rollout_stats, tool_stats
 from miles_lite.rollout.pipeline import RolloutPipeline
 from miles_lite.run_io import RunIO, checkpoint_root, finished_summary
 from miles_lite.run_lock import RunLock
@@ -262,7 +262,8 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         sync_report, sync_seconds = system.push_weights()
         rollouts.resume()
     io.report_sync(sync_report, sync_seconds)
-    stats: dict[str, Any] = {**reward_stats(groups), **algo_stats, **train_stats, **timer.stats(),
+    tools = tool_stats(groups) if cfg.rollout.environment else {}
+    stats: dict[str, Any] = {**reward_stats(groups), **tools, **algo_stats, **train_stats, **timer.stats(),
                              **rollout_stats(rollout.stats), **stale_stats, **eval_stats,
                              "rollout/pauses": float(rollout.pauses),
                              "rollout/groups_short": float(max(0, cfg.rollout.prompts_per_step - len(groups))),

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 
+from miles_lite.data.calculator import call_outcomes
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.rewards import score_completions
 from miles_lite.rewards.math import solution_text
@@ -23,6 +24,10 @@ class EvalResult:
     exact_format: float
     exact: float
     with_solution_block: int
+    # Multi-turn runs: environment replies (tool calls answered) per answer, and the share of calls whose
+    # value is an intermediate result of the reference solution (calculator format; 0.0 without calls).
+    tool_calls: float = 0.0
+    correct_calls: float = 0.0
 
     def table(self, title: str = "evaluation") -> str:
         """The worklog's baseline table as plain text."""
@@ -35,6 +40,9 @@ class EvalResult:
         lines = [f"{title} ({self.n} problems, greedy)"]
         lines += [f"  {name:<32}{value * 100:6.1f}%" for name, value in rows]
         lines.append(f"  {'answers with a SOLUTION block':<32}{self.with_solution_block:4d} / {self.n}")
+        if self.tool_calls:
+            lines.append(f"  {'tool calls per answer':<32}{self.tool_calls:6.2f}")
+            lines.append(f"  {'calls on a reference step':<32}{self.correct_calls * 100:6.1f}%")
         return "\n".join(lines)
 
     def as_dict(self) -> dict[str, float]:
@@ -69,7 +77,15 @@ def evaluate(manager: SyncRolloutManager, problems: Sequence[MathProblem], rende
         text = render(p.question)
         specs.append(PromptSpec(i, tuple(encode(text)), text, p.question, p.answer, p.steps))
     groups: list[Group] = manager.generate_groups(specs, 1, greedy)
-    by_index = {g.prompt_index: g.samples[0].response_text for g in groups}
+    by_index = {g.prompt_index: g.samples[0] for g in groups}
     if len(by_index) != len(problems):
         raise RuntimeError(f"evaluation got {len(by_index)} completions for {len(problems)} problems")
-    return summarise([by_index[i] for i in range(len(problems))], problems)
+    samples = [by_index[i] for i in range(len(problems))]
+    result = summarise([s.response_text for s in samples], problems)
+    calls = sum(s.environment_replies for s in samples)
+    if not calls:
+        return result
+    outcomes = [call_outcomes(s.response_text, p.steps) for s, p in zip(samples, problems, strict=True)]
+    answered = sum(n for n, _ in outcomes)
+    return replace(result, tool_calls=calls / len(samples),
+                   correct_calls=sum(ok for _, ok in outcomes) / answered if answered else 0.0)

@@ -10,6 +10,7 @@ import torch
 
 from miles_lite.algo.advantages import compute_advantages
 from miles_lite.config.schema import AlgoConfig, MilesConfig
+from miles_lite.data.calculator import call_outcomes
 from miles_lite.rollout.manager import MIXED_SEPARATOR
 from miles_lite.types import Group, Sample, TrainBatch
 
@@ -79,6 +80,25 @@ def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
     names = sorted({k for s in samples for k in s.rewards if k != "total"})
     for name in names:
         stats[f"reward/values/{name}"] = [s.rewards.get(name, 0.0) for s in samples]
+    return stats
+
+
+def tool_stats(groups: Sequence[Group]) -> dict[str, float]:
+    """Tool use of a multi-turn step: environment replies per trajectory, the share of trajectories with
+    at least one, and (for replies in the calculator's `<result>` format) the share of calls whose value
+    is an intermediate result of the reference solution."""
+    calls, answered, right = [], 0, 0
+    for group in groups:
+        for sample in group.samples:
+            calls.append(sample.environment_replies)
+            n, ok = call_outcomes(sample.response_text, group.steps)
+            answered, right = answered + n, right + ok
+    if not calls:
+        return {}
+    stats = {"rollout/tool_calls_per_sample": sum(calls) / len(calls),
+             "rollout/tool_use_share": sum(c > 0 for c in calls) / len(calls)}
+    if answered:
+        stats["rollout/tool_correct_call_share"] = right / answered
     return stats
 
 

@@ -85,6 +85,12 @@ class Sample:
         """The weighted total reward (0.0 before scoring)."""
         return self.rewards.get("total", 0.0)
 
+    @property
+    def environment_replies(self) -> int:
+        """Environment replies in the response (its tool calls answered): runs of 0 in the loss mask."""
+        mask = self.loss_mask or []
+        return sum(1 for i, m in enumerate(mask) if m == 0 and (i == 0 or mask[i - 1] == 1))
+
 
 @dataclass
 class Group:

@@ -294,6 +294,8 @@ class SyntheticDataConfig:
     min_operand: int = 1
     max_operand: int = 9
     ops: list[str] = field(default_factory=lambda: ["+", "-", "*"])
+    # Upper bound on every intermediate result (at least max_operand).
+    max_result: int = 200
     seed: int = 0
 
 

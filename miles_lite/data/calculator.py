@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from miles_lite.answer_format import (
@@ -21,7 +22,9 @@ from miles_lite.answer_format import (
     SOLUTION_START,
     WORK_END,
     WORK_START,
+    contains_number,
     format_number,
+    parse_number,
 )
 
 if TYPE_CHECKING:
@@ -79,6 +82,17 @@ class Calculator:
             return f"{RESULT_START}{format_value(evaluate(calls[-1]))}{RESULT_END}"
         except (ValueError, OverflowError):
             return f"{RESULT_START}error{RESULT_END}"
+
+
+_REPLY = re.compile(re.escape(RESULT_START) + r"(.*?)" + re.escape(RESULT_END), re.DOTALL)
+
+
+def call_outcomes(completion: str, steps: Sequence[float]) -> tuple[int, int]:
+    """(calls the calculator answered, calls whose value is one of the reference solution's intermediate
+    results `steps`) in a trajectory's text: how often the model uses the tool, and uses it on the right step."""
+    values = [parse_number(v) for v in _REPLY.findall(completion)]
+    right = sum(1 for v in values if v is not None and contains_number(steps, v))
+    return len(values), right
 
 
 # An annotated step "48/2 = <<48/2=24>>24": the written expression (optional), the call, the result.

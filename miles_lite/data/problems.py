@@ -10,7 +10,8 @@ from miles_lite.data.gsm8k import MathProblem, load_gsm8k
 def synthetic_spec(syn: SyntheticDataConfig, seed: int) -> ArithmeticSpec:
     """The generator spec of `data.synthetic` with its seed replaced by `seed`."""
     return ArithmeticSpec(min_steps=syn.min_steps, max_steps=syn.max_steps, min_operand=syn.min_operand,
-                          max_operand=syn.max_operand, ops=tuple(syn.ops), seed=seed)
+                          max_operand=syn.max_operand, ops=tuple(syn.ops), max_result=syn.max_result,
+                         seed=seed)
 
 
 def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem]]:

@@ -178,3 +178,30 @@ def test_masked_tokens_get_no_gradient_and_leave_the_mismatch_metrics():
     # The reply tokens' rollout log-prob is 0.0 by construction: were they counted, the diff would be 3.5.
     assert stats["mismatch/logp_abs_diff_mean"] == 0.0
     assert BatchTotals.of(batch).response_tokens == 2
+
+
+def test_tool_use_is_counted_per_step_and_in_evaluation():
+    from miles_lite.data.calculator import call_outcomes
+    from miles_lite.evaluation import summarise
+    from miles_lite.rl_batch import tool_stats
+    from miles_lite.types import Group, Sample
+
+    text = "<calc>2*3</calc><result>6</result><calc>6+1</calc><result>9</result>so 9"
+    # The first call's value is a step of the reference solution, the second is not (6+1 is 7, not 9).
+    assert call_outcomes(text, (6.0, 7.0)) == (2, 1)
+    assert call_outcomes("<calc>2*</calc><result>error</result>", (6.0,)) == (1, 0)
+    two_calls = Sample(0, [1], list(range(8)), [0.0] * 8, response_text=text, loss_mask=[1, 0, 0, 1, 0, 1, 1, 1])
+    no_call = Sample(0, [1], [1, 2], [0.0] * 2, response_text="so 6")
+    stats = tool_stats([Group(0, "p", "q", 7.0, (6.0, 7.0), [two_calls, no_call])])
+    assert (two_calls.environment_replies, no_call.environment_replies) == (2, 0)
+    assert stats == {"rollout/tool_calls_per_sample": 1.0, "rollout/tool_use_share": 0.5,
+                     "rollout/tool_correct_call_share": 0.5}
+    assert "tool calls" not in summarise(["so 6"], [MathProblem("q", "#### 6", 6.0, (6.0,))]).table()
+
+
+def test_a_synthetic_spec_the_generator_refuses_fails_validation_naming_the_field():
+    from miles_lite.config import ConfigError, load_config, validate
+
+    cfg = load_config(["data.synthetic.max_operand=99", "data.synthetic.max_result=50"])
+    with pytest.raises(ConfigError, match=r"data.synthetic: max_result \(50\) must be >= max_operand \(99\)"):
+        validate(cfg)
