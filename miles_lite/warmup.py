@@ -14,6 +14,9 @@ from miles_lite.data.source import PromptSource
 from miles_lite.rl_batch import distill_batch
 from miles_lite.rollout.presample import presample
 
+# experiment.warmup_stop_loss compares the mean loss of this many steps (one batch's loss is noisy).
+STOP_LOSS_WINDOW = 10
+
 
 def _record(system: Any, mode: str, step: int, stats: dict[str, float]) -> None:
     with (system.run_dir / "warmup.jsonl").open("a") as f:
@@ -80,6 +83,7 @@ def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
     pool = demo_count(exp.warmup_demos, len(problems))
     rng = random.Random(exp.seed)
     loss = float("nan")
+    recent: list[float] = []
     for step in range(exp.warmup_steps):
         picked = rng.sample(range(pool), min(exp.warmup_batch_size, pool))
         if seen is not None:
@@ -90,6 +94,12 @@ def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
         _record(system, "sft", step, {"loss": loss, **{k: stats[k] for k in ("update_ratio", "skipped") if k in stats}})
         if _should_log(step, exp.warmup_steps):
             io.log(f"sft warm-up {step + 1}/{exp.warmup_steps}: loss {loss:.3f}")
+        recent = [*recent[-(STOP_LOSS_WINDOW - 1):], loss]
+        if (exp.warmup_stop_loss is not None and len(recent) == STOP_LOSS_WINDOW
+                and sum(recent) / STOP_LOSS_WINDOW < exp.warmup_stop_loss):
+            io.log(f"sft warm-up {step + 1}/{exp.warmup_steps}: mean loss of the last {STOP_LOSS_WINDOW} steps "
+                   f"{sum(recent) / STOP_LOSS_WINDOW:.3f} < experiment.warmup_stop_loss={exp.warmup_stop_loss}; done")
+            return True
         if should_stop():
             return _stopped(io, "sft", step, exp.warmup_steps)
     return True

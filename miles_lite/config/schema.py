@@ -458,6 +458,9 @@ class ExperimentConfig:
     warmup_lr: float = bounded(3e-3, gt=0)
     # SFT takes reference solutions from the first N training problems only (0: all); RL uses every one's answer.
     warmup_demos: int = bounded(0, ge=0)
+    # SFT ends early once the mean loss of its last 10 steps falls below this (None: all warmup_steps).
+    # A loss, not a step count, marks where a skill starts to click on every seed.
+    warmup_stop_loss: float | None = bounded(None, gt=0)
     # Leave the questions the SFT warm-up trained on out of the RL prompt stream (a later presample cannot add them).
     warmup_exclude_from_rl: bool = True
     # Teacher for on-policy distillation (HF directory); None: trained tiny teacher.

@@ -101,3 +101,21 @@ def test_more_demos_than_problems_names_the_field(tmp_path: Path) -> None:
     system.cfg.experiment.warmup_demos = 6
     with pytest.raises(ValueError, match="experiment.warmup_demos=6"):
         run_warmup(system, problems, SimpleNamespace(log=lambda _: None), data=PromptSource(problems, seed=0))
+
+
+def test_sft_stops_once_its_recent_mean_loss_is_below_warmup_stop_loss(tmp_path: Path) -> None:
+    class Falling(_Trainer):  # loss 1.0, 0.9, 0.8, ...: the mean of the last 10 steps is 0.25 after step 13
+        def sft_step(self, batch: list[str], lr: float) -> dict[str, float]:
+            self.batches.append(batch)
+            return {"loss/sft": 1.0 - 0.1 * (len(self.batches) - 1)}
+
+    problems = generate_problems(40)
+    system = _system(tmp_path, False, steps=50)
+    system.trainer, system.cfg.experiment.warmup_stop_loss = Falling(), 0.3
+    lines: list[str] = []
+    assert run_warmup(system, problems, SimpleNamespace(log=lines.append)) is True
+    assert len(system.trainer.batches) == 13 and "warmup_stop_loss=0.3" in lines[-1]
+    system = _system(tmp_path, False, steps=12)
+    system.trainer = Falling()
+    run_warmup(system, problems, SimpleNamespace(log=lines.append))
+    assert len(system.trainer.batches) == 12
