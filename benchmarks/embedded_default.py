@@ -137,8 +137,10 @@ def main() -> int:
         row = rows[seed]
         rl = Run(**row["rl"])
         extra = max(1, round(rl.rl_loop_s / rl.sft_s_per_step))
+        # A warm-up that ends at a loss (experiment.warmup_stop_loss) would end the control at the same step.
         ctl = run_train(out, f"sft-seed{seed}", [f"experiment.seed={seed}", *args.overrides, "experiment.steps=0",
-                                                 f"experiment.warmup_steps={rl.sft_steps + extra}"],
+                                                 f"experiment.warmup_steps={rl.sft_steps + extra}",
+                                                 "experiment.warmup_stop_loss=null"],
                         out / f"sft-seed{seed}.log")
         row["control"] = asdict(ctl)
         row["control_extra_steps"] = extra
