@@ -236,7 +236,6 @@ class AlgoConfig:
     std_normalize: bool = True
     # Drop groups whose rewards are all equal (they carry no learning signal); always counted.
     drop_zero_signal: bool = False
-    # ppo | gspo
     policy_loss: str = one_of("ppo", "gspo")
     clip_low: float = bounded(0.2, ge=0, lt=1)
     clip_high: float = bounded(0.28, ge=0)
@@ -294,8 +293,7 @@ class SyntheticDataConfig:
     min_operand: int = 1
     max_operand: int = 9
     ops: list[str] = field(default_factory=lambda: ["+", "-", "*"])
-    # Upper bound on every intermediate result (at least max_operand).
-    max_result: int = 200
+    max_result: int = 200  # bound on every intermediate result (>= max_operand)
     seed: int = 0
 
 
@@ -303,7 +301,6 @@ class SyntheticDataConfig:
 class DataConfig:
     """Where prompts come from."""
 
-    # synthetic | gsm8k
     source: str = one_of("synthetic", "gsm8k")
     # GSM8K jsonl/parquet files (source=gsm8k).
     train_path: str | None = None
@@ -458,9 +455,7 @@ class ExperimentConfig:
     warmup_lr: float = bounded(3e-3, gt=0)
     # SFT takes reference solutions from the first N training problems only (0: all); RL uses every one's answer.
     warmup_demos: int = bounded(0, ge=0)
-    # SFT ends early once the mean loss of its last 10 steps falls below this (None: all warmup_steps).
-    # A loss, not a step count, marks where a skill starts to click on every seed.
-    warmup_stop_loss: float | None = bounded(None, gt=0)
+    warmup_stop_loss: float | None = bounded(None, gt=0)  # SFT ends once its last 10 losses average below it
     # Leave the questions the SFT warm-up trained on out of the RL prompt stream (a later presample cannot add them).
     warmup_exclude_from_rl: bool = True
     # Teacher for on-policy distillation (HF directory); None: trained tiny teacher.

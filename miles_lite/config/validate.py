@@ -255,13 +255,6 @@ def remote_reward_spec(cfg: MilesConfig):
 
 
 def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
-    if cfg.data.source == "synthetic":
-        from miles_lite.data.problems import synthetic_spec
-
-        try:
-            synthetic_spec(cfg.data.synthetic, cfg.data.synthetic.seed)
-        except ValueError as exc:  # the generator's bounds (steps, operands, max_result, ops)
-            problems.append(f"data.synthetic: {exc}")
     if cfg.data.source == "gsm8k":
         for dotted in ("data.train_path", "data.eval_path"):
             path = _get(cfg, dotted)

@@ -8,10 +8,13 @@ from miles_lite.data.gsm8k import MathProblem, load_gsm8k
 
 
 def synthetic_spec(syn: SyntheticDataConfig, seed: int) -> ArithmeticSpec:
-    """The generator spec of `data.synthetic` with its seed replaced by `seed`."""
-    return ArithmeticSpec(min_steps=syn.min_steps, max_steps=syn.max_steps, min_operand=syn.min_operand,
-                          max_operand=syn.max_operand, ops=tuple(syn.ops), max_result=syn.max_result,
-                         seed=seed)
+    """The generator spec of `data.synthetic` with its seed replaced by `seed`; ValueError naming the field
+    for bounds the generator refuses (steps, operands, max_result, ops)."""
+    try:
+        return ArithmeticSpec(min_steps=syn.min_steps, max_steps=syn.max_steps, min_operand=syn.min_operand,
+                              max_operand=syn.max_operand, ops=tuple(syn.ops), max_result=syn.max_result, seed=seed)
+    except ValueError as exc:
+        raise ValueError(f"data.synthetic: {exc}") from None
 
 
 def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem]]:
