@@ -13,7 +13,7 @@ from miles_lite.rollout.engine_state import EngineRecord, EngineState
 from miles_lite.rollout.fleet import EngineFleet
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
 from miles_lite.weight_sync.plan import EngineSpec
-from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, ShardSource, WeightSyncError
+from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, PushReport, ShardSource, WeightSyncError
 
 # Rows an engine pads its vocabulary to: reference engines hold HF shapes, SGLang pads to 64.
 VOCAB_PAD = {"reference": 1, "sglang": 64}
@@ -36,8 +36,8 @@ class FleetPusher:
 
         An engine that died since its last health check fails the push: the engines of the push are
         then health-checked at once, the dead ones go to the fleet for replacement, and the push is
-        made again to the others (once). A failure on live engines (a dropped update, a probe mismatch)
-        is raised.
+        made again to the others (once); with none left, the report names no engine. A failure on live
+        engines (a dropped update, a probe mismatch) is raised.
         """
         fleet = self.fleet
 
@@ -67,8 +67,13 @@ class FleetPusher:
             except WeightSyncError:
                 dead = self.loop.run(fleet.confirm_dead(records))
                 records = [r for r in records if all(r is not d for d in dead)]
-                if not dead or not records:
+                if not dead or (stale_only and not records):
                     raise
+                if not records:
+                    # Every engine died: the version stays current and the replacements come up stale; a
+                    # rollout starved of engines gets it pushed (`on_starved`) while the trainer holds it.
+                    self.loop.run(finish([]))
+                    return SyncReport(PushReport(version, self.sync.transport.name, ()), None, 0.0)
                 report = self.sync.push(self.targets(records), shards, version)
         except BaseException:
             self.loop.run(finish([]))

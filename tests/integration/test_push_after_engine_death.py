@@ -45,3 +45,33 @@ def test_a_push_skips_an_engine_killed_just_before_it(tmp_path: Path) -> None:
         report, _ = system.push_weights()
         assert len(report.push.engines) == 2
         assert victim.state is EngineState.HEALTHY and victim.incarnation == 1
+
+
+def test_a_push_that_finds_the_only_engine_dead_leaves_its_version_for_the_replacement(tmp_path: Path) -> None:
+    """No engine left to push to: the push reports none and raises nothing; the replacement comes up stale,
+    and the starved fleet's relief (`System.refresh_stale`) brings it to that version, probe-verified."""
+    cfg = load_config(["rollout.engines=1", "fault_tolerance.health_interval_s=60",
+                       "fault_tolerance.max_engine_restarts=1", f"experiment.output_dir={tmp_path}"])
+    validate(cfg)
+    with System.start(cfg, tmp_path / "run") as system:
+        assert system.fleet is not None and system.loop_thread is not None
+        assert system.refresh_stale() is None, "nothing pushed yet: no relief"
+        system.push_weights()
+        (only,) = system.fleet.records
+        assert only.handle.pid is not None
+        os.kill(only.handle.pid, signal.SIGKILL)
+        os.waitpid(only.handle.pid, 0)
+
+        report, _ = system.push_weights()
+        assert report.push.engines == () and report.verify is None
+        assert system.fleet.current_version == str(system.version) == "2"
+        deadline = time.monotonic() + 180
+        while only.state is not EngineState.STALE and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert only.state is EngineState.STALE and only.incarnation == 1, only.last_error
+        assert system.fleet.starved()
+        relief = system.refresh_stale()
+        assert relief is not None and relief.push.engines == (f"{only.engine_id}.1",)
+        assert relief.verify is not None and relief.verify.logp_diff_mean < 1e-3
+        assert only.state is EngineState.HEALTHY and only.version == "2"
+        assert system.refresh_stale() is None, "an engine serves again: nothing to relieve"
