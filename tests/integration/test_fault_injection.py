@@ -95,6 +95,11 @@ def test_sigkill_mid_rollout_then_replace_and_admit_after_disk_push(
         assert pid is not None and victim.engine_id == "reference-1"
         mgr = RolloutManager(fleet, _rollout(), fleet.cfg, seed=3)
         try:
+            # As after a first push (version "0"): a replacement, starting from the checkpoint's version, is
+            # stale (one reporting the fleet's version would be admitted at once).
+            for rec in fleet.records:
+                await rec.engine.update_weight_version("0")
+                assert fleet.mark_synced(rec, "0")
             run = asyncio.ensure_future(mgr.generate_groups(PROMPTS))
             # Kill once the victim has served some requests and holds others: mid-rollout.
             assert await fleet.wait_for(lambda: victim.requests_served >= 2 and victim.inflight > 0, 60.0)
