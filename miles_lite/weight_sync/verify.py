@@ -166,7 +166,8 @@ class PushVerifier:
         if problems:
             raise WeightSyncError("weight push verification failed: " + "; ".join(problems))
         self._trainer_last = want
-        self._verified = {f.engine_id: (self._serving_key(f), got[f.engine_id]) for f in fleet}
+        # Engines left out of this push (e.g. a push to stale engines only) keep their last scores.
+        self._verified.update({f.engine_id: (self._serving_key(f), got[f.engine_id]) for f in fleet})
         return report
 
     def _checksums(self, fleet: Sequence[FleetEngine], version: str, new: Mapping[str, torch.Tensor],
