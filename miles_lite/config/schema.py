@@ -42,17 +42,22 @@ def bounded(default: float | None, *, ge: float | None = None, gt: float | None 
     return field(default=default, metadata={"range": Range(ge, gt, le, lt)})
 
 
-def ranges(cfg: object, prefix: str = "") -> dict[str, Range]:
-    """Dotted field name -> allowed range, for every `bounded` field of `cfg` and its sub-configs."""
-    found: dict[str, Range] = {}
+def _metadata(cfg: object, key: str, prefix: str = "") -> dict[str, Any]:
+    """Dotted field name -> `metadata[key]`, for every field of `cfg` and its sub-configs that has it."""
+    found: dict[str, Any] = {}
     for f in fields(cfg):  # type: ignore[arg-type]
         dotted = f"{prefix}{f.name}"
-        if "range" in f.metadata:
-            found[dotted] = f.metadata["range"]
+        if key in f.metadata:
+            found[dotted] = f.metadata[key]
         value = getattr(cfg, f.name)
         if is_dataclass(value) and not isinstance(value, type):
-            found.update(ranges(value, dotted + "."))
+            found.update(_metadata(value, key, dotted + "."))
     return found
+
+
+def ranges(cfg: object) -> dict[str, Range]:
+    """Dotted field name -> allowed range, for every `bounded` field of `cfg` and its sub-configs."""
+    return _metadata(cfg, "range")
 
 
 def one_of(default: str, *others: str) -> Any:
@@ -64,17 +69,9 @@ def one_of(default: str, *others: str) -> Any:
     return field(default=default, metadata={"choices": (default, *others)})
 
 
-def choices(cfg: object, prefix: str = "") -> dict[str, tuple[str, ...]]:
+def choices(cfg: object) -> dict[str, tuple[str, ...]]:
     """Dotted field name -> allowed values, for every `one_of` field of `cfg` and its sub-configs."""
-    found: dict[str, tuple[str, ...]] = {}
-    for f in fields(cfg):  # type: ignore[arg-type]
-        dotted = f"{prefix}{f.name}"
-        if "choices" in f.metadata:
-            found[dotted] = f.metadata["choices"]
-        value = getattr(cfg, f.name)
-        if is_dataclass(value) and not isinstance(value, type):
-            found.update(choices(value, dotted + "."))
-    return found
+    return _metadata(cfg, "choices")
 
 
 @dataclass
