@@ -26,6 +26,7 @@ from miles_lite.weight_sync.transport import (
     FleetEngine,
     PushReport,
     ShardSource,
+    TrainerShards,
     TransportState,
     WeightSyncError,
     WeightTransport,
@@ -88,13 +89,19 @@ class IpcTransport(WeightTransport):
         self.plan = build_plan(self.specs, self.trainer_tp, [f.spec for f in self.fleet])
         self.state = TransportState.CONNECTED
 
-    def push(self, named_shards: ShardSource, version: str) -> PushReport:
-        """One `update_weights_from_tensor` per engine per bucket (fused parameters kept in one bucket)."""
+    def _start_push(self, named_shards: ShardSource, version: str
+                    ) -> tuple[PushReport, TrainerShards, list[tuple[str, ...]]]:
+        """The push's report, its resolved shards and its buckets (every fused parameter whole in one)."""
         self._require(TransportState.CONNECTED)
         report = PushReport(str(version), self.name, tuple(f.engine_id for f in self.fleet))
         shards = resolve_shards(named_shards, report)
         buckets = _fused_whole(shard_buckets(self.plan, self.bucket_bytes))
         report.buckets = len(buckets)
+        return report, shards, buckets
+
+    def push(self, named_shards: ShardSource, version: str) -> PushReport:
+        """One `update_weights_from_tensor` per engine per bucket (fused parameters kept in one bucket)."""
+        report, shards, buckets = self._start_push(named_shards, version)
         try:
             for i, names in enumerate(buckets):
                 payloads: dict[str, list[str]] = {}

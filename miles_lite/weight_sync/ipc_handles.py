@@ -16,16 +16,14 @@ from collections.abc import Sequence
 import torch
 
 from miles_lite.config.schema import IPC_HANDLES_LOADER
-from miles_lite.weight_sync.buckets import shard_buckets
 from miles_lite.weight_sync.cuda_ipc import ExportedBuffer, encode_request, layout_slots, slot_view
-from miles_lite.weight_sync.ipc import IpcTransport, _fused_whole, direct_named_tensors, serialize_named_tensors
+from miles_lite.weight_sync.ipc import IpcTransport, direct_named_tensors, serialize_named_tensors
 from miles_lite.weight_sync.plan import ParamSpec, apply_rank_plan
 from miles_lite.weight_sync.transport import (
     EngineLoop,
     PushReport,
     ShardSource,
     TransportState,
-    resolve_shards,
 )
 
 LOADER = IPC_HANDLES_LOADER
@@ -51,11 +49,7 @@ class IpcHandleTransport(IpcTransport):
     def push(self, named_shards: ShardSource, version: str) -> PushReport:
         """Per bucket: pack every engine rank's tensors into the shared buffer, then one
         `update_weights_from_tensor` per engine naming the loader (fused parameters kept in one bucket)."""
-        self._require(TransportState.CONNECTED)
-        report = PushReport(str(version), self.name, tuple(f.engine_id for f in self.fleet))
-        shards = resolve_shards(named_shards, report)
-        buckets = _fused_whole(shard_buckets(self.plan, self.bucket_bytes))
-        report.buckets = len(buckets)
+        report, shards, buckets = self._start_push(named_shards, version)
         try:
             for i, names in enumerate(buckets):
                 with report.phase("convert"):
