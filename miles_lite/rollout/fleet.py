@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from miles_lite.config.schema import FaultToleranceConfig
 from miles_lite.rollout.engine import RolloutEngine
+from miles_lite.rollout.engine_health import probe, probe_live
 from miles_lite.rollout.engine_state import (
     ALREADY_CURRENT,
     TRANSITIONS,
@@ -43,8 +44,18 @@ from miles_lite.rollout.engine_state import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TRANSITIONS", "EngineFleet", "EngineHandle", "EngineLease", "EngineRecord", "EngineState",
-           "FleetExhausted", "IllegalTransition", "Launcher", "Transition"]
+__all__ = [
+    "TRANSITIONS",
+    "EngineFleet",
+    "EngineHandle",
+    "EngineLease",
+    "EngineRecord",
+    "EngineState",
+    "FleetExhausted",
+    "IllegalTransition",
+    "Launcher",
+    "Transition",
+]
 
 
 class FleetExhausted(RuntimeError):
@@ -167,7 +178,7 @@ class EngineFleet:
         return records
 
     async def _admit_new(self, rec: EngineRecord, version: str | None) -> None:
-        ok = await self._probe(rec)
+        ok = await probe(rec, self.cfg.health_timeout_s)
         if not ok:
             self._set_state(rec, EngineState.DEAD, f"first health check failed: {rec.last_error}")
             self._after_death(rec)
@@ -262,10 +273,14 @@ class EngineFleet:
         out: dict[str, float] = {f"engines_{s.value}": 0.0 for s in EngineState}
         for rec in self.records:
             out[f"engines_{rec.state.value}"] += 1
-        out.update(engines_total=float(len(self.records)), restarts=float(self.restarts),
-                   retried_requests=float(self.retried_requests), failed_requests=float(self.failed_requests),
-                   failed_health_checks=float(self.failed_health_checks),
-                   inflight_requests=float(sum(r.inflight for r in self.records)))
+        out.update(
+            engines_total=float(len(self.records)),
+            restarts=float(self.restarts),
+            retried_requests=float(self.retried_requests),
+            failed_requests=float(self.failed_requests),
+            failed_health_checks=float(self.failed_health_checks),
+            inflight_requests=float(sum(r.inflight for r in self.records)),
+        )
         return out
 
     async def wait_for(self, predicate: Callable[[], bool], timeout_s: float) -> bool:
@@ -352,31 +367,14 @@ class EngineFleet:
 
     # -------------------------------------------------------------- health checks
 
-    async def _probe(self, rec: EngineRecord) -> bool:
-        try:
-            ok = await asyncio.wait_for(rec.engine.health(self.cfg.health_timeout_s), self.cfg.health_timeout_s)
-        except Exception as exc:  # any failure to answer is a failed check
-            rec.last_error = f"health check: {exc!r}"
-            return False
-        if not ok:
-            rec.last_error = "health check answered unhealthy"
-        return bool(ok)
-
-    async def _probe_live(self, records: Sequence[EngineRecord]) -> list[tuple[EngineRecord, bool]]:
-        """Probe the healthy or stale `records` concurrently; (record, answered) for those still so after."""
-        live = (EngineState.HEALTHY, EngineState.STALE)
-        candidates = [r for r in records if r.state in live]
-        results = await asyncio.gather(*(self._probe(r) for r in candidates))
-        # An engine declared dead by a failed request while the probe ran is left out.
-        return [(rec, ok) for rec, ok in zip(candidates, results, strict=True) if rec.state in live]
-
     async def check_health(self) -> None:
         """Probe every healthy or stale engine once (concurrently) and apply the failure threshold.
 
         A probe failing while the engine completes a request passes: a saturated engine (or this client's
         busy loop: the timeout runs from submission) answers late, yet the request proves it alive."""
         served = {id(r): r.requests_served for r in self.records}
-        for rec, ok in await self._probe_live([r for r in self.records if not r.in_weight_update]):
+        for rec, ok in await probe_live([r for r in self.records if not r.in_weight_update],
+                                          self.cfg.health_timeout_s):
             if rec.in_weight_update:
                 continue  # a push paused the engine while the probe waited: its answer says nothing
             if ok or rec.requests_served > served.get(id(rec), rec.requests_served):
@@ -393,7 +391,7 @@ class EngineFleet:
         For a caller whose request failed on several engines at once (a weight push): an engine that
         also fails its health check died, one that passes it is alive and the failure was something else.
         """
-        dead = [rec for rec, ok in await self._probe_live(records) if not ok]
+        dead = [rec for rec, ok in await probe_live(records, self.cfg.health_timeout_s) if not ok]
         for rec in dead:
             self._declare_dead(rec, f"failed a health check after a failed weight push: {rec.last_error}")
         return dead
@@ -471,7 +469,7 @@ class EngineFleet:
             await self._come_up_stale(rec)
 
     async def _come_up_stale(self, rec: EngineRecord) -> None:
-        if not await self._probe(rec):
+        if not await probe(rec, self.cfg.health_timeout_s):
             self._set_state(rec, EngineState.DEAD, f"replacement failed its first health check: {rec.last_error}")
             return
         rec.version = await self._report_version(rec)
