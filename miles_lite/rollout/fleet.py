@@ -27,7 +27,14 @@ from collections.abc import Awaitable, Callable, Sequence
 
 from miles_lite.config.schema import FaultToleranceConfig
 from miles_lite.rollout.engine import RolloutEngine
-from miles_lite.rollout.engine_health import probe, probe_live
+from miles_lite.rollout.engine_health import (
+    LIVE,
+    probe,
+    probe_live,
+    reported_capacity,
+    reported_version,
+    restarted_among,
+)
 from miles_lite.rollout.engine_state import (
     ALREADY_CURRENT,
     TRANSITIONS,
@@ -39,7 +46,6 @@ from miles_lite.rollout.engine_state import (
     Launcher,
     Transition,
     console_line,
-    engine_capacity,
 )
 
 logger = logging.getLogger(__name__)
@@ -183,29 +189,12 @@ class EngineFleet:
             self._set_state(rec, EngineState.DEAD, f"first health check failed: {rec.last_error}")
             self._after_death(rec)
             return
-        rec.version = version if version is not None else await self._report_version(rec)
-        rec.capacity = await self._report_capacity(rec)
+        rec.version = version if version is not None else await reported_version(rec, self.cfg.health_timeout_s)
+        if self.max_inflight_per_engine is None:
+            rec.capacity = await reported_capacity(rec, self.cfg.health_timeout_s)
         if self.current_version is None:
             self.current_version = rec.version
         self._set_state(rec, EngineState.HEALTHY, f"serving weight version {rec.version!r}")
-
-    async def _report_capacity(self, rec: EngineRecord) -> int | None:
-        """The engine's concurrent-request capacity from `/get_server_info`; None when it says none."""
-        info = getattr(rec.engine, "server_info", None)
-        if self.max_inflight_per_engine is not None or info is None:
-            return None
-        try:
-            return engine_capacity(await asyncio.wait_for(info(), self.cfg.health_timeout_s))
-        except Exception as exc:  # no capacity known: the engine's own queue takes what it cannot run
-            rec.last_error = f"server_info failed: {exc!r}"
-            return None
-
-    async def _report_version(self, rec: EngineRecord) -> str:
-        try:
-            return await asyncio.wait_for(rec.engine.weight_version(), self.cfg.health_timeout_s)
-        except Exception as exc:  # an engine that cannot say its version is treated as unknown
-            rec.last_error = f"weight_version failed: {exc!r}"
-            return ""
 
     async def close(self) -> None:
         """Stop health checks and background replacements, then every engine server and client."""
@@ -373,28 +362,41 @@ class EngineFleet:
         A probe failing while the engine completes a request passes: a saturated engine (or this client's
         busy loop: the timeout runs from submission) answers late, yet the request proves it alive."""
         served = {id(r): r.requests_served for r in self.records}
-        for rec, ok in await probe_live([r for r in self.records if not r.in_weight_update],
-                                          self.cfg.health_timeout_s):
-            if rec.in_weight_update:
-                continue  # a push paused the engine while the probe waited: its answer says nothing
-            if ok or rec.requests_served > served.get(id(rec), rec.requests_served):
+        timeout_s = self.cfg.health_timeout_s
+        checked = await probe_live([r for r in self.records if not r.in_weight_update], timeout_s)
+        alive = [rec for rec, ok in checked if ok or rec.requests_served > served.get(id(rec), rec.requests_served)]
+        restarted = {id(rec) for rec in await restarted_among(alive, timeout_s)}
+        alive_ids = {id(rec) for rec in alive}
+        for rec, _ in checked:
+            if rec.in_weight_update or rec.state not in LIVE:
+                continue  # a push paused it while the probe waited, or a failed request declared it dead
+            if id(rec) in restarted:
+                self._declare_dead(rec, rec.last_error)
+            elif id(rec) in alive_ids:
                 rec.health_failures = 0
-                continue
-            self.failed_health_checks += 1
-            rec.health_failures += 1
-            if rec.health_failures >= self.cfg.failure_threshold:
-                self._declare_dead(rec, f"{rec.health_failures} failed health checks: {rec.last_error}")
+            else:
+                self.failed_health_checks += 1
+                rec.health_failures += 1
+                if rec.health_failures >= self.cfg.failure_threshold:
+                    self._declare_dead(rec, f"{rec.health_failures} failed health checks: {rec.last_error}")
 
     async def confirm_dead(self, records: Sequence[EngineRecord]) -> list[EngineRecord]:
         """Health-check `records` now, outside the schedule; declare dead and return those that fail.
 
         For a caller whose request failed on several engines at once (a weight push): an engine that
-        also fails its health check died, one that passes it is alive and the failure was something else.
+        also fails its health check died, and so did one whose address answers from a new process (its
+        pod was recreated); one that passes both is alive and the failure was something else.
         """
-        dead = [rec for rec, ok in await probe_live(records, self.cfg.health_timeout_s) if not ok]
-        for rec in dead:
+        checked = await probe_live(records, self.cfg.health_timeout_s)
+        new = await restarted_among([r for r, ok in checked if ok], self.cfg.health_timeout_s,
+                                    pushed=self.current_version)
+        failed = [rec for rec, ok in checked if not ok and rec.state in LIVE]
+        new = [rec for rec in new if rec.state in LIVE]
+        for rec in failed:
             self._declare_dead(rec, f"failed a health check after a failed weight push: {rec.last_error}")
-        return dead
+        for rec in new:
+            self._declare_dead(rec, rec.last_error)
+        return failed + new
 
     def begin_weight_update(self, records: Sequence[EngineRecord]) -> None:
         """Exempt `records` from health checks while a push pauses them and loads their weights.
@@ -472,7 +474,7 @@ class EngineFleet:
         if not await probe(rec, self.cfg.health_timeout_s):
             self._set_state(rec, EngineState.DEAD, f"replacement failed its first health check: {rec.last_error}")
             return
-        rec.version = await self._report_version(rec)
+        rec.version = await reported_version(rec, self.cfg.health_timeout_s)
         self._set_state(rec, EngineState.STALE, f"replacement up with weight version {rec.version!r}")
         if rec.version and rec.version == self.current_version:
             # Started from the weights the fleet serves (no push since the start): nothing to wait for.

@@ -3,16 +3,23 @@ trainer gets, and a fleet attached by URL (`rollout.engine_urls`) serves rollout
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
+import time
+import urllib.request
 from pathlib import Path
 
 import pytest
 
-from miles_lite.config import load_config
+from miles_lite.config import load_config, validate
 from miles_lite.engines.fleet_launch import attach_fleet
 from miles_lite.model_assets import prepare_model
+from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.rollout.engine_state import EngineState
 from miles_lite.rollout.process import EngineProcess
 from miles_lite.rollout.sync_api import EventLoopThread
+from miles_lite.system import System
 from miles_lite.types import SamplingParams
 
 pytestmark = pytest.mark.slow
@@ -49,3 +56,60 @@ def test_engine_cli_builds_the_jobs_model_and_a_fleet_attaches_by_url(tmp_path: 
         assert server.alive()  # the fleet does not own external engines
     finally:
         server.stop()
+
+
+def _engine_at(port: int, tmp_path: Path, name: str, overrides: list[str]) -> subprocess.Popen:
+    """`miles-lite engine` on a fixed port (a pod behind its Service), answering `/health_generate`."""
+    log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps writing to it
+    proc = subprocess.Popen([sys.executable, "-m", "miles_lite.cli", "engine", "--host", LOCAL_HOST, "--port",
+                             str(port), "--model-dir", str(tmp_path / f"{name}-model"), *overrides],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 240
+    while True:
+        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"http://{LOCAL_HOST}:{port}/health_generate", timeout=2) as resp:
+                if resp.status == 200:
+                    return proc
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, "engine did not answer in 240 s"
+        time.sleep(0.2)  # polling the readiness check itself
+
+
+def test_an_attached_engine_restarted_between_health_checks_is_left_out_of_the_push_and_readmitted(tmp_path: Path):
+    # A killed engine pod is recreated under its Service name before any health check fails (checks every
+    # 60 s here): the next push meets a new process at the old address, serving its initial weights and in
+    # no weight-update group. The run must go on without it, then re-admit it after a push.
+    overrides = [f"experiment.output_dir={tmp_path}"]
+    ports = [free_port(LOCAL_HOST), free_port(LOCAL_HOST)]
+    procs = [_engine_at(p, tmp_path, f"engine-{i}", overrides) for i, p in enumerate(ports)]
+    try:
+        cfg = load_config([*overrides, f"rollout.engine_urls=[{','.join(f'http://{LOCAL_HOST}:{p}' for p in ports)}]",
+                           "fault_tolerance.health_interval_s=60", "fault_tolerance.max_engine_restarts=1"])
+        validate(cfg)
+        with System.start(cfg, tmp_path / "run") as system:
+            assert system.fleet is not None
+            system.push_weights()
+            survivor, victim = system.fleet.records
+            procs[1].send_signal(signal.SIGKILL)
+            procs[1].wait()
+            procs[1] = _engine_at(ports[1], tmp_path, "engine-1-new", overrides)
+
+            report, _ = system.push_weights()
+            assert report.push.engines == (survivor.engine_id,)
+            assert report.verify is not None and set(report.verify.engines) == {survivor.engine_id}
+            reasons = [t.reason for t in system.fleet.transitions if t.slot == victim.index]
+            assert any("restarted behind the fleet" in r and "served '1'" in r for r in reasons), reasons
+
+            deadline = time.monotonic() + 60
+            while victim.state is not EngineState.STALE and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert victim.state is EngineState.STALE and victim.incarnation == 1, victim.last_error
+            report, _ = system.push_weights()
+            assert len(report.push.engines) == 2 and victim.state is EngineState.HEALTHY
+            assert report.verify is not None and report.verify.logp_diff_mean < 1e-3
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()

@@ -214,14 +214,17 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
                 killed_after = len(lines)
                 podman("kill", node.container(f"{JOB}-rollout-1"))
             elif killed_after is not None and readmitted_at is None and any(
-                    m["fleet/engines_healthy"] == 2 for m in lines[killed_after + 1:]):
+                    m["fleet/restarts"] == 1 and m["fleet/engines_healthy"] == 2 for m in lines[killed_after:]):
                 readmitted_at = len(lines)
                 trainer = next(n for n in node.played if n.startswith(f"{JOB}-trainer-0-"))
                 podman("kill", "--signal", "TERM", node.container(trainer))
             time.sleep(0.5)
         trainer_pod = next((n for n in node.played if n.startswith(f"{JOB}-trainer-0-")), None)
         logs = node.logs(trainer_pod) if trainer_pod else "<no trainer pod>"
-        assert phase == "Succeeded", (f"phase {phase}; events: {node.events}\ntrainer log tail:\n{logs[-6000:]}\n"
+        # The trainer's last lines (its exception, if any) come first: CI shows the start of a long message.
+        last = "\n".join(logs.splitlines()[-40:])
+        assert phase == "Succeeded", (f"phase {phase}; trainer log, last 40 lines:\n{last}\nevents: {node.events}\n"
+                                      f"trainer log tail:\n{logs[-6000:]}\n"
                                       f"removed pods' logs:\n{node.removed_logs()}\n"
                                       f"operator log:\n{container_logs(operator_name)[-3000:]}")
         print(f"MilesJob {JOB}: Succeeded after {time.monotonic() - started:.0f} s; events: {node.events}")
@@ -244,8 +247,11 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
     for m in lines:
         assert m["sync/probe_logp_diff_max"] < 1e-3, m
     healthy = [m["fleet/engines_healthy"] for m in lines]
-    # Two engines, then one while the killed engine's pod was replaced, then two again.
-    assert healthy[0] == 2 and min(healthy[killed_after:]) == 1 and healthy[-1] == 2, healthy
+    restarts = [m["fleet/restarts"] for m in lines]
+    # Two engines; the fleet declared the killed one dead and re-admitted the engine of its new pod (a step
+    # may never see it missing: the pod can be back before a health check fails, and is then caught by
+    # the weight version its new process reports); two again at the end.
+    assert healthy[0] == 2 and restarts[0] == 0 and restarts[-1] == 1 and healthy[-1] == 2, (healthy, restarts)
     # Checkpoints landed on the job's volume; the graceful stop wrote the last one.
     ckpts = sorted(p.name for p in (volume / "checkpoints").iterdir() if p.name.startswith("step_"))
     assert ckpts and ckpts[-1] == f"step_{len(lines):08d}", (ckpts, len(lines))

@@ -28,6 +28,13 @@ def _ft(**kw: float) -> FaultToleranceConfig:
     return FaultToleranceConfig(**base)  # type: ignore[arg-type]
 
 
+def _pushed(fleet: EngineFleet, engine: object, version: str) -> bool:
+    """What a weight push does: the engine loads `version`, then the fleet records it (`mark_synced`)."""
+    rec = next(r for r in fleet.records if engine in (r, r.engine, r.engine_id))
+    rec.engine.version = version  # type: ignore[attr-defined]
+    return fleet.mark_synced(rec, version)
+
+
 class Launcher:
     """Starts FakeEngines named slot.incarnation and remembers which handles were stopped."""
 
@@ -80,7 +87,7 @@ def test_failed_health_checks_kill_replace_and_admit_after_sync():
         assert [r.state for r in fleet.records] == [S.HEALTHY, S.HEALTHY]
         assert console == []  # first starts are routine
         fleet.set_current_version("3")  # a training step happened; both engines then got version 3
-        assert fleet.mark_synced(a.engine, "3") and fleet.mark_synced("e1.0", "3")
+        assert _pushed(fleet, a.engine, "3") and _pushed(fleet, "e1.0", "3")
         assert fleet.engines_needing_weights() == []
 
         a.engine.healthy = False  # type: ignore[attr-defined]
@@ -94,9 +101,9 @@ def test_failed_health_checks_kill_replace_and_admit_after_sync():
         assert fleet.healthy_engines() == [b.engine]
         assert fleet.engines_needing_weights() == [a.engine]
 
-        assert not fleet.mark_synced(a, "2"), "an older version must not admit a stale engine"
+        assert not _pushed(fleet, a, "2"), "an older version must not admit a stale engine"
         assert a.state is S.STALE
-        assert fleet.mark_synced(a, "3")
+        assert _pushed(fleet, a, "3")
         assert a.state is S.HEALTHY and len(fleet.healthy_engines()) == 2
         path = [(t.old, t.new) for t in fleet.transitions if t.slot == 0]
         assert path == [(S.STARTING, S.HEALTHY), (S.HEALTHY, S.DEAD), (S.DEAD, S.REPLACING),
@@ -117,7 +124,7 @@ def test_background_health_task_detects_a_hung_engine():
     async def main() -> None:
         fleet = EngineFleet(_ft(), Launcher())
         (rec,) = await fleet.launch(1)
-        fleet.mark_synced(rec, "1")  # pushed once: a replacement (at "0") waits for a push
+        _pushed(fleet, rec, "1")  # pushed once: a replacement (at "0") waits for a push
         fleet.start_health_checks()
         rec.engine.mode = "hang"  # type: ignore[attr-defined]
         assert await fleet.wait_for(lambda: rec.state is S.STALE, 5.0)
@@ -150,7 +157,7 @@ def test_a_request_waiting_with_only_a_stale_replacement_calls_on_starved():
     async def main() -> None:
         fleet = EngineFleet(_ft(failure_threshold=1), Launcher())
         (rec,) = await fleet.launch(1)
-        fleet.mark_synced(rec, "1")
+        _pushed(fleet, rec, "1")
         starved: list[bool] = []
         fleet.on_starved = lambda: starved.append(fleet.starved())
         rec.engine.healthy = False  # type: ignore[attr-defined]
@@ -159,7 +166,7 @@ def test_a_request_waiting_with_only_a_stale_replacement_calls_on_starved():
         assert await fleet.wait_for(lambda: rec.state is S.STALE, 5.0)
         assert await fleet.wait_for(lambda: bool(starved), 5.0)
         assert not waiter.done() and all(starved)
-        assert fleet.mark_synced(rec, "1")  # the push the callback asks for
+        assert _pushed(fleet, rec, "1")  # the push the callback asks for
         lease = await asyncio.wait_for(waiter, 5.0)
         assert lease.engine_id == "e0.1"
         await fleet.release(lease, ok=True)
@@ -231,8 +238,8 @@ def test_confirm_dead_declares_only_the_engines_that_fail_a_check_now():
         launcher = Launcher()
         fleet = EngineFleet(_ft(failure_threshold=5), launcher)
         a, b = await fleet.launch(2)
-        fleet.mark_synced(a, "1")
-        fleet.mark_synced(b, "1")
+        _pushed(fleet, a, "1")
+        _pushed(fleet, b, "1")
         a.engine.mode = "dead"  # type: ignore[attr-defined]
         dead = await fleet.confirm_dead([a, b])
         assert dead == [a] and b.state is S.HEALTHY
@@ -316,7 +323,7 @@ def test_release_from_a_replaced_incarnation_does_not_corrupt_accounting():
     async def main() -> None:
         fleet = EngineFleet(_ft(failure_threshold=1), Launcher())
         (rec,) = await fleet.launch(1)
-        fleet.mark_synced(rec, "1")
+        _pushed(fleet, rec, "1")
         old = await fleet.acquire()
         rec.engine.healthy = False  # type: ignore[attr-defined]
         await fleet.check_health()

@@ -104,3 +104,65 @@ def test_attach_names_an_engine_that_never_answers():
             raise AssertionError("attach_fleet returned without the engine answering")
 
     asyncio.run(scenario())
+
+
+async def _restart_at_same_address(runner: web.AppRunner, port: int, version: str) -> web.AppRunner:
+    """The engine's pod is recreated under its name faster than a health check could fail."""
+    await runner.cleanup()
+    return await _serve(port, version)
+
+
+def test_engine_restarted_between_health_checks_is_declared_dead_and_readmitted_stale():
+    # A recreated pod answers health checks at once but serves its initial weights: the fleet must not
+    # keep routing rollouts to it as if it held the version it recorded.
+    async def scenario() -> None:
+        first = await _serve(0, "0")
+        port = first.addresses[0][1]
+        rollout = RolloutConfig(startup_timeout_s=20.0)
+        ft = FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=3,
+                                  max_engine_restarts=1)
+        fleet = await attach_fleet(rollout, ft, [f"http://127.0.0.1:{port}"], health_checks=False)
+        second = None
+        try:
+            (rec,) = fleet.records
+            fleet.set_current_version("4")
+            assert fleet.mark_synced(rec, "4")  # what the last push left it serving
+            second = await _restart_at_same_address(first, port, "0")
+            await fleet.check_health()  # one round: the probe passes, the version gives it away
+            dead = [t for t in fleet.transitions if t.new is EngineState.DEAD]
+            assert len(dead) == 1 and "reports weight version '0'" in dead[0].reason, dead
+            assert "served '4'" in dead[0].reason
+            await _wait(lambda: rec.state is EngineState.STALE)
+            assert rec.version == "0" and rec.incarnation == 1 and fleet.restarts == 1
+        finally:
+            await (second or first).cleanup()
+            await fleet.close()
+
+    asyncio.run(scenario())
+
+
+def test_failed_push_finds_the_engine_restarted_behind_it_and_spares_the_one_that_took_the_version():
+    async def scenario() -> None:
+        a, b = await _serve(0, "2"), await _serve(0, "2")
+        ports = [a.addresses[0][1], b.addresses[0][1]]
+        ft = FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=3,
+                                  max_engine_restarts=1)
+        fleet = await attach_fleet(RolloutConfig(startup_timeout_s=20.0), ft,
+                                   [f"http://127.0.0.1:{p}" for p in ports], health_checks=False)
+        try:
+            # Pushing version 3 failed: engine-0 had loaded it, engine-1's pod was recreated meanwhile.
+            fleet.set_current_version("3")
+            fleet.begin_weight_update(fleet.records)
+            await a.cleanup()
+            a = await _serve(ports[0], "3")
+            b = await _restart_at_same_address(b, ports[1], "0")
+            dead = await fleet.confirm_dead(fleet.records)
+            assert [r.engine_id for r in dead] == ["engine-1"], [r.engine_id for r in dead]
+            assert fleet.records[0].state is EngineState.HEALTHY
+            fleet.end_weight_update(fleet.records, answered=False)
+        finally:
+            await fleet.close()
+            await a.cleanup()
+            await b.cleanup()
+
+    asyncio.run(scenario())
