@@ -306,8 +306,9 @@ class DataConfig:
     shuffle_seed: int = 0
     max_prompt_tokens: int = 512
     # System prompt: default (the format in one sentence) | worklog (the format, a worked example, and
-    # no boxed answers) | calculator (the format and how to call the calculator tool).
-    prompt_template: str = one_of("default", "worklog", "calculator")
+    # no boxed answers) | calculator (the format and how to call the calculator tool) | none (the question
+    # alone: a model trained from scratch learns the format from its SFT targets).
+    prompt_template: str = one_of("default", "worklog", "calculator", "none")
     presample: PresampleConfig = field(default_factory=PresampleConfig)
 
 

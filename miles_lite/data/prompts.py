@@ -47,12 +47,15 @@ WORKLOG_SYSTEM_PROMPT = (
 CALCULATOR_SYSTEM_PROMPT = (f"{SYSTEM_PROMPT} To compute, write {CALC_START}expression{CALC_END}: its value follows "
                             f"as {RESULT_START}value{RESULT_END}.")
 
-# `data.prompt_template` -> system prompt.
-PROMPT_TEMPLATES = {"default": SYSTEM_PROMPT, "worklog": WORKLOG_SYSTEM_PROMPT, "calculator": CALCULATOR_SYSTEM_PROMPT}
+# `data.prompt_template` -> system prompt. "none": the question alone, for a model trained from scratch,
+# which learns the format from its SFT targets and cannot read instructions; a system prompt would only
+# make every sequence longer (the default's is 50 of an 80-token prompt).
+PROMPT_TEMPLATES = {"default": SYSTEM_PROMPT, "worklog": WORKLOG_SYSTEM_PROMPT, "calculator": CALCULATOR_SYSTEM_PROMPT,
+                    "none": ""}
 
 
 def system_prompt(template: str = "default") -> str:
-    """The system prompt of `data.prompt_template` (one of :data:`PROMPT_TEMPLATES`)."""
+    """The system prompt of `data.prompt_template` (one of :data:`PROMPT_TEMPLATES`; "" for none)."""
     try:
         return PROMPT_TEMPLATES[template]
     except KeyError:
@@ -60,16 +63,17 @@ def system_prompt(template: str = "default") -> str:
 
 
 def build_messages(question: str, template: str = "default") -> list[dict[str, str]]:
-    """Chat messages for one problem: the system prompt, then the question as the user turn."""
-    return [
-        {"role": "system", "content": system_prompt(template)},
-        {"role": "user", "content": question},
-    ]
+    """Chat messages for one problem: the system prompt (if the template has one), then the question as the
+    user turn."""
+    system = system_prompt(template)
+    user = {"role": "user", "content": question}
+    return [{"role": "system", "content": system}, user] if system else [user]
 
 
 def render_plain_prompt(question: str, template: str = "default") -> str:
     """The prompt used when the tokenizer has no chat template."""
-    return f"System: {system_prompt(template)}\nUser: {question}\nAssistant: "
+    system = system_prompt(template)
+    return f"System: {system}\nUser: {question}\nAssistant: " if system else f"User: {question}\nAssistant: "
 
 
 def render_prompt(tokenizer: PreTrainedTokenizerBase | Any | None, question: str, template: str = "default") -> str:

@@ -92,3 +92,11 @@ def test_format_solution_scores_max_against_its_problem() -> None:
             # Without intermediate results to show, step_check is 0 by design.
             assert result["total"] == pytest.approx(4.75), (problem, result)
     assert with_steps > 50
+
+
+@pytest.mark.parametrize("tokenizer", [ChatTokenizer(), None])
+def test_none_template_renders_the_question_alone(tokenizer) -> None:
+    assert build_messages("Q?", "none") == [{"role": "user", "content": "Q?"}]
+    rendered = render_prompt(tokenizer, "Q?", "none")
+    assert rendered == ("user:Q?|assistant:" if tokenizer else "User: Q?\nAssistant: ")
+    assert SYSTEM_PROMPT not in rendered and "System" not in rendered
