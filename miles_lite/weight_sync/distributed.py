@@ -24,6 +24,7 @@ and on the senders, then builds a fresh one under a new group name and port.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -56,6 +57,8 @@ from miles_lite.weight_sync.transport import (
     resolve_shards,
 )
 from miles_lite.weight_sync.weight_group import init_custom_process_group
+
+logger = logging.getLogger(__name__)
 
 MODES = ("full", "shard")
 
@@ -209,8 +212,21 @@ class DistributedTransport(WeightTransport):
                     self._push_shard(bucket, version, last, report)
         except Exception:
             self.state = TransportState.FAILED
+            self._abandon()
             raise
         return report
+
+    def _abandon(self) -> None:
+        """Tear the group down after a failed push, here and on the engines.
+
+        Engines still waiting for the push's data would wait out the group timeout with their model
+        thread blocked, failing the health checks that follow the failure: closing the senders' side
+        ends their wait at once. `connect` builds the next group.
+        """
+        try:
+            self._teardown()
+        except Exception as exc:  # an engine that cannot answer its leave request is found by health checks
+            logger.warning("weight-update group %s: teardown after a failed push: %r", self.group_name, exc)
 
     def _post(self, bucket_calls: dict[str, Any]) -> dict[str, Future[Any]]:
         return {eid: self.loop.submit(call) for eid, call in bucket_calls.items()}
@@ -247,8 +263,8 @@ class DistributedTransport(WeightTransport):
             with report.phase("transfer"):
                 stats = self.senders.send_weight_bucket(self.schedules[bucket.index])
         except Exception as exc:
-            # The engines wait for data that will not come; their answers (errors after the group
-            # timeout) are not awaited here: the transport is FAILED and `connect` rebuilds the group.
+            # The engines wait for data that will not come: `push` tears the group down, which ends
+            # their wait; their answers are not awaited here.
             raise WeightSyncError(f"trainer ranks failed to send bucket {bucket.index}: {exc!r}") from exc
         # The senders slice and cast inside their send call: that share of it is reported as convert.
         convert = max(s.convert_s for s in stats)
