@@ -30,13 +30,20 @@ async def _wait(predicate, timeout_s: float = 20.0) -> None:
         await asyncio.sleep(0.05)
 
 
+ROLLOUT = RolloutConfig(startup_timeout_s=20.0)
+
+
+def _ft(failure_threshold: int, max_engine_restarts: int = 1) -> FaultToleranceConfig:
+    """Health checks every 0.1 s (when running) with a 1 s timeout."""
+    return FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=failure_threshold,
+                                max_engine_restarts=max_engine_restarts)
+
+
 def test_dead_attached_engine_is_readmitted_stale_when_its_url_answers_again():
     async def scenario() -> None:
         first = await _serve(0, "3")
         port = first.addresses[0][1]
-        rollout = RolloutConfig(startup_timeout_s=20.0)
-        ft = FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=1,
-                                  max_engine_restarts=1)
+        rollout, ft = ROLLOUT, _ft(1)
         fleet = await attach_fleet(rollout, ft, [f"http://127.0.0.1:{port}"])
         try:
             (rec,) = fleet.records
@@ -71,9 +78,7 @@ def test_attach_awaits_engines_that_start_after_the_trainer():
     async def scenario() -> None:
         early = await _serve(0, "0")
         late_port = _free_port()
-        rollout = RolloutConfig(startup_timeout_s=20.0)
-        ft = FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=1,
-                                  max_engine_restarts=0)
+        rollout, ft = ROLLOUT, _ft(1, 0)
         attach = asyncio.ensure_future(attach_fleet(
             rollout, ft, [f"http://127.0.0.1:{early.addresses[0][1]}", f"http://127.0.0.1:{late_port}"],
             poll_s=0.05))
@@ -118,9 +123,7 @@ def test_engine_restarted_between_health_checks_is_declared_dead_and_readmitted_
     async def scenario() -> None:
         first = await _serve(0, "0")
         port = first.addresses[0][1]
-        rollout = RolloutConfig(startup_timeout_s=20.0)
-        ft = FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=3,
-                                  max_engine_restarts=1)
+        rollout, ft = ROLLOUT, _ft(3)
         fleet = await attach_fleet(rollout, ft, [f"http://127.0.0.1:{port}"], health_checks=False)
         second = None
         try:
@@ -145,9 +148,7 @@ def test_failed_push_finds_the_engine_restarted_behind_it_and_spares_the_one_tha
     async def scenario() -> None:
         a, b = await _serve(0, "2"), await _serve(0, "2")
         ports = [a.addresses[0][1], b.addresses[0][1]]
-        ft = FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=3,
-                                  max_engine_restarts=1)
-        fleet = await attach_fleet(RolloutConfig(startup_timeout_s=20.0), ft,
+        fleet = await attach_fleet(ROLLOUT, _ft(3),
                                    [f"http://127.0.0.1:{p}" for p in ports], health_checks=False)
         try:
             # Pushing version 3 failed: engine-0 had loaded it, engine-1's pod was recreated meanwhile.
