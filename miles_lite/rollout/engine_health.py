@@ -2,7 +2,8 @@
 whether the process at an address is still the one admitted there.
 
 The fleet (`rollout/fleet.py`) decides what an answer means (failure threshold, engines paused by a push,
-requests completed meanwhile); this module only asks and records why an engine did not answer.
+requests completed meanwhile, what to do with a restarted engine); this module asks and records why an
+engine did not answer, or why it is taken for a new process.
 """
 
 from __future__ import annotations
@@ -34,8 +35,6 @@ async def probe_live(records: Sequence[EngineRecord], timeout_s: float) -> list[
     results = await asyncio.gather(*(probe(r, timeout_s) for r in candidates))
     # An engine declared dead by a failed request while the probe ran is left out.
     return [(rec, ok) for rec, ok in zip(candidates, results, strict=True) if rec.state in LIVE]
-
-
 
 
 async def reported_version(rec: EngineRecord, timeout_s: float) -> str:
