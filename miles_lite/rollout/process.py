@@ -68,7 +68,11 @@ class EngineProcess:
     """A server child process with a state machine; `url` is its HTTP base address once started."""
 
     def __init__(self, name: str, command: CommandFactory, log_path: str, host: str = LOCAL_HOST,
-                 pass_socket: bool = False, env: Mapping[str, str] | None = None, port_retries: int = 3) -> None:
+                 pass_socket: bool = False, env: Mapping[str, str] | None = None, port_retries: int = 3,
+                 port: int | None = None) -> None:
+        """`port`: listen there (a server others find at a fixed address); None picks a free one per start."""
+        if port is not None and pass_socket:
+            raise ValueError("EngineProcess: pass_socket binds a free port; give port= or pass_socket=True, not both")
         self.name = name
         self._command = command
         self.log_path = log_path
@@ -76,6 +80,7 @@ class EngineProcess:
         self._pass_socket = pass_socket
         self._env = dict(env) if env is not None else None
         self._port_retries = port_retries
+        self._fixed_port = port
         self._proc: subprocess.Popen | None = None
         # Write end of the pipe whose end-of-file tells the engine's supervisor that this process is gone.
         self._lifeline: int | None = None
@@ -140,7 +145,7 @@ class EngineProcess:
             sock.bind((self.host, 0))
             self.port = int(sock.getsockname()[1])
         else:
-            self.port = free_port(self.host)
+            self.port = self._fixed_port if self._fixed_port is not None else free_port(self.host)
         fd = sock.fileno() if sock is not None else None
         argv = self._command(self.port, fd)
         env = {**os.environ, **self._env} if self._env is not None else None
@@ -182,7 +187,8 @@ class EngineProcess:
             code = self.returncode
             if code is not None:
                 tail = self.log_tail()
-                if retries > 0 and not self._pass_socket and any(m in tail.lower() for m in _PORT_CLASH):
+                if (retries > 0 and not self._pass_socket and self._fixed_port is None
+                        and any(m in tail.lower() for m in _PORT_CLASH)):
                     retries -= 1
                     self._spawn()  # lost a race for the probed port: try a fresh one
                     continue

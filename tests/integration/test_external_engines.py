@@ -3,11 +3,10 @@ trainer gets, and a fleet attached by URL (`rollout.engine_urls`) serves rollout
 
 from __future__ import annotations
 
+import os
 import signal
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -58,23 +57,17 @@ def test_engine_cli_builds_the_jobs_model_and_a_fleet_attaches_by_url(tmp_path: 
         server.stop()
 
 
-def _engine_at(port: int, tmp_path: Path, name: str, overrides: list[str]) -> subprocess.Popen:
-    """`miles-lite engine` on a fixed port (a pod behind its Service), answering `/health_generate`."""
-    log = open(tmp_path / f"{name}.log", "ab")  # noqa: SIM115 - the child keeps writing to it
-    proc = subprocess.Popen([sys.executable, "-m", "miles_lite.cli", "engine", "--host", LOCAL_HOST, "--port",
-                             str(port), "--model-dir", str(tmp_path / f"{name}-model"), *overrides],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 240
-    while True:
-        assert proc.poll() is None, (tmp_path / f"{name}.log").read_text()[-3000:]
-        try:
-            with urllib.request.urlopen(f"http://{LOCAL_HOST}:{port}/health_generate", timeout=2) as resp:
-                if resp.status == 200:
-                    return proc
-        except OSError:
-            pass
-        assert time.monotonic() < deadline, "engine did not answer in 240 s"
-        time.sleep(0.2)  # polling the readiness check itself
+def _engine_at(port: int, tmp_path: Path, name: str, overrides: list[str]) -> EngineProcess:
+    """`miles-lite engine` on a fixed port (a pod behind its Service), once it answers `/health_generate`."""
+
+    def command(port: int, fd: int | None) -> list[str]:
+        return [sys.executable, "-m", "miles_lite.cli", "engine", "--host", LOCAL_HOST, "--port", str(port),
+                "--model-dir", str(tmp_path / f"{name}-model"), *overrides]
+
+    server = EngineProcess(name, command, str(tmp_path / f"{name}.log"), port=port)
+    server.start()
+    server.wait_ready(240)
+    return server
 
 
 def test_an_attached_engine_restarted_between_health_checks_is_left_out_of_the_push_and_readmitted(tmp_path: Path):
@@ -92,8 +85,8 @@ def test_an_attached_engine_restarted_between_health_checks_is_left_out_of_the_p
             assert system.fleet is not None
             system.push_weights()
             survivor, victim = system.fleet.records
-            procs[1].send_signal(signal.SIGKILL)
-            procs[1].wait()
+            os.killpg(procs[1].pid, signal.SIGKILL)  # the pod dies without a word (its new server binds the
+            procs[1].stop()                          # port seconds later, after its imports)
             procs[1] = _engine_at(ports[1], tmp_path, "engine-1-new", overrides)
 
             report, _ = system.push_weights()
@@ -111,5 +104,4 @@ def test_an_attached_engine_restarted_between_health_checks_is_left_out_of_the_p
             assert report.verify is not None and report.verify.logp_diff_mean < 1e-3
     finally:
         for proc in procs:
-            proc.kill()
-            proc.wait()
+            proc.stop()
