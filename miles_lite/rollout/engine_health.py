@@ -57,6 +57,7 @@ async def reported_capacity(rec: EngineRecord, timeout_s: float) -> int | None:
         rec.last_error = f"server_info failed: {exc!r}"
         return None
 
+
 async def restarted(rec: EngineRecord, timeout_s: float, *, pushed: str | None = None) -> bool:
     """Whether the server at `rec`'s address is no longer the process the fleet admitted there.
 
@@ -75,11 +76,8 @@ async def restarted(rec: EngineRecord, timeout_s: float, *, pushed: str | None =
 
     if not recorded or not comparable():
         return False
-    try:
-        reported = str(await asyncio.wait_for(rec.engine.weight_version(), timeout_s))
-    except Exception:  # unanswered: not evidence of a restart
-        return False
-    if not comparable() or reported in (recorded, pushed):
+    reported = await reported_version(rec, timeout_s)
+    if not reported or not comparable() or reported in (recorded, pushed):  # unanswered: no evidence
         return False
     rec.last_error = (f"restarted behind the fleet: the server at its address reports weight version {reported!r}, "
                       f"the engine admitted there served {recorded!r}")

@@ -364,15 +364,15 @@ class EngineFleet:
         served = {id(r): r.requests_served for r in self.records}
         timeout_s = self.cfg.health_timeout_s
         checked = await probe_live([r for r in self.records if not r.in_weight_update], timeout_s)
-        alive = [rec for rec, ok in checked if ok or rec.requests_served > served.get(id(rec), rec.requests_served)]
-        restarted = {id(rec) for rec in await restarted_among(alive, timeout_s)}
-        alive_ids = {id(rec) for rec in alive}
+        alive = {id(rec): rec for rec, ok in checked
+                 if ok or rec.requests_served > served.get(id(rec), rec.requests_served)}
+        restarted = {id(rec) for rec in await restarted_among(list(alive.values()), timeout_s)}
         for rec, _ in checked:
             if rec.in_weight_update or rec.state not in LIVE:
                 continue  # a push paused it while the probe waited, or a failed request declared it dead
             if id(rec) in restarted:
                 self._declare_dead(rec, rec.last_error)
-            elif id(rec) in alive_ids:
+            elif id(rec) in alive:
                 rec.health_failures = 0
             else:
                 self.failed_health_checks += 1
