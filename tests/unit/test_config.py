@@ -170,6 +170,24 @@ def test_every_field_is_range_checked_at_start(capsys):
             "fault_tolerance.health_interval_s"} <= set(table)
 
 
+
+def test_strict_bounds_refuse_their_endpoint() -> None:
+    # `gt` / `lt` exclude the bound itself: a learning rate of 0 or an Adam beta of 1 is refused, with the
+    # strict comparison named; the values just inside pass.
+    from miles_lite.config.schema import ranges
+
+    table = ranges(MilesConfig())
+    assert table["trainer.lr"].gt == 0 and table["trainer.adam_beta1"].lt == 1
+    for field_name, bad, good in (("lr", 0.0, 1e-9), ("adam_beta1", 1.0, 0.999)):
+        cfg = MilesConfig()
+        setattr(cfg.trainer, field_name, bad)
+        with pytest.raises(ConfigError) as err:
+            validate(cfg)
+        op = "> 0" if field_name == "lr" else "< 1"
+        assert f"trainer.{field_name}={bad!r} is out of range" in str(err.value) and op in str(err.value)
+        setattr(cfg.trainer, field_name, good)
+        validate(cfg)
+
 def test_schema_choices_match_the_algorithms_they_name() -> None:
     # Validation reads allowed values from the schema; the algorithms parse the same strings into their enums.
     from miles_lite.algo.advantages import AdvantageEstimator
