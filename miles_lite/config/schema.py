@@ -133,7 +133,8 @@ class TrainerConfig:
     adam_beta2: float = bounded(0.98, ge=0, lt=1)
     adam_eps: float = bounded(1e-8, gt=0)
     clip_grad: float = bounded(1.0, ge=0)
-    # Token budget of one packed micro-batch (no padding waste).
+    # Token budget of one micro-batch. TE spec: real tokens of a packed THD row (no padding). Local
+    # spec: a padded batch of B sequences of up to S tokens counts B * S (padding is computed too).
     micro_batch_tokens: int = 8192
     # Tokens whose fp32 vocabulary softmax is materialised at once when computing logprobs/entropy.
     logprob_chunk_tokens: int = 1024

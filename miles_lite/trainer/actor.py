@@ -130,10 +130,12 @@ class TrainerActor:
                 raise ValueError(f"TrainBatch.tokens[{i}] has ids outside [0, {vocab}) (the model's vocab_size)")
 
     def _micro_batches(self, batch: TrainBatch) -> list[PackedMicroBatch]:
-        """This data-parallel rank's share of `batch`, packed by `trainer.micro_batch_tokens`."""
+        """This data-parallel rank's share of `batch`, grouped by `trainer.micro_batch_tokens` (padding
+        included on the local spec, whose micro-batches run as padded batches: see packing.py)."""
         lengths = [len(t) for t in batch.tokens]
         mine = split_for_data_parallel(lengths, self.par.dp_size)[self.par.dp_rank]
-        plan = plan_micro_batches([lengths[i] for i in mine], self.cfg.trainer.micro_batch_tokens)
+        plan = plan_micro_batches([lengths[i] for i in mine], self.cfg.trainer.micro_batch_tokens,
+                                  padded=not self.runtime.packed_thd)
         return [pack(batch.tokens, batch.prompt_lengths, [mine[j] for j in group]) for group in plan]
 
     def _gather_dp(self, local: Any) -> list[Any]:

@@ -1,4 +1,5 @@
-"""One packed micro-batch through a `GPTModel`, to response-token log-probs and entropies."""
+"""One micro-batch through a `GPTModel` (a THD row on TE, a padded batch on the local spec), to
+response-token log-probs and entropies."""
 
 from __future__ import annotations
 
@@ -58,43 +59,81 @@ def fp8_row_padding(runtime: Runtime, num_tokens: int) -> int:
     return -num_tokens % FP8_TOKEN_MULTIPLE
 
 
-def _hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
-    """Final hidden states `[T, H]` of a packed row (after the final norm, before the output layer)."""
-    model = handle.model
+def _thd_kwargs(handle: ModelHandle, mb: PackedMicroBatch) -> tuple[Tensor, dict[str, Any]]:
+    """Input ids `[1, T(+pad)]` and GPTModel keyword arguments of a packed THD row (TE spec)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
     dev = handle.device
     tokens = mb.tokens.to(dev)
-    if handle.runtime.packed_thd:
-        from megatron.core.packed_seq_params import PackedSeqParams
+    cu = mb.cu_seqlens.to(dev)
+    max_len = max(mb.lengths)
+    positions = mb.position_ids.to(dev)
+    pad = fp8_row_padding(handle.runtime, mb.num_tokens)
+    if pad:
+        # A trailing dummy sequence of `pad` tokens: attended only by itself, never read back.
+        tokens = torch.cat([tokens, tokens.new_zeros(1, pad)], dim=1)
+        positions = torch.cat([positions, torch.arange(pad, device=dev)[None]], dim=1)
+        cu = torch.cat([cu, cu[-1:] + pad])
+        max_len = max(max_len, pad)
+    return tokens, dict(
+        position_ids=positions,
+        attention_mask=None,
+        packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                                          max_seqlen_q=max_len, max_seqlen_kv=max_len),
+    )
 
-        cu = mb.cu_seqlens.to(dev)
-        max_len = max(mb.lengths)
-        positions = mb.position_ids.to(dev)
-        pad = fp8_row_padding(handle.runtime, mb.num_tokens)
-        if pad:
-            # A trailing dummy sequence of `pad` tokens: attended only by itself, never read back.
-            tokens = torch.cat([tokens, tokens.new_zeros(1, pad)], dim=1)
-            positions = torch.cat([positions, torch.arange(pad, device=dev)[None]], dim=1)
-            cu = torch.cat([cu, cu[-1:] + pad])
-            max_len = max(max_len, pad)
-        kwargs: dict[str, Any] = dict(
-            position_ids=positions,
-            attention_mask=None,
-            packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                                              max_seqlen_q=max_len, max_seqlen_kv=max_len),
-        )
-    else:
-        # Multimodal-RoPE position layout [3, b, T] with identical rows = 1-D RoPE at per-sequence positions.
-        kwargs = dict(position_ids=mb.position_ids.to(dev).unsqueeze(0).expand(3, -1, -1),
-                      attention_mask=mb.attention_mask().to(dev))
+
+def _decoder_output(handle: ModelHandle, tokens: Tensor, **kwargs: Any) -> Tensor:
+    """Final hidden states `[S, B, H]` (after the final norm, before the output layer)."""
     # GPTModel has no "hidden states only" call; with post_process off its forward stops right
     # before the output layer, which we then apply chunk by chunk (see logprobs.py).
+    model = handle.model
     saved = model.post_process
     model.post_process = False
     try:
-        hidden = model(input_ids=tokens, **kwargs)
+        return model(input_ids=tokens, **kwargs)
     finally:
         model.post_process = saved
-    return hidden[: mb.num_tokens, 0, :]  # [T(+pad), 1, H] -> [T, H]
+
+
+def _mrope(positions: Tensor) -> Tensor:
+    # Multimodal-RoPE position layout [3, b, s] with identical rows = 1-D RoPE at these positions.
+    return positions.unsqueeze(0).expand(3, -1, -1)
+
+
+def padded_hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
+    """Final hidden states `[T, H]` in packed order, computed as a right-padded `[B, S]` batch (local spec).
+
+    A causal mask alone is exact here: with right padding, a real token's keys (itself and what
+    precedes it) are all real, so no real position ever attends padding, and padding positions,
+    never read back, get no gradient.
+    """
+    dev = handle.device
+    tokens, positions, valid = mb.padded_layout()
+    width = tokens.shape[1]
+    causal = ~torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
+    hidden = _decoder_output(handle, tokens.to(dev), position_ids=_mrope(positions.to(dev)), attention_mask=causal)
+    return hidden.transpose(0, 1)[valid.to(dev)]  # [S, B, H] -> [T, H]
+
+
+def packed_row_hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
+    """Final hidden states `[T, H]` of one packed row under a `[T, T]` block-diagonal causal mask (local spec).
+
+    Not the training path (attention over all T^2 pairs): the reference layout the padded one is
+    tested and benchmarked against.
+    """
+    dev = handle.device
+    hidden = _decoder_output(handle, mb.tokens.to(dev), position_ids=_mrope(mb.position_ids.to(dev)),
+                             attention_mask=mb.attention_mask().to(dev))
+    return hidden[:, 0, :]
+
+
+def _hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
+    """Final hidden states `[T, H]` of a micro-batch, in packed order (THD row on TE, padded batch on local)."""
+    if not handle.runtime.packed_thd:
+        return padded_hidden_states(handle, mb)
+    tokens, kwargs = _thd_kwargs(handle, mb)
+    return _decoder_output(handle, tokens, **kwargs)[: mb.num_tokens, 0, :]  # [T(+pad), 1, H] -> [T, H]
 
 
 @dataclass(frozen=True)

@@ -5,10 +5,11 @@ Megatron `TransformerConfig` is derived from it plus the trainer's precision/dev
 `trainer.transformer` entries pass through verbatim.
 
 Attention layout: on the local (CPU) spec, megatron's `DotProductAttention` rejects packed
-sequences (THD), so several sequences share one row with a block-diagonal causal mask, and RoPE
-takes per-sequence positions through megatron's multimodal-RoPE path with a single section
-(`mrope_section=[rot_dim/2, 0, 0]` with identical t/h/w positions is exactly 1-D RoPE). On the TE
-(GPU) spec, packed rows use THD with `cu_seqlens` and plain RoPE restarts per sequence.
+sequences (THD), so a micro-batch runs as a right-padded `[B, S]` batch under a causal mask, and
+RoPE takes explicit positions through megatron's multimodal-RoPE path with a single section
+(`mrope_section=[rot_dim/2, 0, 0]` with identical t/h/w positions is exactly 1-D RoPE; the packed
+reference row of the tests needs positions restarting per sequence). On the TE (GPU) spec, packed
+rows use THD with `cu_seqlens` and plain RoPE restarts per sequence.
 """
 
 from __future__ import annotations
@@ -230,7 +231,7 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig, runtime:
         cuda_graph_scope=[],
     )
     if runtime.layer_spec == "local":
-        # Per-sequence RoPE positions for packed rows (see the module docstring).
+        # Explicit RoPE positions (see the module docstring).
         fields["mrope_section"] = [spec.head_dim // 2, 0, 0]
     fields.update(_fp8_fields(runtime))
     fields.update(_passthrough(trainer.transformer))

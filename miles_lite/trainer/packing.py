@@ -1,15 +1,15 @@
-"""Pack ragged sequences into micro-batches by token budget, with no padding.
+"""Group ragged sequences into micro-batches by token budget, in two layouts.
 
-A micro-batch is one row: its sequences are concatenated, positions restart at 0 for each, and
-attention is restricted to each sequence (block-diagonal causal mask on the local spec, THD
-`cu_seqlens` on the TransformerEngine spec). Only real tokens are ever computed, so the token
-budget is exactly the compute a micro-batch costs and throughput counts real tokens.
+Every micro-batch is described in packed order (`PackedMicroBatch`: sequences concatenated,
+positions restarting at 0 for each), which is the order log-prob and loss code read. How the model
+sees it depends on the layer spec:
 
-Why a mask on CPU: megatron-core 0.16.1's local `DotProductAttention.forward` asserts
-`packed_seq_params is None` ("Packed sequence is not supported by DotProductAttention"), so THD
-packing needs TransformerEngine. The `[T, T]` boolean mask costs T^2 bytes per micro-batch, which
-the attention scores (`[heads, T, T]` floats) dwarf anyway. Packed and one-sequence-per-row
-log-probs agree to 1e-6 (fp32) in the trainer tests.
+- TransformerEngine spec: one packed row `[1, T]`, attention restricted to each sequence by THD
+  `cu_seqlens`. Only real tokens are computed; the budget counts real tokens.
+- Local spec: megatron-core 0.16.1's `DotProductAttention.forward` asserts `packed_seq_params is
+  None`, so a packed row would need a `[T, T]` block-diagonal mask and attention over all T^2 pairs.
+  Instead the sequences run as a right-padded batch `[B, S]` (`padded_layout`) under a causal mask:
+  attention costs B * S^2, and the budget counts padding too (B * S tokens are computed).
 """
 
 from __future__ import annotations
@@ -21,8 +21,13 @@ import torch
 from torch import Tensor
 
 
-def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+def plan_micro_batches(lengths: Sequence[int], token_budget: int, padded: bool = False) -> list[list[int]]:
     """Group sequence indices into micro-batches of at most `token_budget` tokens (first-fit decreasing).
+
+    `padded`: a micro-batch costs (sequences x its longest length), the tokens of its right-padded
+    `[B, S]` batch, instead of the sum of its lengths. Taking sequences longest first, each
+    micro-batch's first sequence is its longest, and a padded micro-batch fills with a run of
+    similar lengths (little padding).
 
     A sequence longer than the budget gets a micro-batch of its own (sequences are never split).
     Deterministic: the same lengths always give the same plan. Indices inside a micro-batch are
@@ -35,7 +40,8 @@ def plan_micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[i
     loads: list[int] = []
     for i in order:
         for b, load in enumerate(loads):
-            if load + lengths[i] <= token_budget:
+            cost = lengths[bins[b][0]] * (len(bins[b]) + 1) if padded else load + lengths[i]
+            if cost <= token_budget:
                 bins[b].append(i)
                 loads[b] += lengths[i]
                 break
@@ -90,11 +96,29 @@ class PackedMicroBatch:
         return tuple(n - p for n, p in zip(self.lengths, self.prompt_lengths, strict=True))
 
     def attention_mask(self) -> Tensor:
-        """`[1, 1, T, T]` bool, True where attention is forbidden (other sequence or future token)."""
+        """`[1, 1, T, T]` bool, True where attention is forbidden (other sequence or future token).
+
+        The mask of the packed row on the local spec (`forward.packed_row_hidden_states`)."""
         seq_id = torch.repeat_interleave(torch.arange(len(self.lengths)), torch.tensor(self.lengths))
         same = seq_id[:, None] == seq_id[None, :]
         causal = torch.ones(self.num_tokens, self.num_tokens, dtype=torch.bool).tril()
         return ~(same & causal)[None, None]
+
+    def padded_layout(self) -> tuple[Tensor, Tensor, Tensor]:
+        """The sequences as a right-padded batch.
+
+        Returns:
+            `(tokens, position_ids, valid)`, each `[B, S]` (S = the longest length): token ids with 0
+            as padding, positions `0..S-1` in every row, and True at the real tokens. Row-major
+            `valid` order is the packed order: `x[valid]` of a `[B, S, ...]` tensor is `[T, ...]`.
+        """
+        width = max(self.lengths)
+        lens = torch.tensor(self.lengths)
+        valid = torch.arange(width)[None, :] < lens[:, None]
+        tokens = torch.zeros((len(self.lengths), width), dtype=torch.long)
+        tokens[valid] = self.tokens[0]
+        positions = torch.arange(width).expand(len(self.lengths), -1)
+        return tokens, positions, valid
 
     def response_positions(self) -> tuple[Tensor, Tensor]:
         """Where the response tokens are predicted.

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 from trainer_harness import run_ranks
 from trainer_scenarios import scenario_single, scenario_two_ranks
 
@@ -47,6 +48,30 @@ def test_tp1_packed_chunked_equals_unpacked_unchunked(single: dict[str, Any], ar
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_tp1_padded_micro_batches_of_mixed_lengths_match_transformers(single: dict[str, Any], arch: str) -> None:
+    res = single[arch]
+    assert res["mixed_together_micro_batches"] == 1  # 3..60 tokens in one padded [5, 60] batch
+    assert res["mixed_together_vs_hf"] < LOGIT_TOL
+    assert res["mixed_alone_micro_batches"] == 5
+    assert res["mixed_alone_vs_hf"] < LOGIT_TOL  # one sequence per micro-batch
+
+
+@pytest.mark.parametrize("key", ["layouts", "layouts_mixed"])
+def test_padded_batches_equal_the_packed_row(single: dict[str, Any], key: str) -> None:
+    res = single[key]
+    padded, packed = res["logprobs"]
+    assert _max_diff(padded[0], packed[0]) < 1e-5
+    for step, loss in (("sft", "loss/sft"), ("rl", "loss/total")):
+        (p_stats, p_grads), (q_stats, q_grads) = res[step]
+        assert p_stats[loss] == pytest.approx(q_stats[loss], rel=1e-5, abs=1e-7), step
+        assert p_stats["grad_norm"] == pytest.approx(q_stats["grad_norm"], rel=1e-5), step
+        assert p_grads.abs().max() > 0
+        torch.testing.assert_close(p_grads, q_grads, rtol=1e-4, atol=1e-6)
+    # The padded plan counts padding, so the same budget (40) gives it more micro-batches.
+    assert res["micro_batches"] > res["packed_micro_batches"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_tp1_hf_round_trip_is_bit_exact(single: dict[str, Any], arch: str) -> None:
     assert single[arch]["roundtrip_keys_equal"]
     assert single[arch]["roundtrip_bit_exact"]
@@ -59,6 +84,7 @@ def test_tp2_logits_logprobs_and_round_trip(two: list[dict[str, Any]], arch: str
         assert res["logits_max_diff"] < LOGIT_TOL
         assert res["logprobs_vs_hf"] < LOGIT_TOL
         assert res["packed_vs_unpacked"] < 1e-5
+        assert res["mixed_together_vs_hf"] < LOGIT_TOL and res["mixed_alone_vs_hf"] < LOGIT_TOL
     assert two[0][arch]["roundtrip_keys_equal"] and two[0][arch]["roundtrip_bit_exact"]
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import random
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +42,30 @@ def make_batch(vocab: int, n: int = 6, seed: int = 0, advantages: list[float] | 
     lps = [[-3.0] * (len(t) - p) for t, p in zip(tokens, plens, strict=True)]
     adv = advantages if advantages is not None else [1.0 if i % 2 == 0 else -1.0 for i in range(n)]
     return TrainBatch(tokens=tokens, prompt_lengths=plens, rollout_logprobs=lps, advantages=adv)
+
+
+def make_mixed_batch(vocab: int) -> TrainBatch:
+    """Sequences of very different lengths (3 to 60 tokens), for the padded layout."""
+    rng = random.Random(7)
+    lengths, plens = [60, 3, 17, 41, 4], [5, 1, 2, 30, 3]
+    tokens = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+    lps = [[-3.0] * (n - p) for n, p in zip(lengths, plens, strict=True)]
+    return TrainBatch(tokens=tokens, prompt_lengths=plens, rollout_logprobs=lps, advantages=[1.0, -1.0, 1.0, -1.0, 1.0])
+
+
+@contextlib.contextmanager
+def packed_row_layout() -> Iterator[None]:
+    """The local spec's previous layout: each micro-batch one packed row of real tokens under a `[T, T]`
+    block-diagonal mask, planned by real tokens alone."""
+    from miles_lite.trainer import actor, forward, packing
+
+    saved = (forward._hidden_states, actor.plan_micro_batches)
+    forward._hidden_states = forward.packed_row_hidden_states
+    actor.plan_micro_batches = lambda lengths, budget, padded=False: packing.plan_micro_batches(lengths, budget)
+    try:
+        yield
+    finally:
+        forward._hidden_states, actor.plan_micro_batches = saved
 
 
 def hf_logprobs(path: str, batch: TrainBatch, vocab: int | None = None) -> list[list[float]]:
@@ -108,6 +134,14 @@ def conversion_checks(actor: Any, path: str, batch: TrainBatch) -> dict[str, Any
     unpacked = actor.compute_logprobs(batch)
     trainer.micro_batch_tokens, trainer.logprob_chunk_tokens = saved
     res["packed_vs_unpacked"] = _max_diff(packed, unpacked)
+    # Local spec: sequences of 3 to 60 tokens in one padded micro-batch, then each in a micro-batch of its own.
+    mixed = make_mixed_batch(actor.policy.spec.vocab_size)
+    hf_mixed = hf_logprobs(path, mixed)
+    for name, budget in (("mixed_together_vs_hf", 10**4), ("mixed_alone_vs_hf", 1)):
+        trainer.micro_batch_tokens = budget
+        res[name] = _max_diff(actor.compute_logprobs(mixed), hf_mixed)
+        res[name.replace("vs_hf", "micro_batches")] = len(actor._micro_batches(mixed))
+    trainer.micro_batch_tokens = saved[0]
     res["response_lengths_ok"] = [len(x) for x in packed] == batch.response_lengths
     exported = actor.export_hf_state_dict()
     if actor.par.rank == 0:
@@ -117,6 +151,33 @@ def conversion_checks(actor: Any, path: str, batch: TrainBatch) -> dict[str, Any
         res["roundtrip_keys_equal"] = set(exported) == set(original)
         res["roundtrip_bit_exact"] = all(torch.equal(exported[k], original[k]) for k in original if k in exported)
     return res
+
+
+def _step_with_grads(actor: Any, step: Any) -> tuple[dict[str, float], torch.Tensor]:
+    stats = step()
+    return stats, torch.cat([buf.grad_data.detach().clone() for buf in actor.ddp.buffers])
+
+
+def layout_checks(actor: Any, batch: TrainBatch) -> dict[str, Any]:
+    """Padded batches against the packed row: log-probs, and the SFT and RL steps' losses and gradients
+    from the same weights (the checkpoint state is restored before each step)."""
+    out: dict[str, Any] = {}
+    snap = copy.deepcopy(actor.state_dict_for_checkpoint())
+    steps = {"logprobs": lambda: (actor.compute_logprobs(batch), None),
+             "sft": lambda: _step_with_grads(actor, lambda: actor.sft_step(batch, lr=1e-3)),
+             "rl": lambda: _step_with_grads(actor, lambda: actor.train_step(batch))}
+    for name, run in steps.items():
+        actor.load_checkpoint_state(snap)
+        padded = run()
+        actor.load_checkpoint_state(snap)
+        with packed_row_layout():
+            packed = run()
+        out[name] = (padded, packed)
+    out["micro_batches"] = len(actor._micro_batches(batch))
+    with packed_row_layout():
+        out["packed_micro_batches"] = len(actor._micro_batches(batch))
+    actor.load_checkpoint_state(snap)
+    return out
 
 
 def train_checks(actor: Any, batch: TrainBatch) -> dict[str, Any]:
@@ -154,6 +215,11 @@ def scenario_single(rank: int, world_size: int, root: str) -> dict[str, Any]:
         actor = TrainerActor(make_config(path), rank, world_size)
         out[arch] = conversion_checks(actor, path, batch)
         actor.close()
+
+    actor = TrainerActor(make_config(ckpts["qwen2"]), rank, world_size)
+    out["layouts"] = layout_checks(actor, batch)
+    out["layouts_mixed"] = layout_checks(actor, make_mixed_batch(500))
+    actor.close()
 
     cfg = make_config(ckpts["qwen2"], keep_reference=True, max_nonfinite_skips=2)
     cfg.experiment.teacher_path = teacher

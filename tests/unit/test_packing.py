@@ -21,6 +21,33 @@ def test_plan_covers_every_sequence_once_within_budget(lengths: list[int], budge
         assert mb == sorted(mb)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 50), min_size=1, max_size=30), st.integers(1, 120))
+def test_padded_plan_counts_padding_within_budget(lengths: list[int], budget: int) -> None:
+    plan = plan_micro_batches(lengths, budget, padded=True)
+    assert sorted(i for mb in plan for i in mb) == list(range(len(lengths)))
+    for mb in plan:
+        assert len(mb) * max(lengths[i] for i in mb) <= budget or len(mb) == 1
+
+
+def test_padded_plan_groups_similar_lengths() -> None:
+    # 6 + 2 + 2 + 2 real tokens fit 12, but padded to 6 they cost 24: [6, 2] and [2, 2].
+    assert plan_micro_batches([6, 2, 2, 2], 12) == [[0, 1, 2, 3]]
+    assert plan_micro_batches([6, 2, 2, 2], 12, padded=True) == [[0, 1], [2, 3]]
+    assert plan_micro_batches([20, 3, 19, 4], 40, padded=True) == [[0, 2], [1, 3]]
+
+
+def test_padded_layout_round_trips_to_packed_order() -> None:
+    mb = pack([[10, 11, 12, 13], [20, 21, 22], [30, 31]], [2, 1, 1], [0, 2])
+    tokens, positions, valid = mb.padded_layout()
+    assert tokens.tolist() == [[10, 11, 12, 13], [30, 31, 0, 0]]
+    assert positions.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]
+    assert valid.tolist() == [[True] * 4, [True, True, False, False]]
+    assert tokens[valid].tolist() == mb.tokens[0].tolist()
+    one = pack([[7, 8, 9]], [1], [0]).padded_layout()
+    assert one[0].tolist() == [[7, 8, 9]] and bool(one[2].all())
+
+
 def test_plan_is_tight_for_a_perfect_fit() -> None:
     assert len(plan_micro_batches([5, 5, 5, 5], 10)) == 2
     assert plan_micro_batches([3, 8, 2], 10) == [[1, 2], [0]]
