@@ -53,12 +53,21 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the `miles-lite` console script; returns the process exit code."""
+    """Entry point of the `miles-lite` console script; returns the process exit code.
+
+    `argv` None (the console script, `python -m miles_lite.cli`): this process ends when it returns, so
+    the interpreter's shutdown collections are skipped (`process_exit`). A caller passing `argv` keeps running.
+    """
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args_list if not a.startswith("-")), None)
     parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(args_list)
-    return int(args._module.run(args) or 0)
+    code = int(args._module.run(args) or 0)
+    if argv is None:
+        from miles_lite.process_exit import before_interpreter_exit
+
+        before_interpreter_exit()
+    return code
 
 
 if __name__ == "__main__":

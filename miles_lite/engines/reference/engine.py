@@ -151,4 +151,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    from miles_lite.process_exit import before_interpreter_exit
+
+    before_interpreter_exit()  # the trainer waits for this process to end when it stops the engine
+    sys.exit(code)
