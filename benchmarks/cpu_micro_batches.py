@@ -22,38 +22,25 @@ before and after.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import statistics
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from train_step import time_interleaved  # this directory: benchmarks run as scripts
 
 from miles_lite.config.compose import load_config
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.data.problems import load_problems
 from miles_lite.model_assets import prepare_model
 from miles_lite.ports import LOCAL_HOST, free_port
-from miles_lite.trainer import actor as actor_module
-from miles_lite.trainer import forward, packing
 from miles_lite.trainer.actor import TrainerActor
+from miles_lite.trainer.reference_layout import packed_row_layout
 from miles_lite.types import TrainBatch
-
-
-@contextlib.contextmanager
-def packed_row_layout() -> Iterator[None]:
-    """The local spec's previous layout: one packed row per micro-batch, planned by real tokens alone."""
-    saved = (forward._hidden_states, actor_module.plan_micro_batches)
-    forward._hidden_states = forward.packed_row_hidden_states
-    actor_module.plan_micro_batches = lambda lengths, budget, padded=False: packing.plan_micro_batches(lengths, budget)
-    try:
-        yield
-    finally:
-        forward._hidden_states, actor_module.plan_micro_batches = saved
 
 
 def rl_batch(sft: TrainBatch, seed: int, group: int = 8) -> TrainBatch:
@@ -67,20 +54,6 @@ def rl_batch(sft: TrainBatch, seed: int, group: int = 8) -> TrainBatch:
         std = (sum((r - mean) ** 2 for r in rewards) / len(rewards)) ** 0.5
         adv.extend((r - mean) / (std + 1e-6) for r in rewards)
     return TrainBatch(tokens=sft.tokens, prompt_lengths=sft.prompt_lengths, rollout_logprobs=lps, advantages=adv)
-
-
-def interleaved(fns: dict[str, Callable[[], Any]], warmup: int, steps: int) -> dict[str, list[float]]:
-    """Seconds of `steps` calls of each of `fns`, alternating between them after `warmup` rounds."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(steps):
-        for name, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return times
 
 
 def variants(actor: TrainerActor, step: Callable[[], Any], budgets: list[int]) -> dict[str, Callable[[], Any]]:
@@ -146,10 +119,11 @@ def main(argv: list[str] | None = None) -> int:
         actor = TrainerActor(cfg, 0, 1, init_method=f"tcp://{LOCAL_HOST}:{free_port(LOCAL_HOST)}")
         try:
             lr = cfg.experiment.warmup_lr
-            sft_times = interleaved(variants(actor, lambda: actor.sft_step(sft, lr=lr), args.budgets),
+            sft_times = time_interleaved(variants(actor, lambda: actor.sft_step(sft, lr=lr), args.budgets),
                                     args.warmup, args.steps)
             report("SFT step", sft_times, count_micro_batches(actor, sft, args.budgets))
-            rl_times = interleaved(variants(actor, lambda: actor.train_step(rl), args.budgets), args.warmup, args.steps)
+            rl_times = time_interleaved(variants(actor, lambda: actor.train_step(rl), args.budgets),
+                                        args.warmup, args.steps)
             report("RL train step", rl_times, count_micro_batches(actor, rl, args.budgets))
         finally:
             actor.close()

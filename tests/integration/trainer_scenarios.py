@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import random
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from miles_lite.config.schema import MilesConfig
+from miles_lite.trainer.reference_layout import packed_row_layout
 from miles_lite.types import TrainBatch
 
 
@@ -51,21 +50,6 @@ def make_mixed_batch(vocab: int) -> TrainBatch:
     tokens = [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
     lps = [[-3.0] * (n - p) for n, p in zip(lengths, plens, strict=True)]
     return TrainBatch(tokens=tokens, prompt_lengths=plens, rollout_logprobs=lps, advantages=[1.0, -1.0, 1.0, -1.0, 1.0])
-
-
-@contextlib.contextmanager
-def packed_row_layout() -> Iterator[None]:
-    """The local spec's previous layout: each micro-batch one packed row of real tokens under a `[T, T]`
-    block-diagonal mask, planned by real tokens alone."""
-    from miles_lite.trainer import actor, forward, packing
-
-    saved = (forward._hidden_states, actor.plan_micro_batches)
-    forward._hidden_states = forward.packed_row_hidden_states
-    actor.plan_micro_batches = lambda lengths, budget, padded=False: packing.plan_micro_batches(lengths, budget)
-    try:
-        yield
-    finally:
-        forward._hidden_states, actor.plan_micro_batches = saved
 
 
 def hf_logprobs(path: str, batch: TrainBatch, vocab: int | None = None) -> list[list[float]]:
