@@ -50,10 +50,13 @@ def test_dapo_refill_trains_full_batches_with_several_clipped_updates(tmp_path: 
 
 
 def test_two_steps_off_async_trains_and_drops_what_is_too_stale(tmp_path: Path):
-    # Short completions: both batches ahead finish while the step before them trains, on its weights.
+    # Both batches ahead must finish while the step before them trains, on its weights: 4-token completions
+    # (~0.1 s a batch) against a train step of one sequence per micro-batch (~0.4-1 s). With the default
+    # budget the padded train step (~0.1 s) ends first and the push resumes them on newer weights.
     # Zero-signal groups stay in the batch (an untrained model has many), so every kept group trains.
-    records = _run(tmp_path, "experiment.steps=5", "experiment.warmup=none", "rollout.max_new_tokens=16",
-                   "rollout.async_steps=2", "rollout.max_staleness=1", "algo.drop_zero_signal=false")
+    records = _run(tmp_path, "experiment.steps=5", "experiment.warmup=none", "rollout.max_new_tokens=4",
+                   "trainer.micro_batch_tokens=32", "rollout.async_steps=2", "rollout.max_staleness=1",
+                   "algo.drop_zero_signal=false")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
     for r in records:
         assert r["rollout/staleness_max"] <= 2.0, r
