@@ -13,8 +13,9 @@ tree first on PYTHONPATH, one process at a time), stamping every output line as 
 - wall: process start to exit.
 
 It also checks that both trees computed the same run: the held-out shares before and after RL in each
-run's `summary.json` must be equal (the run is deterministic for a seed). The 1-minute load average is
-printed before and after the benchmark.
+run's `summary.json` must be equal. The warm-up is deterministic for a seed; RL is over a few steps, but
+over many the timing of which requests share an engine's batch can shift its float rounding, so compare
+short runs. The 1-minute load average is printed before and after the benchmark.
 """
 
 from __future__ import annotations
