@@ -54,17 +54,20 @@ def test_sigterm_during_the_warmup_stops_within_a_step(tmp_path: Path) -> None:
     proc = _start(tmp_path, "experiment.warmup_steps=100000", "experiment.steps=5")
     seen: list[str] = []
     _wait_for(proc, "sft warm-up 1/100000", seen)
+    warmup_log = tmp_path / "run" / "warmup.jsonl"
+    logged = len(warmup_log.read_text().splitlines())  # each step appends its line when it ends
     proc.send_signal(signal.SIGTERM)
     out = _finish(proc, seen)
     assert proc.returncode == 0, out[-3000:]
     assert "received SIGTERM; stopping after this step" in out
     assert "sft warm-up stopped after step" in out and "Traceback" not in out
-    # The warm-up stopped within a few steps (not the 100000 asked), and logged exactly the steps it took.
+    # The warm-up stopped after the step in progress at the signal (one more may end between reading the
+    # log and signalling), not the 100000 asked, and logged exactly the steps it took.
     stopped = re.search(r"sft warm-up stopped after step (\d+)/100000", out)
     assert stopped is not None, out[-3000:]
     done = int(stopped.group(1))
-    assert 1 <= done <= 5, done
-    warmup = [json.loads(line) for line in (tmp_path / "run" / "warmup.jsonl").read_text().splitlines()]
+    assert logged <= done <= logged + 2, (logged, done)
+    warmup = [json.loads(line) for line in warmup_log.read_text().splitlines()]
     assert [r["step"] for r in warmup] == list(range(done)), [r["step"] for r in warmup]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["stopped_by_signal"] and summary["steps_done"] == 0
