@@ -3,8 +3,9 @@
 megatron-core assumes CUDA in a handful of spots that have nothing to do with the math: a device
 query used as a `device=` argument, stream synchronisation, the model-parallel RNG tracker and
 about thirty hard-coded `device="cuda"` tensors in the optimizer, grad clipping and pipeline
-schedules. Each shim below replaces exactly one of those assumptions. Nothing here is applied when
-CUDA is available: `cpu_mode_needed()` gates every entry point.
+schedules, and the fused optimizer kernels it takes from TransformerEngine whenever that imports. Each
+shim below replaces exactly one of those assumptions. Nothing here is applied when CUDA is available:
+`cpu_mode_needed()` gates every entry point.
 """
 
 from __future__ import annotations
@@ -109,6 +110,33 @@ def patch_cuda_queries() -> None:
         return
     torch.cuda.current_device = _cpu_current_device
     torch.cuda.synchronize = _no_sync
+
+
+def use_torch_optimizer_kernels() -> None:
+    """On CPU, megatron's optimizer runs torch's AdamW and megatron's own multi-tensor loops (idempotent).
+
+    Why: megatron-core picks TransformerEngine's (or apex's) FusedAdam and multi-tensor kernels whenever
+    that package imports, as in the GPU image, and they run on CUDA tensors only: a CPU run there failed
+    at its first gradient norm. The torch and local versions are the ones megatron falls back to itself
+    when neither is installed.
+    """
+    if not cpu_mode_needed():
+        return
+    import importlib
+
+    from megatron.core import utils
+
+    package = importlib.import_module("megatron.core.optimizer")
+    if getattr(package, "USING_PYTORCH_OPTIMIZER", True) is False:
+        package.Adam, package.SGD, package.USING_PYTORCH_OPTIMIZER = torch.optim.AdamW, torch.optim.SGD, True
+    local = {"multi_tensor_applier": utils.local_multi_tensor_applier,
+             "multi_tensor_scale_impl": utils.local_multi_tensor_scale,
+             "l2_norm_impl": utils.local_multi_tensor_l2_norm}
+    for name in ("megatron.core.optimizer.clip_grads", "megatron.core.optimizer.optimizer"):
+        module = importlib.import_module(name)
+        for attr, impl in local.items():
+            if hasattr(module, attr):
+                setattr(module, attr, impl)
 
 
 def install_rng_tracker(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:

@@ -238,6 +238,20 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig, runtime:
     return TransformerConfig(**fields)
 
 
+def _local_block_spec(config: Any, layer_spec: Any) -> Any:
+    """The local layer spec as a whole block whose final norm is torch's as well.
+
+    Given a layer spec alone, megatron's `TransformerBlock` picks its final norm by what is installed:
+    TransformerEngine's `TENorm` whenever TE imports, which runs on CUDA tensors only, so a CPU run in
+    an environment with TE (the GPU image) failed at the last norm.
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
+                                      layer_norm=WrappedTorchNorm)
+
+
 def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_vocab: int) -> torch.nn.Module:
     """An (empty-weight) `GPTModel` for `spec`; load weights with `hf_convert.load_hf_into_model`."""
     from megatron.core.models.gpt import GPTModel
@@ -250,7 +264,8 @@ def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_voc
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
         pos_type = "rope"
     else:
-        layer_spec = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        layer_spec = _local_block_spec(config, get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm,
+                                                                        normalization="RMSNorm"))
         pos_type = "mrope"
     model = GPTModel(
         config=config,

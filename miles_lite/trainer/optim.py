@@ -40,6 +40,10 @@ def build_optimizer(ddp_model: Any, trainer: TrainerConfig, runtime: Runtime) ->
     """Megatron Adam (`get_megatron_optimizer`) with the trainer's LR, betas, eps, weight decay and clipping."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+    from miles_lite.trainer import cpu_compat
+
+    # Before the optimizer is built: megatron picks its Adam class at construction.
+    cpu_compat.use_torch_optimizer_kernels()
     opt_config = OptimizerConfig(
         optimizer="adam",
         lr=trainer.lr,

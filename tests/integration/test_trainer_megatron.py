@@ -71,6 +71,18 @@ def test_padded_batches_equal_the_packed_row(single: dict[str, Any], key: str) -
     assert res["micro_batches"] > res["packed_micro_batches"]
 
 
+def test_cpu_trainer_runs_where_transformer_engine_imports(single: dict[str, Any]) -> None:
+    # Megatron-core defaults the block's final norm and the optimizer's Adam and multi-tensor kernels to
+    # TransformerEngine's (CUDA only) when TE imports, as in the GPU image: on CPU the trainer uses
+    # torch's, and a step equals one built without TE in sight.
+    res = single["te_installed"]
+    assert res["final_norm"] == "RMSNorm"
+    assert res["logprobs_vs_hf"] < LOGIT_TOL
+    got, expected = res["grad_norm"]
+    assert got == expected and got > 0
+    assert res["after_step_diff"] == 0.0 and res["step_moved"] > 1e-4
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp1_hf_round_trip_is_bit_exact(single: dict[str, Any], arch: str) -> None:
     assert single[arch]["roundtrip_keys_equal"]

@@ -187,6 +187,51 @@ def make_checkpoints(rank: int, root: str) -> tuple[dict[str, str], str]:
     return ckpts, teacher
 
 
+def checks_with_te_installed(path: str, rank: int, world_size: int, batch: TrainBatch) -> dict[str, Any]:
+    """A CPU trainer where TransformerEngine imports (the GPU image): megatron-core then defaults the
+    block's final norm to TENorm and the optimizer to TE's FusedAdam and multi-tensor kernels, all CUDA
+    only. Stand-ins that refuse to run take their places; the step must equal one built without them."""
+    import importlib
+
+    import megatron.core.transformer.transformer_block as block
+
+    from miles_lite.trainer.actor import TrainerActor
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a CUDA-only TransformerEngine piece ran on the CPU trainer")
+
+    class Refused(torch.nn.Module):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            refuse()
+
+    plain = TrainerActor(make_config(path), rank, world_size)
+    expected = train_checks(plain, batch)
+    plain.close()
+
+    package = importlib.import_module("megatron.core.optimizer")
+    clip, opt = (importlib.import_module(f"megatron.core.optimizer.{m}") for m in ("clip_grads", "optimizer"))
+    stand_ins = [(block, "LayerNormImpl", Refused), (package, "Adam", Refused), (package, "SGD", Refused),
+                 (package, "USING_PYTORCH_OPTIMIZER", False)]
+    stand_ins += [(m, a, refuse) for m in (clip, opt) for a in ("multi_tensor_applier", "multi_tensor_scale_impl",
+                                                                 "l2_norm_impl") if hasattr(m, a)]
+    saved = [(m, a, getattr(m, a)) for m, a, _ in stand_ins]
+    for module, attr, value in stand_ins:
+        setattr(module, attr, value)
+    try:
+        actor = TrainerActor(make_config(path), rank, world_size)
+        norm = type(actor.policy.model.decoder.final_layernorm).__name__
+        logprobs_vs_hf = _max_diff(actor.compute_logprobs(batch), hf_logprobs(path, batch))
+        got = train_checks(actor, batch)
+        actor.close()
+    finally:
+        for module, attr, value in saved:
+            setattr(module, attr, value)
+    return {"final_norm": norm, "logprobs_vs_hf": logprobs_vs_hf,
+            "grad_norm": (got["stats"]["grad_norm"], expected["stats"]["grad_norm"]),
+            "after_step_diff": _max_diff(got["after"], expected["after"]),
+            "step_moved": _max_diff(got["after"], got["before"])}
+
+
 def scenario_single(rank: int, world_size: int, root: str) -> dict[str, Any]:
     """TP=1, one process: conversion for every arch; train step, NaN guard, reference, teacher, checkpoint."""
     from miles_lite.trainer.actor import NonFiniteStepError, TrainerActor
@@ -200,6 +245,7 @@ def scenario_single(rank: int, world_size: int, root: str) -> dict[str, Any]:
         out[arch] = conversion_checks(actor, path, batch)
         actor.close()
 
+    out["te_installed"] = checks_with_te_installed(ckpts["qwen2"], rank, world_size, batch)
     actor = TrainerActor(make_config(ckpts["qwen2"]), rank, world_size)
     out["layouts"] = layout_checks(actor, batch)
     out["layouts_mixed"] = layout_checks(actor, make_mixed_batch(500))
