@@ -173,7 +173,6 @@ def table(rows: list[dict]) -> str:
         gains.append((a - b) * 100)
         walls.append(rl["wall_s"])
         ratios.append((a - b) / se if se else math.nan)
-        ctl = ""
         if "control" in r:
             c = r["control"]["before"]["exact"]
             control_gains.append((c - b) * 100)

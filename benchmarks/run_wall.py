@@ -43,7 +43,7 @@ def run_once(tree: Path, overrides: list[str], out_dir: Path) -> dict:
         now = time.monotonic() - start
         if "Prometheus metrics at" in line:
             marks["startup"] = now
-        if line.startswith("run directory:") or "run directory:" in line:
+        if "run directory:" in line:
             marks["last_line"] = now
     code = proc.wait()
     wall = time.monotonic() - start

@@ -33,12 +33,11 @@ def declared(dist: str) -> list[Requirement]:
     return out
 
 
-def _installed(name: str) -> bool:
+def installed_version(name: str) -> str | None:
     try:
-        md.version(name)
+        return md.version(name)
     except md.PackageNotFoundError:
-        return False
-    return True
+        return None
 
 
 def unsatisfied(reqs: list[Requirement]) -> list[Requirement]:
@@ -47,12 +46,8 @@ def unsatisfied(reqs: list[Requirement]) -> list[Requirement]:
     for req in reqs:
         if req.marker is not None and not req.marker.evaluate():
             continue
-        try:
-            version = md.version(req.name)
-        except md.PackageNotFoundError:
-            missing.append(req)
-            continue
-        if not req.specifier.contains(version, prereleases=True):
+        version = installed_version(req.name)
+        if version is None or not req.specifier.contains(version, prereleases=True):
             missing.append(req)
     return missing
 
@@ -64,18 +59,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="the requirements an installed distribution declares (repeatable)")
     parser.add_argument("requirements", nargs="*", help="requirements, as pip takes them")
     args = parser.parse_args(argv)
-    reqs = [req for dist in args.of for req in declared(dist)] + [Requirement(r) for r in args.requirements]
-    missing = unsatisfied(reqs)
-    if args.check:
-        if missing:
-            found = {r.name: _installed(r.name) and md.version(r.name) for r in missing}
-            print("not satisfied: " + ", ".join(f"{r} (installed: {found[r.name] or 'none'})" for r in missing),
-                  file=sys.stderr)
-            return 1
+    missing = unsatisfied([req for dist in args.of for req in declared(dist)]
+                          + [Requirement(r) for r in args.requirements])
+    if not args.check:
+        for req in missing:
+            print(req)
         return 0
-    for req in missing:
-        print(req)
-    return 0
+    if missing:
+        print("not satisfied: " + ", ".join(f"{r} (installed: {installed_version(r.name) or 'none'})"
+                                            for r in missing), file=sys.stderr)
+    return 1 if missing else 0
 
 
 if __name__ == "__main__":
