@@ -25,6 +25,7 @@ import math
 import re
 from collections.abc import Iterable
 from decimal import ROUND_HALF_UP, Decimal
+from typing import Any
 
 WORK_START = "<start_working_out>"
 WORK_END = "<end_working_out>"
@@ -188,3 +189,16 @@ def parse_final_answer(text: str, *, where: str = "problem") -> float:
             "(commas, a sign and decimals are fine, units and '$' are not)"
         )
     return value
+
+
+def numeric_label(label: Any) -> float:
+    """A label as a float: a number, a number string ("1,234") or a "#### N" solution; NaN otherwise."""
+    if isinstance(label, bool):
+        return math.nan
+    if isinstance(label, int | float):
+        return float(label)
+    if isinstance(label, str):
+        text = label.rsplit("####", 1)[-1] if "####" in label else label
+        value = parse_number(text.strip())
+        return math.nan if value is None else value
+    return math.nan

@@ -53,7 +53,7 @@ class System:
                                      tool_solutions=cfg.rollout.environment == "calculator",
                                      max_prompt_tokens=cfg.data.max_prompt_tokens)
         self.reward_set = build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom,
-                                           remote_reward_spec(cfg))
+                                           remote_reward_spec(cfg), cfg.rewards.by_source, cfg.rewards.answer_pattern)
         self.sampling = sampling_from_config(cfg.rollout, stop_token_ids=self.encoder.stop_token_ids,
                                              seed=cfg.experiment.seed)
         self.trainer: TrainerRole | None = None

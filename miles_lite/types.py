@@ -102,6 +102,13 @@ class Group:
     answer: float
     steps: tuple[float, ...]
     samples: list[Sample] = field(default_factory=list)
+    # The record the prompt came from (`data.records.Record`, or a math problem): the rewards read its
+    # label, source and columns. None: only `question`, `answer` and `steps` are known.
+    record: Any = None
+
+    @property
+    def source(self) -> str | None:
+        return getattr(self.record, "source", None)
 
     @property
     def rewards(self) -> list[float]:
@@ -212,6 +219,8 @@ class PromptSpec:
     question: str = ""
     answer: float = 0.0
     steps: tuple[float, ...] = ()
+    # The record the prompt was rendered from (see `Group.record`).
+    record: Any = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:

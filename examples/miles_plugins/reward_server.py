@@ -16,7 +16,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
 
-def judge(completion: str, answer: float) -> float:
+def judge(completion: str, answer: float | None) -> float:
+    if answer is None:  # a record whose label is not a number
+        return 0.0
     numbers = _NUMBER.findall(completion)
     if not numbers:
         return 0.0
@@ -43,6 +45,7 @@ class RewardHandler(BaseHTTPRequestHandler):
         if status != 200:
             self._send(status, {"error": "injected failure"})
             return
+        self.server.bodies.append(body)
         scores = [judge(c, a) for c, a in zip(completions, answers, strict=True)]
         self._send(200, {"ids": ids, "scores": scores})
 
@@ -68,6 +71,8 @@ class RewardServer(ThreadingHTTPServer):
         super().__init__(address, RewardHandler)
         self.fail_first = fail_first
         self.scored_ids: list[str] = []
+        # Every request body scored (records' prompts, labels, sources and columns included).
+        self.bodies: list[dict] = []
         self.requests = 0
         self._lock = threading.Lock()
 

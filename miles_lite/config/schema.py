@@ -11,67 +11,18 @@ without this file naming it.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Range:
-    """Allowed values of a numeric field: finite, within the bounds that are set."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-
-    def contains(self, value: float) -> bool:
-        return (math.isfinite(value) and (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
-
-    def describe(self, kind: str = "a finite number") -> str:
-        bounds = [f"{op} {b:g}" for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-                  if b is not None]
-        return f"{kind} " + " and ".join(bounds) if bounds else kind
-
-
-def bounded(default: float | None, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-            lt: float | None = None) -> Any:
-    """A numeric field whose allowed range lives in its metadata, where validation reads it (`ranges`);
-    None (where the type allows it) is not range-checked."""
-    return field(default=default, metadata={"range": Range(ge, gt, le, lt)})
-
-
-def _metadata(cfg: object, key: str, prefix: str = "") -> dict[str, Any]:
-    """Dotted field name -> `metadata[key]`, for every field of `cfg` and its sub-configs that has it."""
-    found: dict[str, Any] = {}
-    for f in fields(cfg):  # type: ignore[arg-type]
-        dotted = f"{prefix}{f.name}"
-        if key in f.metadata:
-            found[dotted] = f.metadata[key]
-        value = getattr(cfg, f.name)
-        if is_dataclass(value) and not isinstance(value, type):
-            found.update(_metadata(value, key, dotted + "."))
-    return found
-
-
-def ranges(cfg: object) -> dict[str, Range]:
-    """Dotted field name -> allowed range, for every `bounded` field of `cfg` and its sub-configs."""
-    return _metadata(cfg, "range")
-
-
-def one_of(default: str, *others: str) -> Any:
-    """A string field allowed to hold `default` or one of `others`.
-
-    The allowed values live in the field's metadata, where validation reads them (`choices`):
-    OmegaConf 2.3 structured configs accept neither `Literal` annotations nor enums keyed by value.
-    """
-    return field(default=default, metadata={"choices": (default, *others)})
-
-
-def choices(cfg: object) -> dict[str, tuple[str, ...]]:
-    """Dotted field name -> allowed values, for every `one_of` field of `cfg` and its sub-configs."""
-    return _metadata(cfg, "choices")
+from miles_lite.config.fields import Range, bounded, choices, one_of, ranges  # noqa: F401 (re-exported)
+from miles_lite.config.task_schema import (  # noqa: F401 (re-exported)
+    DataConfig,
+    EvalSetConfig,
+    PresampleConfig,
+    RemoteRewardConfig,
+    RewardsConfig,
+    SyntheticDataConfig,
+)
 
 
 @dataclass
@@ -263,83 +214,6 @@ class AlgoConfig:
     updates_per_rollout: int = 1
     # Passes over each rollout batch (PPO epochs); every pass reshuffles the mini-batches.
     epochs_per_rollout: int = 1
-
-
-@dataclass
-class PresampleConfig:
-    """Presampling filter: k samples per question, drop the all-wrong and all-right ones."""
-
-    enabled: bool = True
-    k: int = bounded(8, ge=1)
-    # strict = exact_check (answer and format); lenient = the last number in the text is right.
-    scoring: str = one_of("lenient", "strict")
-    drop_all_wrong: bool = True
-    drop_all_right: bool = True
-    max_new_tokens: int | None = None
-    # Presample only the first N training questions and train on the kept ones (0 = all questions).
-    max_questions: int = bounded(0, ge=0)
-
-
-@dataclass
-class SyntheticDataConfig:
-    """Offline GSM8K-format arithmetic problems."""
-
-    train_size: int = bounded(2000, ge=1)
-    eval_size: int = bounded(64, ge=0)
-    min_steps: int = 1
-    max_steps: int = 2
-    min_operand: int = 1
-    max_operand: int = 9
-    ops: list[str] = field(default_factory=lambda: ["+", "-", "*"])
-    max_result: int = 200  # bound on every intermediate result (>= max_operand)
-    seed: int = 0
-
-
-@dataclass
-class DataConfig:
-    """Where prompts come from."""
-
-    source: str = one_of("synthetic", "gsm8k")
-    # GSM8K jsonl/parquet files (source=gsm8k).
-    train_path: str | None = None
-    eval_path: str | None = None
-    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
-    shuffle_seed: int = 0
-    max_prompt_tokens: int = 512
-    # System prompt: default (the format in one sentence) | worklog (the format, a worked example, and
-    # no boxed answers) | calculator (the format and how to call the calculator tool) | none (the question
-    # alone: a model trained from scratch learns the format from its SFT targets).
-    prompt_template: str = one_of("default", "worklog", "calculator", "none")
-    presample: PresampleConfig = field(default_factory=PresampleConfig)
-
-
-@dataclass
-class RemoteRewardConfig:
-    """A reward model behind HTTP (protocol in `miles_lite/rewards/remote.py`), scored beside the others."""
-
-    # POST endpoint, e.g. http://reward-model:8000/score; None: no remote reward.
-    url: str | None = None
-    # Its column in the rollout table and metrics, its weight in the total, its largest score.
-    name: str = "remote"
-    weight: float = 1.0
-    max_score: float = 1.0
-    batch_size: int = 32
-    timeout_s: float = 30.0
-    retries: int = 3  # attempts after the first (exponential backoff from backoff_s), then the run stops
-    backoff_s: float = 0.5
-    max_concurrency: int = 4
-
-
-@dataclass
-class RewardsConfig:
-    """Weighted reward set; `weights` overrides or extends the named set's weights."""
-
-    set: str = "worklog"
-    weights: dict[str, float] = field(default_factory=dict)
-    # Plug-in by import path "package.module:name": a batch reward function (added to the set under its
-    # name, weight 1.0 unless `weights` names it) or a RewardSet (replaces `set`).
-    custom: str | None = None
-    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 
 
 # The SGLang weight loader that `weight_sync.transport=ipc_handles` pushes into (the engine lists it in

@@ -204,7 +204,8 @@ def _check_rewards(cfg: MilesConfig, problems: list[str]) -> None:
     if remote.timeout_s <= 0 or remote.retries < 0 or remote.backoff_s < 0:
         problems.append("rewards.remote: timeout_s must be > 0, retries and backoff_s >= 0")
     try:
-        build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom, remote_reward_spec(cfg))
+        build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom, remote_reward_spec(cfg),
+                         cfg.rewards.by_source, cfg.rewards.answer_pattern)
     except ValueError as err:  # PluginError is a ValueError and names its field
         problems.append(str(err))
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from miles_lite.data.calculator import tool_solution_segments
 from miles_lite.data.gsm8k import MathProblem
-from miles_lite.data.prompts import format_solution, render_prompt
+from miles_lite.data.prompts import format_solution, render_messages, render_prompt
 from miles_lite.types import PromptSpec, TrainBatch
 
 
@@ -26,9 +26,14 @@ class PromptEncoder:
         eos = getattr(tokenizer, "eos_token_id", None)  # None tokenizer: plain-text prompts, no stop ids
         self.stop_token_ids: list[int] = [eos] if eos is not None else []
 
-    def render(self, question: str) -> str:
-        """The prompt text the policy continues (chat template when the tokenizer has one)."""
-        return render_prompt(self.tokenizer, question, self.template)
+    def render(self, item: Any) -> str:
+        """The prompt text the policy continues (chat template when the tokenizer has one) for a question
+        string or a math problem (with `data.prompt_template`'s system prompt), or a record (its messages,
+        or its prompt as the user turn)."""
+        if isinstance(item, str) or isinstance(item, MathProblem):
+            return render_prompt(self.tokenizer, item if isinstance(item, str) else item.question, self.template)
+        messages = item.messages if item.messages is not None else ({"role": "user", "content": item.prompt},)
+        return render_messages(self.tokenizer, messages)
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -36,16 +41,16 @@ class PromptEncoder:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def prompt_specs(self, batch: Sequence[tuple[int, MathProblem]]) -> list[PromptSpec]:
+    def prompt_specs(self, batch: Sequence[tuple[int, Any]]) -> list[PromptSpec]:
         """One `PromptSpec` per (index, problem): rendered, tokenised, with the reference data the rewards need."""
         specs = []
         for index, p in batch:
-            text = self.render(p.question)
+            text = self.render(p)
             ids = self.encode(text)
             if self.max_prompt_tokens is not None and len(ids) > self.max_prompt_tokens:
                 raise ValueError(f"problem {index}: its prompt has {len(ids)} tokens, over data.max_prompt_tokens="
                                  f"{self.max_prompt_tokens}; raise data.max_prompt_tokens or shorten the question")
-            specs.append(PromptSpec(index, tuple(ids), text, p.question, p.answer, p.steps))
+            specs.append(PromptSpec(index, tuple(ids), text, p.question, p.answer, p.steps, record=p))
         return specs
 
     def sft_batch(self, problems: Sequence[MathProblem]) -> TrainBatch:
@@ -57,8 +62,16 @@ class PromptEncoder:
         eos = self.tokenizer.eos_token or ""
         tokens, plens, masks = [], [], []
         for p in problems:
-            prompt = self.encode(self.render(p.question))
-            segments = tool_solution_segments(p) if self.tool_solutions else [(format_solution(p), True)]
+            prompt = self.encode(self.render(p))
+            if not isinstance(p, MathProblem):  # a record: its reference response (data.response_key)
+                if p.response is None:
+                    raise ValueError(f"{p.where}: the SFT warm-up needs a reference response; set data.response_key "
+                                     "or experiment.warmup=none")
+                segments = [(p.response, True)]
+            elif self.tool_solutions:
+                segments = tool_solution_segments(p)
+            else:
+                segments = [(format_solution(p), True)]
             segments[-1] = (segments[-1][0] + eos, True)
             target: list[int] = []
             mask: list[int] = []

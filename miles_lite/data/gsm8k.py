@@ -43,6 +43,32 @@ class MathProblem:
     answer: float
     steps: tuple[float, ...] = ()
 
+    # The attributes of a record (`data.records.Record`): a math problem is a record whose prompt is the
+    # question, whose label is the final number, and whose columns are GSM8K's `question` and `answer`.
+    @property
+    def prompt(self) -> str:
+        return self.question
+
+    @property
+    def messages(self) -> None:
+        return None
+
+    @property
+    def label(self) -> float:
+        return self.answer
+
+    @property
+    def source(self) -> None:
+        return None
+
+    @property
+    def response(self) -> None:
+        return None
+
+    @property
+    def columns(self) -> dict[str, str]:
+        return {"question": self.question, "answer": self.solution}
+
     @classmethod
     def from_record(cls, question: str, solution: str, *, where: str = "problem") -> MathProblem:
         """Build a problem from a GSM8K ``question``/``answer`` pair; ``where`` names it in errors."""

@@ -1,10 +1,21 @@
-"""The problems a run works on, from the configuration: GSM8K files or seeded synthetic problems."""
+"""The problems a run works on, from the configuration: GSM8K files, seeded synthetic problems, or records
+through a key mapping; the named evaluation sets; the identity of the training data."""
 
 from __future__ import annotations
 
-from miles_lite.config.schema import MilesConfig, SyntheticDataConfig
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from miles_lite.config.schema import EvalSetConfig, MilesConfig, SyntheticDataConfig
 from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems
-from miles_lite.data.gsm8k import MathProblem, load_gsm8k
+from miles_lite.data.gsm8k import DatasetError, MathProblem, load_gsm8k
+from miles_lite.data.records import RecordKeys, load_records, records_identity
+
+# The evaluation set a records run gets from `data.eval_path` (greedy, one sample a prompt).
+HELD_OUT_SET = "held_out"
 
 
 def synthetic_spec(syn: SyntheticDataConfig, seed: int) -> ArithmeticSpec:
@@ -24,6 +35,8 @@ def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem
     it caps a GSM8K held-out set, and synthetic data holds out `data.synthetic.eval_size` problems.
     """
     size = cfg.experiment.eval_size
+    if cfg.data.source == "records":  # held-out records are an evaluation set (`eval_set_configs`)
+        return load_records(str(cfg.data.train_path), RecordKeys.from_config(cfg.data)), []
     if cfg.data.source == "gsm8k":
         train = load_gsm8k(str(cfg.data.train_path))
         if not size:
@@ -49,3 +62,55 @@ def read_problems(data: str, n: int | None, cfg: MilesConfig) -> list[MathProble
         return generate_problems(n if n is not None else syn.train_size, synthetic_spec(syn, syn.seed))
     problems = load_gsm8k(data)
     return problems[:n] if n is not None else problems
+
+
+def load_data_file(cfg: MilesConfig, path: str) -> list[Any]:
+    """A file in the run's data format: records through `data.*_key`, else GSM8K question/answer records."""
+    if cfg.data.source == "records":
+        return load_records(path, RecordKeys.from_config(cfg.data))
+    return load_gsm8k(path)
+
+
+@dataclass(frozen=True)
+class EvalSet:
+    """A named evaluation set: its settings and its prompts (records or math problems)."""
+
+    name: str
+    cfg: EvalSetConfig
+    items: list[Any]
+
+
+def eval_set_configs(cfg: MilesConfig) -> dict[str, EvalSetConfig]:
+    """`data.eval_sets`, plus `held_out` from `data.eval_path` for records (greedy, k=1, the first
+    `experiment.eval_size` records) unless `experiment.eval_size=0` or a set of that name is configured."""
+    sets = dict(cfg.data.eval_sets)
+    if cfg.data.source == "records" and cfg.data.eval_path and cfg.experiment.eval_size and HELD_OUT_SET not in sets:
+        sets[HELD_OUT_SET] = EvalSetConfig(path=cfg.data.eval_path, size=cfg.experiment.eval_size)
+    return sets
+
+
+def load_eval_sets(cfg: MilesConfig) -> list[EvalSet]:
+    """Every evaluation set, read now so that a bad file stops the run before it has a directory."""
+    sets = []
+    for name, set_cfg in eval_set_configs(cfg).items():
+        if not set_cfg.path:
+            raise DatasetError(f"data.eval_sets.{name}.path is not set; give the set's jsonl/parquet file")
+        items = load_data_file(cfg, set_cfg.path)
+        sets.append(EvalSet(name, set_cfg, items[: set_cfg.size] if set_cfg.size else items))
+    return sets
+
+
+def _file_identity(path: str) -> dict[str, Any]:
+    resolved = Path(path).resolve()
+    return {"path": str(resolved), "size": resolved.stat().st_size,
+            "sha256": hashlib.sha256(resolved.read_bytes()).hexdigest()}
+
+
+def data_identity(cfg: MilesConfig) -> dict[str, Any]:
+    """JSON-able identity of the training data a prompt cursor indexes: the file (path, size, content sha256)
+    and key mapping for records, the file for GSM8K, the generator settings for synthetic problems."""
+    if cfg.data.source == "records":
+        return records_identity(str(cfg.data.train_path), RecordKeys.from_config(cfg.data))
+    if cfg.data.source == "gsm8k":
+        return {"kind": "gsm8k", **_file_identity(str(cfg.data.train_path))}
+    return {"kind": "synthetic", **dataclasses.asdict(cfg.data.synthetic)}

@@ -6,6 +6,7 @@ score completions against.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from miles_lite.answer_format import (
@@ -88,6 +89,16 @@ def render_prompt(tokenizer: PreTrainedTokenizerBase | Any | None, question: str
             build_messages(question, template), add_generation_prompt=True, tokenize=False
         )
     return render_plain_prompt(question, template)
+
+
+def render_messages(tokenizer: PreTrainedTokenizerBase | Any | None, messages: Sequence[Mapping[str, str]]) -> str:
+    """A record's chat messages as the prompt text: the tokenizer's chat template with
+    ``add_generation_prompt``, or (no template) one ``Role: content`` line each and ``Assistant: ``."""
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([dict(m) for m in messages], add_generation_prompt=True,
+                                             tokenize=False)
+    lines = [f"{m['role'].capitalize()}: {m['content']}" for m in messages]
+    return "\n".join(lines) + "\nAssistant: "
 
 
 def format_solution(problem: MathProblem) -> str:

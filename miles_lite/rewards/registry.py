@@ -1,22 +1,25 @@
 """Reward registry, named reward sets and weighted scoring.
 
-A reward function maps a batch of completions to one raw value per completion::
+A reward function maps a batch of completions to one raw value per completion (or None where it does
+not apply), in one of the conventions of `rewards.batch`; the math rewards are::
 
     fn(completions, *, answers, questions, steps) -> list[float]
 
-A :class:`RewardSet` names rewards and their weights; :func:`score` runs every reward of a
-set, checks what each returned, and adds the weighted ``total``.
+A :class:`RewardSet` names rewards and their weights; :func:`score_batch` runs every reward of a
+set, checks what each returned, and adds the weighted ``total`` of the values that apply.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence, Sized
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
 from miles_lite.rewards import math as math_rewards
+from miles_lite.rewards import records as record_rewards
+from miles_lite.rewards.batch import RewardBatch, batch_from_records, call_style, checked_values
 from miles_lite.types import Group
 
 TOTAL_KEY = "total"
@@ -47,12 +50,31 @@ REWARD_NAMES: tuple[str, ...] = (
 )
 
 
+# Built-in rewards of records: the label, any JSON value, against the completion's answer.
+RECORD_REWARD_NAMES: tuple[str, ...] = ("exact_match", "math_answer")
+
+
 @dataclass(frozen=True)
 class RegisteredReward:
-    """A registry entry: the reward function and the largest raw value it can return."""
+    """A registry entry: the reward function, the largest raw value it can return, its calling convention
+    (`rewards.batch.STYLES`) and, for `rewards.by_source`, the one data source it scores (None: all)."""
 
     fn: RewardFn
     max_value: float = 1.0
+    style: str = "math"
+    source: str | None = None
+
+    def values(self, name: str, batch: RewardBatch) -> list[float]:
+        """One raw value per completion of `batch`, NaN where it does not apply (other sources, None)."""
+        if self.source is None:
+            return checked_values(name, call_style(self.fn, self.style, batch), len(batch))
+        rows = [i for i, source in enumerate(batch.sources) if source == self.source]
+        out = [math.nan] * len(batch)
+        if rows:
+            for i, value in zip(rows, checked_values(name, call_style(self.fn, self.style, batch.subset(rows)),
+                                                     len(rows)), strict=True):
+                out[i] = value
+        return out
 
 
 # Raw maxima of the built-ins; all others reach 1.0.
@@ -60,8 +82,11 @@ _BUILTIN_MAX = MappingProxyType({"tag_check": 4 * math_rewards.TAG_CREDIT})
 # The one process-wide registry: name -> reward. Custom rewards join it through
 # register_reward so that configs can refer to them by name.
 REWARD_REGISTRY: dict[str, RegisteredReward] = {
-    name: RegisteredReward(getattr(math_rewards, name), _BUILTIN_MAX.get(name, 1.0)) for name in REWARD_NAMES
+    **{name: RegisteredReward(getattr(math_rewards, name), _BUILTIN_MAX.get(name, 1.0)) for name in REWARD_NAMES},
+    "exact_match": RegisteredReward(record_rewards.ExactMatch(), style="batch"),
+    "math_answer": RegisteredReward(record_rewards.math_answer, style="batch"),
 }
+BUILTIN_NAMES = (*REWARD_NAMES, *RECORD_REWARD_NAMES)
 
 
 @dataclass(frozen=True)
@@ -121,8 +146,14 @@ class RewardSet:
     def max_total(self) -> float:
         """Highest reachable ``total``: each positive weight times its reward's maximum raw value
         (rewards are assumed non-negative). Rewards must be registered."""
+        return self.max_total_for(None, every_source=True)
+
+    def max_total_for(self, source: str | None, every_source: bool = False) -> float:
+        """Highest reachable ``total`` of a completion of a record from `source`: the rewards of other
+        sources (`rewards.by_source`) do not apply to it (`every_source`: count them all)."""
         validate_reward_names(self.names, self.functions)
-        return sum(max(weight, 0.0) * self.reward(name).max_value for name, weight in self.weights.items())
+        return sum(max(weight, 0.0) * self.reward(name).max_value for name, weight in self.weights.items()
+                   if every_source or self.reward(name).source in (None, source))
 
 
 WORKLOG_WEIGHTS = {
@@ -143,6 +174,9 @@ REWARD_SETS: Mapping[str, RewardSet] = MappingProxyType(
         "format_only": RewardSet(
             "format_only", {"format_check": 0.5, "tag_check": 1.0, "solution_number_check": 0.25}
         ),
+        # Records: the final answer equals the label (any JSON value), or the boxed/tagged number equals it.
+        "exact_match": RewardSet("exact_match", {"exact_match": 1.0}),
+        "math_answer": RewardSet("math_answer", {"math_answer": 1.0}),
     }
 )
 
@@ -200,36 +234,11 @@ def unregister_reward(name: str) -> None:
     Raises:
         ValueError: ``name`` is built in or not registered.
     """
-    if name in REWARD_NAMES:
+    if name in BUILTIN_NAMES:
         raise ValueError(f"built-in reward {name!r} cannot be unregistered")
     if name not in REWARD_REGISTRY:
         raise ValueError(f"reward {name!r} is not registered")
     del REWARD_REGISTRY[name]
-
-
-def _checked_values(name: str, values: object, n: int) -> list[float]:
-    """Raw values of one reward, verified to be exactly ``n`` finite floats."""
-    # Any sized iterable (list, tuple, numpy array) is accepted; text and mappings are not.
-    sized_iterable = isinstance(values, Sized) and isinstance(values, Iterable)
-    if isinstance(values, (str, bytes, Mapping)) or not sized_iterable:
-        raise ValueError(f"reward {name!r} returned {type(values).__name__}, expected a list of {n} floats")
-    values = list(values)
-    if len(values) != n:
-        raise ValueError(f"reward {name!r} returned {len(values)} values for {n} completions")
-    checked = []
-    for index, value in enumerate(values):
-        try:
-            number = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(
-                f"reward {name!r} returned {value!r} for completion {index}, expected a float"
-            ) from None
-        if isinstance(value, str) or not math.isfinite(number):
-            raise ValueError(
-                f"reward {name!r} returned {value!r} for completion {index}, expected a finite float"
-            )
-        checked.append(number)
-    return checked
 
 
 def score(
@@ -239,48 +248,46 @@ def score(
     questions: Sequence[str],
     steps: Sequence[Sequence[float]],
 ) -> list[dict[str, float]]:
-    """Score completions with every reward of ``reward_set``.
-
-    Args:
-        reward_set: a :class:`RewardSet` or the name of a known set.
-        completions: generated texts, one per sample.
-        answers, questions, steps: reference data aligned with ``completions`` (same length).
-
-    Returns:
-        One dict per completion: each reward's raw value under its name, plus ``total``, the
-        weighted sum.
+    """Score completions of math problems (reference data aligned with ``completions``); see
+    :func:`score_batch`.
 
     Raises:
         ValueError: unknown reward set or reward names, misaligned inputs, or a reward that did
-            not return exactly one finite float per completion (the message names the reward).
+            not return exactly one finite float (or None) per completion (the message names the reward).
+    """
+    return score_batch(reward_set, RewardBatch(list(completions), list(answers), list(questions),
+                                               [tuple(s) for s in steps]))
+
+
+def score_batch(reward_set: RewardSet | str, batch: RewardBatch) -> list[dict[str, float]]:
+    """Score every completion of `batch` with every reward of ``reward_set``.
+
+    Returns one dict per completion: each reward's raw value under its name (NaN where the reward does
+    not apply: it returned None, or it scores another data source), plus ``total``, the weighted sum of
+    the values that apply (0.0 when none does).
     """
     reward_set = get_reward_set(reward_set)
     validate_reward_names(reward_set.names, reward_set.functions)
-    n = len(completions)
-    for label, values in (("answers", answers), ("questions", questions), ("steps", steps)):
-        if len(values) != n:
-            raise ValueError(f"{label} has {len(values)} entries but there are {n} completions")
-    raw = {
-        name: _checked_values(
-            name,
-            reward_set.reward(name).fn(completions, answers=answers, questions=questions, steps=steps),
-            n,
-        )
-        for name in reward_set.names
-    }
+    raw = {name: reward_set.reward(name).values(name, batch) for name in reward_set.names}
     results = []
-    for index in range(n):
+    for index in range(len(batch)):
         row = {name: raw[name][index] for name in reward_set.names}
-        row[TOTAL_KEY] = sum(reward_set.weights[name] * row[name] for name in reward_set.names)
+        row[TOTAL_KEY] = sum(reward_set.weights[name] * value for name, value in row.items() if not math.isnan(value))
         results.append(row)
     return results
 
 
 def score_groups(reward_set: RewardSet | str, groups: Sequence[Group]) -> list[Group]:
-    """Fill every sample's `rewards` (each reward's raw value and the weighted `total`); returns `groups`."""
+    """Fill every sample's `rewards` (each reward's raw value and the weighted `total`); returns `groups`.
+
+    Groups that carry their record hand its label, source and columns to the rewards."""
     samples = [(g, s) for g in groups for s in g.samples]
-    scored = score(reward_set, [s.response_text for _, s in samples], [g.answer for g, _ in samples],
-                   [g.question for g, _ in samples], [g.steps for g, _ in samples])
-    for (_, sample), values in zip(samples, scored, strict=True):
+    completions = [s.response_text for _, s in samples]
+    if samples and all(g.record is not None for g, _ in samples):
+        batch = batch_from_records(completions, [g.record for g, _ in samples], [s.response_ids for _, s in samples])
+    else:
+        batch = RewardBatch(completions, [g.answer for g, _ in samples], [g.question for g, _ in samples],
+                            [tuple(g.steps) for g, _ in samples])
+    for (_, sample), values in zip(samples, score_batch(reward_set, batch), strict=True):
         sample.rewards = values
     return list(groups)

@@ -3,7 +3,11 @@
 Protocol (JSON over ``POST <url>``), one request per batch of completions::
 
     request:  {"ids": ["<run>-<n>", ...], "completions": [...], "questions": [...],
-               "answers": [...], "steps": [[...], ...]}
+               "answers": [...], "steps": [[...], ...],
+               "prompts": [...], "labels": [...], "sources": [...], "columns": {"<column>": [...], ...}}
+
+`answers` are the labels as numbers (null when a label is not one); `prompts`, `labels` and `columns`
+are the records' prompts (a string or chat messages), labels and every column, as the data has them.
     response: {"scores": [float, ...]}            # same length and order as "ids"
               optionally "ids": [...]              # if present, must equal the request's ids
 
@@ -21,9 +25,10 @@ import math
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+
+from miles_lite.rewards.batch import RewardBatch
 
 
 class RemoteRewardError(RuntimeError):
@@ -47,7 +52,7 @@ class RemoteRewardSpec:
 
 
 class RemoteReward:
-    """A batch reward function (the :class:`~miles_lite.rewards.registry.RewardFn` signature) backed by HTTP."""
+    """A reward function of the `batch` convention (`rewards.batch`) backed by HTTP."""
 
     def __init__(self, spec: RemoteRewardSpec, *, sleep=time.sleep) -> None:
         self.spec = spec
@@ -57,17 +62,22 @@ class RemoteReward:
         self.requests = 0
         self.retries = 0
 
-    def __call__(self, completions: Sequence[str], *, answers: Sequence[float], questions: Sequence[str],
-                 steps: Sequence[Sequence[float]]) -> list[float]:
+    def __call__(self, batch: RewardBatch) -> list[float]:
+        completions = batch.completions
         n = len(completions)
         ids = [f"c{next(self._ids)}" for _ in range(n)]
         size = max(1, self.spec.batch_size)
         batches = [range(start, min(start + size, n)) for start in range(0, n, size)]
 
         def payload(rows: range) -> dict:
+            answers = [batch.answers[i] for i in rows]
             return {"ids": [ids[i] for i in rows], "completions": [completions[i] for i in rows],
-                    "questions": [questions[i] for i in rows], "answers": [float(answers[i]) for i in rows],
-                    "steps": [[float(x) for x in steps[i]] for i in rows]}
+                    "questions": [batch.questions[i] for i in rows],
+                    "answers": [None if math.isnan(a) else float(a) for a in answers],
+                    "steps": [[float(x) for x in batch.steps[i]] for i in rows],
+                    "prompts": [batch.prompts[i] for i in rows], "labels": [batch.labels[i] for i in rows],
+                    "sources": [batch.sources[i] for i in rows],
+                    "columns": {k: [v[i] for i in rows] for k, v in batch.columns.items()}}
 
         scores: list[float | None] = [None] * n
         workers = max(1, min(self.spec.max_concurrency, len(batches)))

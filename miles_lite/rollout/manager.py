@@ -405,4 +405,4 @@ class RolloutManager:
                 turns=slot.turns if self.environment is not None else 1,
             ))
         return Group(prompt_index=spec.prompt_index, prompt_text=spec.prompt_text, question=spec.question,
-                     answer=spec.answer, steps=spec.steps, samples=samples)
+                     answer=spec.answer, steps=spec.steps, samples=samples, record=spec.record)

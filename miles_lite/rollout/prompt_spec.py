@@ -37,6 +37,7 @@ def as_prompt_spec(item: PromptLike) -> PromptSpec:
         question=str(_meta_field(meta, "question", "") or ""),
         answer=float(_meta_field(meta, "answer", 0.0) or 0.0),
         steps=tuple(float(s) for s in (_meta_field(meta, "steps", ()) or ())),
+        record=meta if hasattr(meta, "columns") else None,
     )
 
 

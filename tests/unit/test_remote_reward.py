@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 from miles_plugins.reward_server import RewardServer  # noqa: E402
 
+from miles_lite.rewards.batch import RewardBatch  # noqa: E402
 from miles_lite.rewards.remote import RemoteReward, RemoteRewardError, RemoteRewardSpec  # noqa: E402
 
 
@@ -33,7 +34,7 @@ def server_factory():
 
 def _call(reward: RemoteReward, completions: list[str], answers: list[float]) -> list[float]:
     n = len(completions)
-    return reward(completions, answers=answers, questions=["q"] * n, steps=[()] * n)
+    return reward(RewardBatch(completions, [float(a) for a in answers], ["q"] * n, [()] * n))
 
 
 def test_scores_every_completion_once_in_order_across_batches(server_factory):

@@ -276,7 +276,8 @@ def test_named_reward_sets() -> None:
     fmt = score_one(PERFECT, reward_set="format_only")
     assert get_reward_set("format_only").max_total == pytest.approx(1.25)
     assert fmt["total"] == pytest.approx(1.25)
-    with pytest.raises(ValueError, match="known sets: correctness_only, format_only, worklog"):
+    known = "correctness_only, exact_match, format_only, math_answer, worklog"
+    with pytest.raises(ValueError, match=f"known sets: {known}"):
         get_reward_set("nope")
 
 

@@ -1,0 +1,126 @@
+"""What a run learns from: the data (math problems or records with a key mapping), the evaluation sets
+and the rewards. Composed into `MilesConfig` by `schema.py`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from miles_lite.config.fields import bounded, one_of
+
+
+@dataclass
+class PresampleConfig:
+    """Presampling filter: k samples per question, drop the all-wrong and all-right ones."""
+
+    enabled: bool = True
+    k: int = bounded(8, ge=1)
+    # strict = exact_check (answer and format); lenient = the last number in the text is right.
+    scoring: str = one_of("lenient", "strict")
+    drop_all_wrong: bool = True
+    drop_all_right: bool = True
+    max_new_tokens: int | None = None
+    # Presample only the first N training questions and train on the kept ones (0 = all questions).
+    max_questions: int = bounded(0, ge=0)
+
+
+@dataclass
+class SyntheticDataConfig:
+    """Offline GSM8K-format arithmetic problems."""
+
+    train_size: int = bounded(2000, ge=1)
+    eval_size: int = bounded(64, ge=0)
+    min_steps: int = 1
+    max_steps: int = 2
+    min_operand: int = 1
+    max_operand: int = 9
+    ops: list[str] = field(default_factory=lambda: ["+", "-", "*"])
+    max_result: int = 200  # bound on every intermediate result (>= max_operand)
+    seed: int = 0
+
+
+@dataclass
+class EvalSetConfig:
+    """One named held-out set: its file (read like the training data), its sampling and how many samples
+    a prompt gets. A sample is correct when its total reward reaches `threshold` (None: the most the
+    reward set can give that sample)."""
+
+    path: str | None = None
+    k: int = bounded(1, ge=1)
+    temperature: float = bounded(0.0, ge=0)
+    top_p: float = bounded(1.0, gt=0, le=1)
+    # None: rollout.max_new_tokens.
+    max_new_tokens: int | None = bounded(None, ge=1)
+    threshold: float | None = None
+    # Evaluate the first N prompts only (0: all).
+    size: int = bounded(0, ge=0)
+
+
+@dataclass
+class DataConfig:
+    """Where prompts come from."""
+
+    # synthetic (seeded arithmetic) | gsm8k (question/answer files) | records (any jsonl/parquet, key mapping below)
+    source: str = one_of("synthetic", "gsm8k", "records")
+    # GSM8K or records jsonl/parquet files (source=gsm8k or records).
+    train_path: str | None = None
+    eval_path: str | None = None
+    # Records: the prompt is the string column `prompt_key`, or the chat messages ({role, content} list) of
+    # `messages_key`, rendered with the tokenizer's chat template; exactly one of the two.
+    prompt_key: str | None = None
+    messages_key: str | None = None
+    # The label column, any JSON value, handed to the rewards as it is.
+    label_key: str = "label"
+    # Optional columns: metadata (any JSON value), the data source (routes `rewards.by_source`; the column
+    # `data_source` is used when present and this is unset), a reference response (the SFT warm-up's target).
+    metadata_key: str | None = None
+    source_key: str | None = None
+    response_key: str | None = None
+    # Named held-out sets, each evaluated before RL, every experiment.eval_every steps and after RL.
+    eval_sets: dict[str, EvalSetConfig] = field(default_factory=dict)
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    shuffle_seed: int = 0
+    max_prompt_tokens: int = 512
+    # System prompt of math problems: default (the format in one sentence) | worklog (the format, a worked
+    # example, and no boxed answers) | calculator (the format and how to call the calculator tool) | none
+    # (the question alone: a model trained from scratch learns the format from its SFT targets). Records
+    # render their own prompt or messages and take no system prompt from here.
+    prompt_template: str = one_of("default", "worklog", "calculator", "none")
+    presample: PresampleConfig = field(default_factory=PresampleConfig)
+
+
+@dataclass
+class RemoteRewardConfig:
+    """A reward model behind HTTP (protocol in `miles_lite/rewards/remote.py`), scored beside the others."""
+
+    # POST endpoint, e.g. http://reward-model:8000/score; None: no remote reward.
+    url: str | None = None
+    # Its column in the rollout table and metrics, its weight in the total, its largest score.
+    name: str = "remote"
+    weight: float = 1.0
+    max_score: float = 1.0
+    batch_size: int = 32
+    timeout_s: float = 30.0
+    retries: int = 3  # attempts after the first (exponential backoff from backoff_s), then the run stops
+    backoff_s: float = 0.5
+    max_concurrency: int = 4
+
+
+@dataclass
+class RewardsConfig:
+    """Weighted reward set; `weights` overrides or extends the named set's weights."""
+
+    # A named set (worklog, correctness_only, format_only, exact_match, math_answer), or none: plug-ins and
+    # the remote reward model only.
+    set: str = "worklog"
+    weights: dict[str, float] = field(default_factory=dict)
+    # Plug-in by import path "package.module:name": a batch reward function (added to the set under its
+    # name, weight 1.0 unless `weights` names it) or a RewardSet (replaces `set`).
+    custom: str | None = None
+    # Data source -> plug-in "package.module:fn": each record is scored by the function of its source
+    # (the others return None for it); every source in the data needs one.
+    by_source: dict[str, str] = field(default_factory=dict)
+    # The `exact_match` reward compares this regex's match (its first group, if any) in the completion with
+    # the label; None: the whole completion.
+    answer_pattern: str | None = None
+    remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
+

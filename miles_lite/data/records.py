@@ -1,0 +1,195 @@
+"""Records: any jsonl/parquet data set, one record a prompt, read through a key mapping.
+
+A record's prompt is a string column (`data.prompt_key`) or a list of chat messages
+(`data.messages_key`, `{role, content}` each); its label (`data.label_key`) is any JSON value and is
+handed to the rewards unchanged, as is every other column. Optional columns: metadata
+(`data.metadata_key`), the data source (`data.source_key`, default `data_source` when a record has it)
+and a reference response (`data.response_key`, the SFT warm-up's target).
+
+Math problems (`gsm8k.MathProblem`) offer the same attributes (`prompt`, `messages`, `label`, `source`,
+`columns`, `response`), so the loop handles both alike.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from miles_lite.answer_format import numeric_label
+from miles_lite.data.gsm8k import DatasetError
+
+DEFAULT_SOURCE_COLUMN = "data_source"
+ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class RecordKeys:
+    """The key mapping of `data.*_key`: which column holds what."""
+
+    prompt_key: str | None = None
+    messages_key: str | None = None
+    label_key: str = "label"
+    metadata_key: str | None = None
+    source_key: str | None = None
+    response_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt_key is None) == (self.messages_key is None):
+            raise DatasetError("data.source=records needs exactly one of data.prompt_key (a string prompt) and "
+                               "data.messages_key (a list of chat messages); got "
+                               f"prompt_key={self.prompt_key!r}, messages_key={self.messages_key!r}")
+
+    @classmethod
+    def from_config(cls, data: Any) -> RecordKeys:
+        """The mapping of a `DataConfig`."""
+        return cls(data.prompt_key, data.messages_key, data.label_key, data.metadata_key, data.source_key,
+                   data.response_key)
+
+    def as_dict(self) -> dict[str, str | None]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+@dataclass(frozen=True)
+class Record:
+    """One prompt with its label and every column of its record (`columns`, by the columns' own names)."""
+
+    prompt: str | None
+    messages: tuple[Mapping[str, str], ...] | None
+    label: Any
+    columns: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    source: str | None = None
+    response: str | None = None
+    # "<file>: line N": where the record came from, for error messages.
+    where: str = ""
+
+    @property
+    def question(self) -> str:
+        """The prompt text as shown in tables: the prompt, or the last user message."""
+        if self.prompt is not None:
+            return self.prompt
+        users = [m["content"] for m in self.messages or () if m.get("role") == "user"]
+        return users[-1] if users else (self.messages or ({"content": ""},))[-1]["content"]
+
+    @property
+    def answer(self) -> float:
+        """The label as a number for the math rewards' `answers` (NaN when it is not one)."""
+        return numeric_label(self.label)
+
+    @property
+    def steps(self) -> tuple[float, ...]:
+        return ()
+
+
+def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    if path.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        try:
+            rows = pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow raises several types for corrupt files
+            raise DatasetError(f"{path}: cannot read Parquet file: {exc}") from None
+        for index, row in enumerate(rows):
+            yield f"{path}: row {index} (0-based)", row
+        return
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}: line {lineno}"
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{where}: invalid JSON ({exc.msg}); expected one JSON object per line") from None
+
+
+def _messages(value: Any, where: str, key: str) -> tuple[dict[str, str], ...]:
+    if not isinstance(value, list) or not value:
+        raise DatasetError(f"{where}: key {key!r} (data.messages_key) must be a non-empty list of "
+                           f"{{role, content}} messages, got {type(value).__name__}")
+    messages = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise DatasetError(f"{where}: key {key!r} message {i} must be an object with string 'role' and "
+                               f"'content', got {m!r:.80}")
+        if m["role"] not in ROLES:
+            raise DatasetError(f"{where}: key {key!r} message {i} has role {m['role']!r}; roles: {', '.join(ROLES)}")
+        messages.append({"role": m["role"], "content": m["content"]})
+    if not any(m["content"].strip() for m in messages):
+        raise DatasetError(f"{where}: key {key!r}: every message is empty; the prompt must say something")
+    return tuple(messages)
+
+
+def _string(record: dict[str, Any], key: str, where: str, field_name: str) -> str:
+    value = record[key]
+    if not isinstance(value, str):
+        raise DatasetError(f"{where}: key {key!r} ({field_name}) must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise DatasetError(f"{where}: key {key!r} ({field_name}) is empty")
+    return value
+
+
+def parse_record(record: Any, keys: RecordKeys, where: str) -> Record:
+    """One record through the key mapping; DatasetError naming `where`, the key and the fix."""
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: expected a JSON object (one record), got {type(record).__name__}")
+    prompt_key = keys.prompt_key or keys.messages_key
+    assert prompt_key is not None
+    needed = [(prompt_key, "data.prompt_key" if keys.prompt_key else "data.messages_key"),
+              (keys.label_key, "data.label_key")]
+    needed += [(k, f"data.{n}") for k, n in ((keys.metadata_key, "metadata_key"), (keys.source_key, "source_key"),
+                                           (keys.response_key, "response_key")) if k is not None]
+    for key, field_name in needed:
+        if key not in record:
+            raise DatasetError(f"{where}: missing key {key!r} ({field_name}); the record has keys {sorted(record)}; "
+                               f"set {field_name} to the column that holds it")
+    prompt = _string(record, keys.prompt_key, where, "data.prompt_key") if keys.prompt_key else None
+    messages = _messages(record[keys.messages_key], where, keys.messages_key) if keys.messages_key else None
+    if record[keys.label_key] is None:
+        raise DatasetError(f"{where}: key {keys.label_key!r} (data.label_key) is null; every record needs a label")
+    source_key = keys.source_key or (DEFAULT_SOURCE_COLUMN if DEFAULT_SOURCE_COLUMN in record else None)
+    source = None
+    if source_key is not None:
+        source = _string(record, source_key, where, "data.source_key" if keys.source_key else DEFAULT_SOURCE_COLUMN)
+    response = _string(record, keys.response_key, where, "data.response_key") if keys.response_key else None
+    if keys.metadata_key is not None and not isinstance(record[keys.metadata_key], dict):
+        raise DatasetError(f"{where}: key {keys.metadata_key!r} (data.metadata_key) must be an object (a dict), "
+                           f"got {type(record[keys.metadata_key]).__name__}")
+    return Record(prompt, messages, record[keys.label_key], dict(record), source, response, where)
+
+
+def _check_path(path: Path) -> None:
+    if path.suffix.lower() not in (".jsonl", ".parquet"):
+        raise DatasetError(f"{path}: unsupported records file extension {path.suffix!r}; use .jsonl or .parquet")
+    if not path.is_file():
+        raise DatasetError(f"{path}: records file not found")
+
+
+def load_records(path: str | Path, keys: RecordKeys) -> list[Record]:
+    """Every record of a `.jsonl` or `.parquet` file (blank lines skipped).
+
+    Raises:
+        DatasetError: a missing file, an unknown extension, an empty file, or a bad record (invalid JSON,
+            a missing key, a wrong type, an empty prompt), naming the file, the line or row and the key.
+    """
+    path = Path(path)
+    _check_path(path)
+    records = [parse_record(row, keys, where) for where, row in _iter_rows(path)]
+    if not records:
+        raise DatasetError(f"{path}: the file holds no records")
+    return records
+
+
+def records_identity(path: str | Path, keys: RecordKeys) -> dict[str, Any]:
+    """What a prompt cursor over this file's records depends on, as JSON: the resolved path, the size in
+    bytes, the content's sha256 and the key mapping (a different mapping can change which records load)."""
+    path = Path(path).resolve()
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return {"kind": "records", "path": str(path), "size": path.stat().st_size, "sha256": digest.hexdigest(),
+            "keys": keys.as_dict()}
+
