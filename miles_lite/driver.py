@@ -33,9 +33,10 @@ from typing import Any
 
 from miles_lite.checkpoint.driver_state import DriverState, restore_driver_rng
 from miles_lite.config import MilesConfig, to_yaml
-from miles_lite.data.problems import load_problems
+from miles_lite.data.problems import EvalSet, load_eval_sets, load_problems
 from miles_lite.data.source import PromptSource
 from miles_lite.dir_probe import OutputDirError, probe_run_dirs
+from miles_lite.eval_sets import SetResult, evaluate_set
 from miles_lite.evaluation import EvalResult, evaluate
 from miles_lite.rewards import score_groups
 from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rl_distill_coef, rollout_stats, tool_stats
@@ -44,6 +45,7 @@ from miles_lite.run_io import RunIO, checkpoint_root, finished_summary
 from miles_lite.run_lock import RunLock
 from miles_lite.stop import StopRequest
 from miles_lite.system import System
+from miles_lite.task_check import check_task
 from miles_lite.trainer.guard import TrainingHalted
 from miles_lite.warmup import presample_filter, run_warmup
 
@@ -78,6 +80,8 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
     locks: list[RunLock] = []
     try:
         train_problems, held_out = load_problems(cfg)  # a data error ends the run before it has a directory
+        eval_sets = load_eval_sets(cfg)
+        check_task(cfg, train_problems, eval_sets)
         done = finished_summary(cfg, run_dir)  # reads only: a finished run re-run writes nothing
         if done is not None:
             print(f"miles-lite: {run_dir} already finished {done['steps_done']} steps (experiment.steps="
@@ -100,7 +104,7 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
                                  "writable directory") from None
         if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(run_dir.resolve()):
             locks.append(RunLock(cfg.checkpoint.dir, "checkpoint.dir"))
-        return _train(cfg, run_dir, stop, train_problems, held_out, start)
+        return _train(cfg, run_dir, stop, train_problems, held_out, start, eval_sets)
     finally:
         for lock in reversed(locks):
             lock.release()
@@ -108,7 +112,7 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
 
 
 def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: list, held_out: list,
-           start: float) -> RunSummary:
+           start: float, eval_sets: list[EvalSet] | None = None) -> RunSummary:
     (run_dir / "config.yaml").write_text(to_yaml(cfg))
     cfg = checkpoints_under(cfg, run_dir)
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
@@ -116,7 +120,7 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
         system.report_fleet_events(io.log)
         first_step = continue_from(io.resume(system), system, data, io)
         summary = RunSummary(str(run_dir), first_step, 0.0)
-        if first_step == 0 and not prepare_rl(system, data, train_problems, held_out, io, stop, summary):
+        if first_step == 0 and not prepare_rl(system, data, train_problems, held_out, io, stop, summary, eval_sets):
             # A checkpoint at step 0 would be resumed as a fresh run, warm-up included, on warmed weights.
             summary.stopped_by_signal = True
             summary.stopped_reason = f"{stop.name} before the first RL step"
@@ -129,7 +133,7 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
                                    relay=system.relay, **refill_hooks(system, data))
         try:
             for step in range(first_step, cfg.experiment.steps):
-                rl_step(system, data, io, rollouts, step, held_out)
+                rl_step(system, data, io, rollouts, step, held_out, eval_sets)
                 summary.steps_done = step + 1
                 if stop.requested:
                     summary.stopped_by_signal = True
@@ -146,19 +150,23 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
         io.save_checkpoint(system, data, summary.steps_done, final=True)
         if held_out and summary.stopped_reason is None:
             summary.after = io.report_eval("after RL", eval_now(system, held_out))
+        if eval_sets and summary.stopped_reason is None:
+            summary.after.update(io.report_eval_sets("after RL", eval_sets_now(system, eval_sets), summary.steps_done))
         summary.wall_seconds = time.perf_counter() - start
         io.finish(summary)
     return summary
 
 
 def prepare_rl(system: System, data: PromptSource, train_problems: list, held_out: list, io: RunIO,
-               stop: StopRequest, summary: RunSummary) -> bool:
+               stop: StopRequest, summary: RunSummary, eval_sets: list[EvalSet] | None = None) -> bool:
     """Warm-up, first push, evaluation and presample filter; False when a stop signal cut them short."""
     if stop.requested or not run_warmup(system, train_problems, io, lambda: stop.requested, data):
         return False
     io.report_sync(*system.push_weights())
     if held_out and not stop.requested:  # experiment.eval_size=0 skips evaluation
         summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
+    if eval_sets and not stop.requested:
+        summary.before.update(io.report_eval_sets("before RL", eval_sets_now(system, eval_sets), 0))
     if stop.requested:
         return False
     presample_filter(system, data, train_problems, io)
@@ -189,6 +197,12 @@ def continue_from(driver: DriverState | None, system: System, data: PromptSource
 def eval_now(system: System, held_out: list) -> EvalResult:
     assert system.rollout is not None
     return evaluate(system.rollout, held_out, system.encoder.render, system.encoder.encode, system.sampling)
+
+
+def eval_sets_now(system: System, eval_sets: list[EvalSet]) -> list[SetResult]:
+    """Every evaluation set on the engines' current weights, scored by the run's reward set."""
+    assert system.rollout is not None
+    return [evaluate_set(system.rollout, s, system.encoder, system.sampling, system.reward_set) for s in eval_sets]
 
 
 @dataclass(frozen=True)
@@ -224,13 +238,14 @@ def eval_due(cfg: MilesConfig, step: int) -> bool:
 
 
 def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int,
-            held_out: list | None = None) -> None:
+            held_out: list | None = None, eval_sets: list[EvalSet] | None = None) -> None:
     """One RL step; with `rollout.async_steps=N` the next N steps' generation overlaps its training.
 
     When `eval_due`, the held-out problems are evaluated (greedy) on the weights of the steps done so
     far, between collecting this step's groups and starting the next generation (no generation is in
     flight then: validation keeps `rollout.async_steps <= 1` with `experiment.eval_every`), and the
-    shares join this step's stats as `eval/<measure>`.
+    shares join this step's stats as `eval/<measure>`; so do the evaluation sets' measures, as
+    `eval/<set>/<measure>`.
     """
     cfg = system.cfg
     timer = io.timer()
@@ -244,6 +259,10 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
             result = eval_now(system, held_out)
         io.log(result.table(f"held-out evaluation after {step} RL steps"))
         eval_stats = {f"eval/{k}": v for k, v in result.as_dict().items() if k != "n"}
+    if eval_sets and eval_due(cfg, step) and not rollouts.busy:
+        with timer.phase("eval"):
+            results = eval_sets_now(system, eval_sets)
+        eval_stats.update(io.report_eval_sets(f"evaluation after {step} RL steps", results, step, in_step=True))
     while rollouts.pending < cfg.rollout.async_steps and step + 1 + rollouts.pending < cfg.experiment.steps:
         start_rollouts(system, data, rollouts)
     with timer.phase("reward"):  # dynamic sampling scored the groups as they completed

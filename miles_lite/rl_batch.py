@@ -3,6 +3,7 @@ statistics, and the distillation batch of the on-policy-distillation warm-up."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,19 +68,30 @@ def rl_distill_coef(cfg: MilesConfig) -> float:
 
 
 def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
-    """Reward mean/std, exact accuracy and per-reward value lists over every sample (for metrics)."""
-    samples = [s for g in groups for s in g.samples]
-    totals = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+    """Reward mean/std, exact accuracy and per-reward value lists over every sample (for metrics).
+
+    A reward that does not apply to a sample (None, or another data source's reward: NaN in `rewards`)
+    is left out of that reward's values and counted in `reward/none/<name>`; `reward/mean` and
+    `reward/std` leave out the samples no reward applies to (counted in `reward/unscored_samples`)."""
+    every = [s for g in groups for s in g.samples]
+    names = sorted({k for s in every for k in s.rewards if k != "total"})
+    scored = [s for s in every if not names or any(not math.isnan(s.rewards.get(n, 0.0)) for n in names)]
+    totals = torch.tensor([s.reward for s in scored], dtype=torch.float64)
     stats: dict[str, object] = {
-        "reward/mean": float(totals.mean()) if len(samples) else 0.0,
-        "reward/std": float(totals.std(unbiased=False)) if len(samples) else 0.0,
-        "reward/exact_accuracy": (sum(s.rewards.get("exact_check", 0.0) for s in samples) / len(samples))
-        if samples else 0.0,
-        "rollout/response_length_mean": (sum(len(s.response_ids) for s in samples) / len(samples)) if samples else 0.0,
+        "reward/mean": float(totals.mean()) if len(scored) else 0.0,
+        "reward/std": float(totals.std(unbiased=False)) if len(scored) else 0.0,
+        "reward/exact_accuracy": (sum(s.rewards.get("exact_check", 0.0) for s in every) / len(every))
+        if every else 0.0,
+        "rollout/response_length_mean": (sum(len(s.response_ids) for s in every) / len(every)) if every else 0.0,
     }
-    names = sorted({k for s in samples for k in s.rewards if k != "total"})
     for name in names:
-        stats[f"reward/values/{name}"] = [s.rewards.get(name, 0.0) for s in samples]
+        values = [s.rewards.get(name, 0.0) for s in every]
+        stats[f"reward/values/{name}"] = [v for v in values if not math.isnan(v)]
+        nones = sum(math.isnan(v) for v in values)
+        if nones:
+            stats[f"reward/none/{name}"] = float(nones)
+    if len(scored) < len(every):
+        stats["reward/unscored_samples"] = float(len(every) - len(scored))
     return stats
 
 

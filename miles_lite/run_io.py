@@ -158,6 +158,22 @@ class RunIO:
             self.table.write_groups(step, groups)
         self.progress.step_done(step + 1, stats)
 
+    def report_eval_sets(self, title: str, results: Sequence[Any], step: int, *, in_step: bool = False
+                         ) -> dict[str, float]:
+        """Print each evaluation set's table and return their `eval/<set>/<measure>` stats. Outside a step
+        (before and after RL) they also go to Prometheus and to metrics.jsonl as a record of their own
+        (`eval_phase`: the title); inside one they join that step's record."""
+        stats: dict[str, float] = {}
+        for result in results:
+            self.log(result.table(title))
+            stats.update(result.stats())
+        if stats and not in_step:
+            self.metrics.set_eval_sets(stats)
+            for sink in self.sinks:
+                sink.log(step, {"eval_phase": title, **stats})
+            self.evals[title] = {**self.evals.get(title, {}), **stats}
+        return stats
+
     def report_eval(self, title: str, result: EvalResult) -> dict[str, float]:
         self.log(result.table(title))
         self.evals[title] = result.as_dict()

@@ -167,7 +167,8 @@ def presample_filter(system: Any, data: PromptSource, problems: Sequence[MathPro
     subset = list(problems[: pre.max_questions] if pre.max_questions else problems)
     manager = system.rollout.manager
     enc = system.encoder
-    report = system.loop_thread.run(presample(manager, subset, enc.render, enc.encode, pre, system.sampling))
+    report = system.loop_thread.run(presample(manager, subset, enc.render, enc.encode, pre, system.sampling,
+                                              reward_set=system.reward_set))
     io.log(f"presample pass@k ({report.k} samples, {len(subset):,} questions):\n{report.table()}")
     io.log(f"presample ({report.scoring}): {report.summary_line()}")
     (system.run_dir / "presample.json").write_text(report.to_json())

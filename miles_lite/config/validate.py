@@ -190,12 +190,13 @@ def _check_algo(cfg: MilesConfig, problems: list[str]) -> None:
 
 def _check_rewards(cfg: MilesConfig, problems: list[str]) -> None:
     from miles_lite.rewards import get_reward_set
-    from miles_lite.rewards.setup import build_reward_set
+    from miles_lite.rewards.setup import NO_SET, build_reward_set
 
     try:
-        get_reward_set(cfg.rewards.set)
+        if cfg.rewards.set != NO_SET:
+            get_reward_set(cfg.rewards.set)
     except ValueError as err:
-        problems.append(f"rewards.set: {err}")
+        problems.append(f"rewards.set: {err}; or none (plug-ins and the remote reward model only)")
         return
     remote = cfg.rewards.remote
     for name in ("batch_size", "max_concurrency"):
@@ -255,6 +256,31 @@ def remote_reward_spec(cfg: MilesConfig):
                             max_concurrency=r.max_concurrency)
 
 
+RECORD_KEYS = ("prompt_key", "messages_key", "metadata_key", "source_key", "response_key")
+
+
+def _check_records(cfg: MilesConfig, problems: list[str]) -> None:
+    """The key mapping of `data.source=records` (the files themselves are read, and named in errors, at start)."""
+    data = cfg.data
+    if data.source != "records":
+        set_keys = [f"data.{k}" for k in RECORD_KEYS if getattr(data, k) is not None]
+        if set_keys:
+            problems.append(f"{', '.join(set_keys)} apply to data.source=records only; set data.source=records or "
+                            "remove them")
+        return
+    if not data.train_path:
+        problems.append("data.train_path is not set; data.source=records reads a .jsonl or .parquet file")
+    if (data.prompt_key is None) == (data.messages_key is None):
+        problems.append("data.source=records needs exactly one of data.prompt_key (a string prompt) and "
+                        "data.messages_key (a list of chat messages)")
+    if cfg.experiment.warmup == "sft" and data.response_key is None:
+        problems.append("experiment.warmup=sft on records trains on reference responses: set data.response_key, or "
+                        "experiment.warmup=none")
+    if cfg.rollout.environment == "calculator" and cfg.experiment.warmup == "sft":
+        problems.append("rollout.environment=calculator with experiment.warmup=sft writes math solutions as tool "
+                        "calls, which records do not have; use experiment.warmup=none with records")
+
+
 def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
     if cfg.data.source == "gsm8k":
         for dotted in ("data.train_path", "data.eval_path"):
@@ -266,6 +292,7 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
                     f"{dotted}={path!r} does not exist; data.source=gsm8k reads GSM8K jsonl or parquet files "
                     "(fields question, answer)"
                 )
+    _check_records(cfg, problems)
     demos, train_size = cfg.experiment.warmup_demos, cfg.data.synthetic.train_size
     if cfg.data.source == "synthetic" and demos > train_size:
         problems.append(f"experiment.warmup_demos={demos} exceeds data.synthetic.train_size={train_size}; lower "

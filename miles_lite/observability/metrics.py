@@ -38,6 +38,8 @@ stats key                               metric (and how the value is applied)
 ``weight_version``                      ``miles_lite_weight_version`` (set)
 ``eval/<measure>``                      ``miles_lite_held_out_accuracy_ratio{measure=<measure>}`` (set; every
                                         ``experiment.eval_every`` steps; measures in ``EVAL_MEASURES``)
+``eval/<set>/<measure>``                ``miles_lite_eval_set_value{set=<set>,measure=<measure>}`` (set; an
+                                        evaluation set's reward_mean, avg@k, pass@j; also `set_eval_sets`)
 ======================================  ==========================================================
 
 The trainer-side keys (``entropy``, ``grad_norm``, ``skipped``, ``kl/ref_k3``) are the names the
@@ -156,6 +158,8 @@ class MetricsRegistry:
         self.held_out_accuracy = gauge("held_out_accuracy_ratio",
                                        "Share of held-out problems solved by greedy decoding at the last evaluation",
                                        "measure")
+        self.eval_set_value = gauge("eval_set_value", "An evaluation set's measure at its last evaluation (mean "
+                                    "reward, avg@k, pass@j)", "set", "measure")
         self.weight_version = gauge("weight_version", "Weight version the trainer last pushed to the engines")
         self.rollout_tokens_per_second = gauge("rollout_tokens_per_second",
                                                "Generated tokens per second of wall time in the last rollout")
@@ -208,6 +212,12 @@ class MetricsRegistry:
         self._extra: list[Collector] = []
 
     # -- step ---------------------------------------------------------------------------------
+    def set_eval_sets(self, stats: Mapping[str, object]) -> None:
+        """Set `eval/<set>/<measure>` values (evaluations before and after RL happen outside any step)."""
+        for key, value in stats.items():
+            _, name, measure = key.split("/", 2)
+            self.eval_set_value.labels(self.run, self.role, name, measure).set(_as_float(key, value))
+
     def publish_step(self, step: int, stats: Mapping[str, object]) -> None:
         """Apply one step's stats dict (keys in the module table; others ignored).
 
@@ -232,6 +242,8 @@ class MetricsRegistry:
                     child.inc(number)
                 else:
                     child.set(number)
+            elif key.startswith("eval/") and key.count("/") == 2:
+                self.set_eval_sets({key: value})
             elif key == "rollout/request_latency_seconds":
                 for seconds in _as_floats(key, value):
                     self.request_latency.labels(self.run, self.role).observe(seconds)

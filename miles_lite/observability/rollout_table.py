@@ -9,6 +9,7 @@ reward sets still share one schema.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -39,6 +40,9 @@ SCHEMA = pa.schema([
     pa.field("weight_version", pa.string()),
     # Model turns of a multi-turn trajectory (1 for single-turn); `completion` holds every turn and reply.
     pa.field("turns", pa.int64()),
+    # The prompt's label (a string as it is, any other JSON value as JSON) and its data source (null: none).
+    pa.field("label", pa.string()),
+    pa.field("source", pa.string()),
 ])
 
 
@@ -59,8 +63,18 @@ class RolloutRow:
     engine: str
     weight_version: str
     # Raw value of every reward function (the weighted sum is `total`).
-    rewards: dict[str, float] = field(default_factory=dict)
+    rewards: dict[str, float | None] = field(default_factory=dict)
     turns: int = 1
+    label: str | None = None
+    source: str | None = None
+
+
+def label_text(group: Group) -> str | None:
+    """The group's label as the table shows it: a string as it is, anything else as JSON."""
+    label = getattr(group.record, "label", None) if group.record is not None else group.answer
+    if label is None or isinstance(label, str):
+        return label
+    return json.dumps(label, ensure_ascii=False, default=str)
 
 
 def rows_from_groups(step: int, groups: Sequence[Group]) -> list[RolloutRow]:
@@ -81,8 +95,11 @@ def rows_from_groups(step: int, groups: Sequence[Group]) -> list[RolloutRow]:
                 mean_logprob=sum(lps) / len(lps) if lps else math.nan,
                 engine=sample.engine_id,
                 weight_version=sample.weight_version,
-                rewards={k: float(v) for k, v in sample.rewards.items() if k != "total"},
+                # NaN: the reward does not apply to this sample (None in the table).
+                rewards={k: None if math.isnan(v) else float(v) for k, v in sample.rewards.items() if k != "total"},
                 turns=sample.turns,
+                label=label_text(group),
+                source=group.source,
             ))
     return rows
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
-from miles_lite.rollout.environment import ToolEnvironment
+from miles_lite.rollout.environment import ToolEnvironment, start_trajectory
 from miles_lite.rollout.fleet import EngineFleet, EngineLease
 from miles_lite.rollout.generate_plugin import GenerateFn, GenerateResult, Interrupted, SlotClient
 from miles_lite.rollout.prompt_spec import PromptLike, PromptSpec, as_prompt_spec, sampling_from_config
@@ -339,7 +339,9 @@ class RolloutManager:
         if slot.finish_reason != "stop" or slot.turns >= self.cfg.max_turns:
             return False
         assert self.decode is not None and self.encode is not None
-        reply = env.reply(self.decode(slot.response_ids[slot.turn_start:]), spec.question)
+        if slot.env is None:
+            slot.env = start_trajectory(env, spec.record)
+        reply = slot.env.reply(self.decode(slot.response_ids[slot.turn_start:]), spec.question)
         if reply is None:
             return False
         ids = self.encode(reply)

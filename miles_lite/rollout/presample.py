@@ -8,7 +8,9 @@ training: each question is sampled k times and scored two ways,
 - lenient: the last number anywhere in the completion equals the answer,
 
 then pass@1..k is estimated with the unbiased estimator of Chen et al. (2021) and the questions
-whose count under the chosen scoring is 0/k or k/k are dropped.
+whose count under the chosen scoring is 0/k or k/k are dropped. A record (not a math problem) is scored
+by the run's reward set instead: a sample is right when its total reaches the most the set can give a
+record of its source (both counts are that one).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from miles_lite.answer_format import answer_matches, find_numbers
 from miles_lite.config.schema import PresampleConfig
 from miles_lite.data.gsm8k import MathProblem
+from miles_lite.rewards import RewardSet, score_groups
 from miles_lite.rewards.math import score_exact
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.prompt_spec import PromptSpec
@@ -113,9 +117,17 @@ def summarise(results: Sequence[QuestionResult], k: int, cfg: PresampleConfig) -
     return report
 
 
-def count_correct(group: Group, problem: MathProblem) -> QuestionResult:
-    """Score one group of k completions of `problem` strictly and leniently."""
+def count_correct(group: Group, problem: Any, reward_set: RewardSet | None = None) -> QuestionResult:
+    """Score one group of k completions of `problem` strictly and leniently (a math problem), or by
+    `reward_set`: reward == the most a record of its source can get (any other record)."""
     texts = [s.response_text for s in group.samples]
+    if not isinstance(problem, MathProblem):
+        if reward_set is None:
+            raise ValueError("presampling records needs the run's reward set")
+        score_groups(reward_set, [group])
+        best = reward_set.max_total_for(problem.source)
+        right = sum(s.reward >= best - 1e-9 for s in group.samples)
+        return QuestionResult(group.prompt_index, problem.question, problem.answer, len(texts), right, right)
     return QuestionResult(
         index=group.prompt_index,
         question=problem.question,
@@ -128,18 +140,19 @@ def count_correct(group: Group, problem: MathProblem) -> QuestionResult:
 
 async def presample(
     manager: RolloutManager,
-    problems: Sequence[MathProblem],
-    render: Callable[[str], str],
+    problems: Sequence[Any],
+    render: Callable[[Any], str],
     encode: Callable[[str], list[int]],
     cfg: PresampleConfig,
     sampling: SamplingParams,
     *,
+    reward_set: RewardSet | None = None,
     chunk_size: int = 64,
     progress: Callable[[int, int], None] | None = None,
 ) -> PresampleReport:
     """Sample `cfg.k` completions of every problem and summarise them.
 
-    `render(question) -> prompt text` and `encode(text) -> token ids` build each prompt; the
+    `render(problem) -> prompt text` and `encode(text) -> token ids` build each prompt; the
     manager needs a `decode` so completions have text. Problems are sent `chunk_size` at a time so
     memory stays flat on large data sets; `progress(done, total)` is called after each chunk.
     """
@@ -154,13 +167,13 @@ async def presample(
         chunk = problems[start:start + chunk_size]
         specs = []
         for offset, problem in enumerate(chunk):
-            text = render(problem.question)
+            text = render(problem)
             specs.append(PromptSpec(start + offset, tuple(encode(text)), text, problem.question, problem.answer,
-                                    problem.steps))
+                                    problem.steps, record=problem))
         groups = await manager.generate_groups(specs, cfg.k, sampling)
         if len(groups) != len(specs):
             raise RuntimeError(f"presample got {len(groups)} groups for {len(specs)} questions (was it aborted?)")
-        results.extend(count_correct(g, problems[g.prompt_index]) for g in groups)
+        results.extend(count_correct(g, problems[g.prompt_index], reward_set) for g in groups)
         if progress is not None:
             progress(len(results), len(problems))
     return summarise(results, cfg.k, cfg)

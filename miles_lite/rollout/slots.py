@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from miles_lite.rollout.prompt_spec import PromptSpec
 from miles_lite.types import Generation, Sample, SamplingParams
@@ -85,6 +86,8 @@ class Slot:
     # Model turns finished so far, and where the current one starts in `response_ids`.
     turns: int = 0
     turn_start: int = 0
+    # The trajectory's own environment, from the environment's `reset(record)` (multi-turn; None: not yet).
+    env: Any = None
 
     def append(self, gen: Generation) -> None:
         self.response_ids.extend(gen.output_ids)

@@ -1,0 +1,52 @@
+"""Before any work: do the run's rewards fit its data? A source with no `rewards.by_source` function, a
+plug-in asking for a column the records lack, or a math reward facing a label that is not a number
+stops the run with the record and the fix named (exit 2, no run directory)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+from miles_lite.config.schema import MilesConfig
+from miles_lite.config.validate import remote_reward_spec
+from miles_lite.data.gsm8k import DatasetError
+from miles_lite.data.problems import EvalSet
+from miles_lite.rewards import RewardSet
+from miles_lite.rewards.batch import columns_problem
+from miles_lite.rewards.setup import build_reward_set
+
+
+def run_reward_set(cfg: MilesConfig) -> RewardSet:
+    """The reward set `rewards.*` describes (what `System` scores with)."""
+    return build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom, remote_reward_spec(cfg),
+                            cfg.rewards.by_source, cfg.rewards.answer_pattern)
+
+
+def check_task(cfg: MilesConfig, train: Sequence[Any], eval_sets: Sequence[EvalSet]) -> None:
+    """Raise DatasetError when the reward set cannot score the training records or an evaluation set's."""
+    reward_set = run_reward_set(cfg)
+    named = [("data.train_path", train)] + [(f"data.eval_sets.{s.name}", s.items) for s in eval_sets]
+    by_source = cfg.rewards.by_source
+    for field, items in named:
+        columns = {name for item in items for name in item.columns}
+        for name in reward_set.names:
+            reward = reward_set.reward(name)
+            if reward.style == "columns":
+                problem = columns_problem(reward.fn, columns)
+                if problem is not None:
+                    raise DatasetError(f"reward {name!r} cannot score {field}: {problem}")
+        math_rewards = [n for n in reward_set.names if reward_set.reward(n).style == "math"]
+        for item in items:
+            if by_source and item.source not in by_source:
+                where = getattr(item, "where", field)
+                raise DatasetError(f"{where}: data source {item.source!r} has no reward function; add "
+                                   f"rewards.by_source.{item.source}=package.module:fn (sources with one: "
+                                   f"{', '.join(sorted(by_source))})" if item.source is not None else
+                                   f"{where}: the record has no data source, which rewards.by_source needs; set "
+                                   "data.source_key or give every record a data_source column")
+            applies = [n for n in math_rewards if reward_set.reward(n).source in (None, item.source)]
+            if applies and math.isnan(item.answer):
+                raise DatasetError(f"{getattr(item, 'where', field)}: label {item.label!r} is not a number, which the "
+                                   f"math rewards {applies} need; score records with rewards.set=exact_match, or "
+                                   "rewards.set=none with rewards.custom")
