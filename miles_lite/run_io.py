@@ -21,7 +21,7 @@ from miles_lite.observability.gpu import nvml_collector
 from miles_lite.observability.metrics import ENGINE_STATES, MetricsRegistry
 from miles_lite.observability.progress import RunProgress
 from miles_lite.observability.rollout_table import RolloutTableWriter
-from miles_lite.observability.sinks import build_sinks
+from miles_lite.observability.sinks import EVAL_PHASE, build_sinks
 from miles_lite.types import Group
 from miles_lite.weight_sync.coordinator import SyncReport
 
@@ -170,7 +170,7 @@ class RunIO:
         if stats and not in_step:
             self.metrics.set_eval_sets(stats)
             for sink in self.sinks:
-                sink.log(step, {"eval_phase": title, **stats})
+                sink.log(step, {EVAL_PHASE: title, **stats})
             self.evals[title] = {**self.evals.get(title, {}), **stats}
         return stats
 

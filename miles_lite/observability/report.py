@@ -21,7 +21,7 @@ import pyarrow as pa
 
 from miles_lite.observability import plots
 from miles_lite.observability.rollout_table import read_rollouts
-from miles_lite.observability.sinks import read_metrics_file
+from miles_lite.observability.sinks import EVAL_PHASE, read_metrics_file
 
 REPORT_FILE = "report.html"
 # Stats shown in the summary table: (key, label, format).
@@ -69,12 +69,30 @@ def _summary_table(records: Sequence[dict[str, Any]]) -> str:
             f"{rows}</table>")
 
 
+def _eval_sets_table(run_dir: Path, records: Sequence[dict[str, Any]]) -> str:
+    """Every evaluation set's measures: before RL, at each step that evaluated, after RL."""
+    rows = [(r[EVAL_PHASE], r) for r in read_metrics_file(run_dir, evaluations=True)]
+    rows += [(f"after {r['step']} RL steps", r) for r in records if any(_is_set_key(k) for k in r)]
+    rows.sort(key=lambda row: row[1]["step"] + (0.5 if row[0] == "after RL" else 0))
+    keys = sorted({k for _, r in rows for k in r if _is_set_key(k)})
+    if not keys:
+        return ""
+    head = "".join(f"<th>{html.escape(k[len('eval/'):])}</th>" for k in keys)
+    body = "".join(f"<tr><td>{html.escape(title)}</td>" + "".join(f"<td>{_fmt(r.get(k), '{:.3f}')}</td>"
+                                                                  for k in keys) + "</tr>" for title, r in rows)
+    return f"<h2>Evaluation sets</h2><table><tr><th>when</th>{head}</tr>{body}</table>"
+
+
+def _is_set_key(key: str) -> bool:
+    return key.startswith("eval/") and key.count("/") == 2
+
+
 def _rollout_rows(table: pa.Table, indices: Sequence[int]) -> str:
     cols = {name: table[name].to_pylist() for name in
             ("step", "prompt", "completion", "rewards", "total", "finish_reason", "length", "engine")}
     out = []
     for i in indices:
-        rewards = ", ".join(f"{k}={v:.3g}" for k, v in (cols["rewards"][i] or []))
+        rewards = ", ".join(f"{k}={_fmt(v, '{:.3g}')}" for k, v in (cols["rewards"][i] or []))
         out.append(
             f"<tr><td>{cols['step'][i]}</td><td>{_fmt(cols['total'][i], '{:.3f}')}</td>"
             f"<td>{html.escape(rewards)}</td><td>{html.escape(str(cols['finish_reason'][i]))}, "
@@ -114,7 +132,7 @@ def render_report(run_dir: str | os.PathLike[str], top_k: int = 5) -> str:
         f"<h1>{html.escape(run_dir.name)}</h1>",
         f"<p class='sub'>{len(records)} steps (step {records[0]['step']} to {records[-1]['step']}), "
         f"{table.num_rows} completions in the rollout table</p>",
-        "<h2>Summary</h2>", _summary_table(records),
+        "<h2>Summary</h2>", _summary_table(records), _eval_sets_table(run_dir, records),
         "<h2>Reward and accuracy</h2>", _img(plots.reward_plot(records), "reward and accuracy"),
         "<h2>Train / rollout mismatch</h2>", _img(plots.mismatch_plot(records), "mismatch"),
         "<h2>Zero-signal groups</h2>", _img(plots.zero_signal_plot(records), "zero-signal share"),

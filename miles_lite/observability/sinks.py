@@ -65,8 +65,13 @@ class MetricsFileSink:
         self._file.close()
 
 
-def read_metrics_file(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """The records of ``<run_dir>/metrics.jsonl`` ordered by step; a re-logged step keeps its last record.
+# Marks a metrics.jsonl record of an evaluation outside any step (before or after RL): its value is the title.
+EVAL_PHASE = "eval_phase"
+
+
+def read_metrics_file(run_dir: str | os.PathLike[str], evaluations: bool = False) -> list[dict[str, Any]]:
+    """The step records of ``<run_dir>/metrics.jsonl`` ordered by step; a re-logged step keeps its last record.
+    `evaluations`: instead, the records of evaluations outside any step (with ``eval_phase``), in file order.
 
     Raises:
         FileNotFoundError: no metrics file in `run_dir`.
@@ -76,6 +81,7 @@ def read_metrics_file(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; is {run_dir} a run directory (experiment.output_dir/run)?")
     by_step: dict[int, dict[str, Any]] = {}
+    phases: list[dict[str, Any]] = []
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -87,8 +93,11 @@ def read_metrics_file(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
                 raise ValueError(f"{path}:{lineno} is not JSON ({err.msg})") from err
             if not isinstance(record, dict) or not isinstance(record.get("step"), int):
                 raise ValueError(f"{path}:{lineno} must be a JSON object with an integer 'step'")
-            by_step[record["step"]] = record
-    return [by_step[s] for s in sorted(by_step)]
+            if EVAL_PHASE in record:
+                phases.append(record)
+            else:
+                by_step[record["step"]] = record
+    return phases if evaluations else [by_step[s] for s in sorted(by_step)]
 
 
 class TensorBoardSink:
