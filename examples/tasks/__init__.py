@@ -1,0 +1,1 @@
+"""Example records tasks for `data.source=records` (put `examples/` on PYTHONPATH to import their rewards)."""

@@ -1,0 +1,149 @@
+"""Records data: the key mapping, every column kept, errors naming file, line and key; rendering of
+prompts and chat messages; the identity of a records file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from miles_lite.data.encoding import PromptEncoder
+from miles_lite.data.gsm8k import DatasetError
+from miles_lite.data.records import Record, RecordKeys, load_records, records_identity
+
+KEYS = RecordKeys(prompt_key="prompt", metadata_key="meta")
+
+
+def write(path: Path, rows: list) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+def test_records_keep_every_column_label_as_is_and_default_source(tmp_path: Path) -> None:
+    path = write(tmp_path / "d.jsonl", [
+        {"prompt": "say hi", "label": "hi", "meta": {"tests": ["a"]}, "data_source": "greet", "extra": 3},
+        "",
+        {"prompt": "list", "label": [1, "x"], "meta": {}, "data_source": "lists"},
+    ])
+    first, second = load_records(path, KEYS)
+    assert first.prompt == "say hi" and first.label == "hi" and first.source == "greet"
+    assert first.columns == {"prompt": "say hi", "label": "hi", "meta": {"tests": ["a"]}, "data_source": "greet",
+                             "extra": 3}
+    assert second.label == [1, "x"] and second.where.endswith("d.jsonl: line 3")
+    assert first.question == "say hi" and first.answer != first.answer  # NaN: not a number
+    assert load_records(write(tmp_path / "n.jsonl", [{"prompt": "p", "label": "1,234"}]),
+                        RecordKeys(prompt_key="prompt"))[0].answer == 1234.0
+
+
+def test_source_key_and_response_key(tmp_path: Path) -> None:
+    path = write(tmp_path / "d.jsonl", [{"q": "x", "y": "z", "origin": "s1", "ref": "z!"}])
+    (record,) = load_records(path, RecordKeys(prompt_key="q", label_key="y", source_key="origin", response_key="ref"))
+    assert (record.source, record.response, record.label) == ("s1", "z!", "z")
+
+
+def test_parquet_records(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "label": "b", "meta": {"k": 1}}]), tmp_path / "d.parquet")
+    (record,) = load_records(tmp_path / "d.parquet", KEYS)
+    assert record.columns["meta"] == {"k": 1} and record.where.endswith("row 0 (0-based)")
+    pq.write_table(pa.Table.from_pylist([{"prompt": "a", "meta": {"k": 1}}]), tmp_path / "e.parquet")
+    with pytest.raises(DatasetError, match=r"e\.parquet: row 0 \(0-based\): missing key 'label' \(data.label_key\)"):
+        load_records(tmp_path / "e.parquet", KEYS)
+
+
+@pytest.mark.parametrize(("row", "message"), [
+    ({"label": "x", "meta": {}}, r"line 2: missing key 'prompt' \(data.prompt_key\).*set data.prompt_key"),
+    ({"prompt": "p", "meta": {}}, r"line 2: missing key 'label' \(data.label_key\)"),
+    ({"prompt": "p", "label": "x"}, r"line 2: missing key 'meta' \(data.metadata_key\)"),
+    ({"prompt": 7, "label": "x", "meta": {}}, r"line 2: key 'prompt' \(data.prompt_key\) must be a string, got int"),
+    ({"prompt": "  ", "label": "x", "meta": {}}, r"line 2: key 'prompt' \(data.prompt_key\) is empty"),
+    ({"prompt": "p", "label": None, "meta": {}}, r"line 2: key 'label' \(data.label_key\) is null"),
+    ({"prompt": "p", "label": "x", "meta": [1]}, r"line 2: key 'meta' \(data.metadata_key\) must be an object"),
+    ({"prompt": "p", "label": "x", "meta": {}, "data_source": 3}, r"line 2: key 'data_source'.*must be a string"),
+    ("{not json", r"line 2: invalid JSON"),
+    ([1, 2], r"line 2: expected a JSON object"),
+])
+def test_each_bad_record_names_file_line_and_key(tmp_path: Path, row, message: str) -> None:
+    path = write(tmp_path / "bad.jsonl", [{"prompt": "fine", "label": "x", "meta": {}}, row])
+    with pytest.raises(DatasetError, match=message) as err:
+        load_records(path, KEYS)
+    assert str(path) in str(err.value)
+
+
+def test_bad_files_and_mappings(tmp_path: Path) -> None:
+    with pytest.raises(DatasetError, match="records file not found"):
+        load_records(tmp_path / "none.jsonl", KEYS)
+    with pytest.raises(DatasetError, match="unsupported records file extension '.csv'"):
+        load_records(write(tmp_path / "d.csv", []), KEYS)
+    with pytest.raises(DatasetError, match="holds no records"):
+        load_records(write(tmp_path / "e.jsonl", [""]), KEYS)
+    with pytest.raises(DatasetError, match="exactly one of data.prompt_key"):
+        RecordKeys(prompt_key="a", messages_key="b")
+    with pytest.raises(DatasetError, match="exactly one of data.prompt_key"):
+        RecordKeys()
+
+
+@pytest.mark.parametrize(("messages", "message"), [
+    ("hello", r"key 'msgs' \(data.messages_key\) must be a non-empty list"),
+    ([], r"key .msgs. \(data.messages_key\) must be a non-empty list"),
+    ([{"role": "user"}], r"message 0 must be an object with string 'role' and 'content'"),
+    ([{"role": "robot", "content": "x"}], r"message 0 has role 'robot'"),
+    ([{"role": "user", "content": " "}], r"every message is empty"),
+])
+def test_bad_messages(tmp_path: Path, messages, message: str) -> None:
+    path = write(tmp_path / "m.jsonl", [{"msgs": messages, "label": "x"}])
+    with pytest.raises(DatasetError, match=f"line 1: .*{message}"):
+        load_records(path, RecordKeys(messages_key="msgs"))
+
+
+class ChatTokenizer:
+    """The pieces of an HF tokenizer the encoder uses, with a visible chat template."""
+
+    chat_template = "chatml"
+    eos_token_id = 0
+    eos_token = "<eos>"
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        assert add_generation_prompt and not tokenize
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_prompts_and_messages_render_through_the_chat_template_without_a_math_system_prompt(tmp_path) -> None:
+    encoder = PromptEncoder(ChatTokenizer(), "default")
+    chat = Record(None, ({"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}), "hi")
+    assert encoder.render(chat) == "<system>Be brief.<user>Hi?<assistant>"
+    assert encoder.render(Record("Hi?", None, "hi")) == "<user>Hi?<assistant>"
+    assert chat.question == "Hi?"
+    (spec,) = encoder.prompt_specs([(3, chat)])
+    assert spec.record is chat and spec.prompt_text == "<system>Be brief.<user>Hi?<assistant>"
+    # No chat template: role lines.
+    plain = PromptEncoder(None, "none")
+    assert plain.render(chat) == "System: Be brief.\nUser: Hi?\nAssistant: "
+
+
+def test_sft_pairs_of_records_use_the_reference_response() -> None:
+    encoder = PromptEncoder(ChatTokenizer(), "default")
+    batch = encoder.sft_batch([Record("ab", None, "ba", response="ba")])
+    assert batch.tokens[0][batch.prompt_lengths[0]:] == [ord(c) for c in "ba<eos>"]
+    with pytest.raises(ValueError, match="set data.response_key"):
+        encoder.sft_batch([Record("ab", None, "ba", where="f.jsonl: line 1")])
+
+
+def test_records_identity_names_content_and_mapping(tmp_path: Path) -> None:
+    path = write(tmp_path / "d.jsonl", [{"prompt": "a", "label": "b", "meta": {}}])
+    first = records_identity(path, KEYS)
+    assert first["path"] == str(path.resolve()) and first["size"] == path.stat().st_size
+    assert first["keys"]["prompt_key"] == "prompt" and first["keys"]["metadata_key"] == "meta"
+    json.dumps(first)
+    assert records_identity(path, RecordKeys(prompt_key="prompt")) != first
+    write(path, [{"prompt": "a", "label": "c", "meta": {}}])
+    assert records_identity(path, KEYS)["sha256"] != first["sha256"]
