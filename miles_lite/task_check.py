@@ -25,6 +25,10 @@ def run_reward_set(cfg: MilesConfig) -> RewardSet:
 
 def check_task(cfg: MilesConfig, train: Sequence[Any], eval_sets: Sequence[EvalSet]) -> None:
     """Raise DatasetError when the reward set cannot score the training records or an evaluation set's."""
+    demos = cfg.experiment.warmup_demos
+    if cfg.experiment.warmup == "sft" and train and demos > len(train):
+        raise DatasetError(f"experiment.warmup_demos={demos} asks for more demonstrations than the {len(train):,} "
+                           "records of data.train_path hold: lower it, or set 0 to use every record")
     reward_set = run_reward_set(cfg)
     named = [("data.train_path", train)] + [(f"data.eval_sets.{s.name}", s.items) for s in eval_sets]
     by_source = cfg.rewards.by_source

@@ -142,7 +142,7 @@ def test_records_with_chat_messages_and_an_sft_warm_up_on_their_responses(tmp_pa
     proc = _train(tmp_path, "data.source=records", f"data.train_path={train}", "data.messages_key=messages",
                   "data.response_key=ref", "rewards.set=exact_match", r"rewards.answer_pattern='answer:\s*(\w)'",
                   "experiment.warmup=sft", "experiment.warmup_steps=3", "experiment.warmup_batch_size=4",
-                  "experiment.warmup_exclude_from_rl=false",
+                  "experiment.warmup_exclude_from_rl=false", "experiment.warmup_demos=0",
                   "experiment.steps=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "out" / "run"
@@ -191,6 +191,14 @@ def test_bad_records_fail_before_any_work(tmp_path: Path, second, overrides: dic
     import re
 
     assert re.search(message, proc.stderr), proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_more_demonstrations_than_records_fails_before_any_work(tmp_path: Path):
+    train = _write(tmp_path / "train.jsonl", [{"prompt": "p", "label": "x", "ref": "x"}])
+    proc = _train(tmp_path, "data.source=records", f"data.train_path={train}", "data.prompt_key=prompt",
+                  "data.response_key=ref", "rewards.set=exact_match", "experiment.warmup=sft")
+    assert proc.returncode == 2 and "experiment.warmup_demos=96 asks for more demonstrations than the 1" in proc.stderr
     assert not (tmp_path / "out").exists()
 
 
