@@ -94,7 +94,7 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
                       "+rewards.by_source.alpha=record_plugins:alpha", "+rewards.by_source.beta=record_plugins:beta",
                       f"rewards.remote.url={server.url}", "rewards.remote.name=judge",
                       f"+data.eval_sets={{dev: {{path: {dev}, k: 2, temperature: 1.0}}}}", "experiment.eval_every=1",
-                      env=_plugin_env(tmp_path))
+                      "rollout.dynamic_sampling=true", env=_plugin_env(tmp_path))
     finally:
         server.shutdown()
         server.server_close()
@@ -107,7 +107,7 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
     assert all(c["kwargs"] == ["question"] for c in alpha_calls)
     run = tmp_path / "out" / "run"
     rows = read_rollouts(run).to_pylist()
-    assert len(rows) == 2 * 4 * 2
+    assert rows and len(rows) % 2 == 0  # dynamic sampling keeps whole groups with signal
     labels = {r["question"]: r["answer_text"] for r in _records(8)}
     for row in rows:
         rewards = dict(row["rewards"])
@@ -121,6 +121,7 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
     assert any(dict(r["rewards"])["alpha"] is None for r in rows if r["source"] == "alpha")
     steps = read_metrics_file(run)
     assert sum(s.get("reward/none/alpha", 0) for s in steps) > 0
+    assert all(s["rollout/dynamic_sampling_rounds"] >= 1 for s in steps)
     assert "eval/dev/avg@2" in steps[1] and "eval/dev/pass@2" in steps[1]
     summary = json.loads((run / "summary.json").read_text())
     for phase in ("before", "after"):
@@ -143,6 +144,7 @@ def test_records_with_chat_messages_and_an_sft_warm_up_on_their_responses(tmp_pa
                   "data.response_key=ref", "rewards.set=exact_match", r"rewards.answer_pattern='answer:\s*(\w)'",
                   "experiment.warmup=sft", "experiment.warmup_steps=3", "experiment.warmup_batch_size=4",
                   "experiment.warmup_exclude_from_rl=false", "experiment.warmup_demos=0",
+                  "data.presample.enabled=true", "data.presample.k=2",
                   "experiment.steps=1")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = tmp_path / "out" / "run"
@@ -154,6 +156,10 @@ def test_records_with_chat_messages_and_an_sft_warm_up_on_their_responses(tmp_pa
         assert row["prompt"].endswith("<|im_start|>assistant\n")
         assert set(dict(row["rewards"])) == {"exact_match"} and row["label"] in "abcdefgh"
     assert len((run / "warmup.jsonl").read_text().splitlines()) == 3
+    # Presampled by reward == the reward's maximum: every record, k samples each.
+    presample = json.loads((run / "presample.json").read_text())
+    assert presample["k"] == 2 and len(presample["results"]) == 8
+    assert all(0 <= r["strict"] == r["lenient"] <= 2 for r in presample["results"])
 
 
 BAD_FILES = [

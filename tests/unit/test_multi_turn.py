@@ -206,3 +206,52 @@ def test_a_synthetic_spec_the_generator_refuses_fails_naming_the_field():
     cfg = load_config(["data.synthetic.max_operand=99", "data.synthetic.max_result=50"])
     with pytest.raises(ValueError, match=r"data.synthetic: max_result \(50\) must be >= max_operand \(99\)"):
         load_problems(cfg)
+
+
+class SuiteEnvironment:
+    """Per-task state: each trajectory gets the tests of its own record from `reset(record)`."""
+
+    stop = ("</run>",)
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def reset(self, record):
+        self.records.append(record)
+        return SuiteEpisode(record.columns["metadata"]["tests"])
+
+
+class SuiteEpisode:
+    def __init__(self, tests: list[str]) -> None:
+        self.tests = list(tests)
+
+    def reply(self, turn: str, question: str) -> str | None:
+        if not turn.endswith("</run>"):
+            return None
+        return f"<ok>{self.tests.pop(0)}</ok>"
+
+
+def test_environment_reset_hands_each_trajectory_its_record():
+    from miles_lite.data.records import Record
+
+    record = Record("run it", None, "pass", {"metadata": {"tests": ["t1", "t2"]}, "label": "pass"}, "code")
+    engine = ScriptedEngine([("run it", "<run>a</run>", "stop"), ("<ok>t1</ok>", "<run>b</run>", "stop"),
+                             ("<ok>t2</ok>", " done", "stop")])
+    env = SuiteEnvironment()
+
+    async def main():
+        ft = FaultToleranceConfig(health_interval_s=60, request_retries=0)
+        fleet = EngineFleet(ft)
+        await fleet.add_engine(EngineHandle(engine))
+        manager = RolloutManager(fleet, RolloutConfig(group_size=2, max_new_tokens=64, max_turns=4), ft,
+                                 decode=decode, encode=encode, environment=env)
+        spec = PromptSpec(0, tuple(encode("run it")), "run it", "run it", record=record)
+        groups = await manager.generate_groups([spec])
+        await fleet.close()
+        return groups[0]
+
+    group = asyncio.run(main())
+    # One reset per trajectory, each with the record; each trajectory consumed its own copy of the tests.
+    assert env.records == [record, record] and group.record is record
+    expected = "<run>a</run><ok>t1</ok><run>b</run><ok>t2</ok> done"
+    assert [decode(s.response_ids) for s in group.samples] == [expected] * 2

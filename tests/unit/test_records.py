@@ -147,3 +147,36 @@ def test_records_identity_names_content_and_mapping(tmp_path: Path) -> None:
     assert records_identity(path, RecordKeys(prompt_key="prompt")) != first
     write(path, [{"prompt": "a", "label": "c", "meta": {}}])
     assert records_identity(path, KEYS)["sha256"] != first["sha256"]
+
+
+def test_validation_of_the_records_mapping_names_each_field(tmp_path: Path) -> None:
+    from miles_lite.config import load_config
+    from miles_lite.config.validate import ConfigError, validate
+
+    def problems(*overrides: str) -> str:
+        with pytest.raises(ConfigError) as err:
+            validate(load_config(list(overrides)))
+        return str(err.value)
+
+    text = problems("data.source=records", "experiment.warmup=sft")
+    assert "data.train_path is not set" in text and "exactly one of data.prompt_key" in text
+    assert "set data.response_key" in text
+    assert "data.prompt_key apply to data.source=records only" in problems("data.prompt_key=q")
+    assert "unknown reward set 'nope'" in problems("rewards.set=nope")
+
+
+def test_evaluation_sets_and_data_identity_from_the_config(tmp_path: Path) -> None:
+    from miles_lite.config import load_config
+    from miles_lite.data.problems import data_identity, load_eval_sets
+
+    train = write(tmp_path / "t.jsonl", [{"p": "a", "label": "b"}, {"p": "c", "label": "d"}])
+    dev = write(tmp_path / "d.jsonl", [{"p": "e", "label": "f"}] * 5)
+    cfg = load_config(["data.source=records", f"data.train_path={train}", f"data.eval_path={dev}", "data.prompt_key=p",
+                       "experiment.eval_size=3", f"+data.eval_sets={{wide: {{path: {dev}, k: 4, temperature: 1.0}}}}"])
+    sets = {s.name: s for s in load_eval_sets(cfg)}
+    assert set(sets) == {"wide", "held_out"}
+    assert len(sets["held_out"].items) == 3 and sets["held_out"].cfg.k == 1 and sets["held_out"].cfg.temperature == 0
+    assert len(sets["wide"].items) == 5 and sets["wide"].cfg.k == 4
+    identity = data_identity(cfg)
+    assert identity == records_identity(train, RecordKeys(prompt_key="p"))
+    assert data_identity(load_config([]))["kind"] == "synthetic"
