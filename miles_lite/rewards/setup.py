@@ -90,15 +90,20 @@ def build_reward_set(set_name: str, weights: Mapping[str, float], custom: str | 
             raise ValueError(f"rewards.remote.url={remote.url!r} must be an http(s) URL")
         _add(weights_of, functions, remote.name, RegisteredReward(RemoteReward(remote), remote.max_score, "batch"),
              remote.weight, f"rewards.remote.name={remote.name!r}", "choose another name")
-    if "exact_match" in weights_of and answer_pattern is not None:
-        functions["exact_match"] = RegisteredReward(ExactMatch(answer_pattern), style="batch")
     if not weights_of:
         raise ValueError("rewards.set=none leaves no reward: add rewards.custom, rewards.by_source.<source> or "
                          "rewards.remote.url, or pick a named set")
     try:
-        return RewardSet(name, weights_of, functions).with_weights(dict(weights))
+        reward_set = RewardSet(name, weights_of, functions).with_weights(dict(weights))
     except ValueError as exc:
         raise ValueError(f"rewards.weights: {exc}") from None
+    if answer_pattern is not None:
+        if "exact_match" not in reward_set.weights:
+            raise ValueError(f"rewards.answer_pattern={answer_pattern!r} configures the exact_match reward, which the "
+                             "reward set lacks: use rewards.set=exact_match or add +rewards.weights.exact_match=1.0")
+        exact = RegisteredReward(ExactMatch(answer_pattern), style="batch")
+        reward_set = RewardSet(reward_set.name, reward_set.weights, {**reward_set.functions, "exact_match": exact})
+    return reward_set
 
 
 def _add(weights: dict[str, float], functions: dict[str, RegisteredReward], name: str, reward: RegisteredReward,

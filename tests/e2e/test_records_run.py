@@ -133,6 +133,15 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
     assert set(body["columns"]) == {"question", "answer_text", "metadata", "data_source", "tests"}
     assert all(isinstance(m, dict) for m in body["columns"]["metadata"])
     assert set(body["sources"]) <= {"alpha", "beta"} and all(isinstance(y, str) for y in body["labels"])
+    # `miles-lite eval` takes the same sets and reward configuration.
+    evaluation = subprocess.run(
+        [sys.executable, "-m", "miles_lite.cli", "eval", str(run / "initial_model"), "--log-dir",
+         str(tmp_path / "eval_logs"), "data.source=records", "data.prompt_key=question", "data.label_key=answer_text",
+         "data.metadata_key=metadata", "rewards.set=none", "+rewards.by_source.alpha=record_plugins:alpha",
+         "+rewards.by_source.beta=record_plugins:beta", f"+data.eval_sets={{dev: {{path: {dev}, k: 2}}}}"],
+        capture_output=True, text=True, timeout=600, env=_plugin_env(tmp_path))
+    assert evaluation.returncode == 0, evaluation.stdout[-3000:] + evaluation.stderr[-3000:]
+    assert "set 'dev' (4 prompts, k=2)" in evaluation.stdout and "pass@2" in evaluation.stdout
 
 
 def test_records_with_chat_messages_and_an_sft_warm_up_on_their_responses(tmp_path: Path):

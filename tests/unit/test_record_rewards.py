@@ -129,6 +129,11 @@ def test_exact_match_normalises_and_extracts_with_the_answer_pattern() -> None:
     reward_set = build_reward_set("exact_match", {}, answer_pattern=r"answer:\s*(\w+)")
     (g,) = score_groups(reward_set, [group(record("dog"), "answer: dog", "dog")])
     assert [s.reward for s in g.samples] == [1.0, 0.0]
+    added = build_reward_set("none", {"exact_match": 2.0}, "record_plugins:async_reward", answer_pattern=r"is (\w+)")
+    (g,) = score_groups(added, [group(record("dog"), "it is dog")])
+    assert g.samples[0].rewards["exact_match"] == 1.0 and g.samples[0].reward == 2.5
+    with pytest.raises(ValueError, match="rewards.answer_pattern=.*lacks"):
+        build_reward_set("worklog", {}, answer_pattern="x")
 
 
 def test_math_answer_reads_boxed_then_solution_against_a_numeric_label() -> None:
