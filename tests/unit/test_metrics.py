@@ -262,3 +262,17 @@ def test_engine_restart_counter_exists_at_zero() -> None:
     assert samples(reg)[("miles_lite_engine_restarts_total", lab(run="r0"))] == 2
     with pytest.raises(ValueError, match="count"):
         reg.engine_restarted(-1)
+
+
+def test_evaluation_set_measures_are_one_gauge_labelled_by_set_and_measure():
+    from prometheus_client import generate_latest
+
+    from miles_lite.observability.metrics import MetricsRegistry
+
+    reg = MetricsRegistry("run", "driver")
+    reg.set_eval_sets({"eval/dev/avg@4": 0.25})
+    reg.publish_step(3, {"eval/dev/pass@4": 0.5, "eval/exact": 0.75})
+    samples = {(s.labels.get("set"), s.labels.get("measure")): s.value
+               for family in text_string_to_metric_families(generate_latest(reg.registry).decode())
+               if family.name == "miles_lite_eval_set_value" for s in family.samples}
+    assert samples == {("dev", "avg@4"): 0.25, ("dev", "pass@4"): 0.5}
