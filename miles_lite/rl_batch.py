@@ -68,7 +68,7 @@ def rl_distill_coef(cfg: MilesConfig) -> float:
 
 
 def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
-    """Reward mean/std, exact accuracy and per-reward value lists over every sample (for metrics).
+    """Reward mean/std, exact accuracy (with the math rewards) and per-reward value lists over every sample.
 
     A reward that does not apply to a sample (None, or another data source's reward: NaN in `rewards`)
     is left out of that reward's values and counted in `reward/none/<name>`; `reward/mean` and
@@ -80,10 +80,11 @@ def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
     stats: dict[str, object] = {
         "reward/mean": float(totals.mean()) if len(scored) else 0.0,
         "reward/std": float(totals.std(unbiased=False)) if len(scored) else 0.0,
-        "reward/exact_accuracy": (sum(s.rewards.get("exact_check", 0.0) for s in every) / len(every))
-        if every else 0.0,
         "rollout/response_length_mean": (sum(len(s.response_ids) for s in every) / len(every)) if every else 0.0,
     }
+    if not every or "exact_check" in names:  # the math rewards' exact answer-and-format share
+        stats["reward/exact_accuracy"] = (sum(s.rewards.get("exact_check", 0.0) for s in every) / len(every)
+                                          if every else 0.0)
     for name in names:
         values = [s.rewards.get(name, 0.0) for s in every]
         stats[f"reward/values/{name}"] = [v for v in values if not math.isnan(v)]
