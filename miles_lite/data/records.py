@@ -53,14 +53,15 @@ class RecordKeys:
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
-@dataclass(frozen=True)
+# eq=False: a record is one line of a file, compared and hashed by identity (its columns may be lists/dicts).
+@dataclass(frozen=True, eq=False)
 class Record:
     """One prompt with its label and every column of its record (`columns`, by the columns' own names)."""
 
     prompt: str | None
     messages: tuple[Mapping[str, str], ...] | None
     label: Any
-    columns: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    columns: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = None
     response: str | None = None
     # "<file>: line N": where the record came from, for error messages.
