@@ -257,4 +257,9 @@ class RunIO:
             self.log(f"exact accuracy on held-out problems: {before * 100:.1f}% after warm-up -> "
                      f"{after * 100:.1f}% after RL ({(after - before) * 100:+.1f} points) in "
                      f"{summary.wall_seconds:.0f} s")
+        for key, first in summary.before.items():  # evaluation sets: avg@k before and after RL
+            last = summary.after.get(key)
+            if "/avg@" in key and last is not None:
+                self.log(f"{key}: {first * 100:.1f}% before RL -> {last * 100:.1f}% after RL "
+                         f"({(last - first) * 100:+.1f} points) in {summary.wall_seconds:.0f} s")
         self.log(f"run directory: {self.run_dir}")
