@@ -16,6 +16,7 @@ installed apart (its own torch first on the path) can import the plugin.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -34,6 +35,19 @@ from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.process import CommandFactory, EngineProcess
 
 BACKENDS = ("reference", "sglang")
+
+
+def served_vocab_size(model_path: str) -> int | None:
+    """The vocabulary size an engine serving `model_path` uses (config.json's, its text model's for a
+    multimodal config, as SGLang reads it); None when config.json does not say."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    size = text.get("vocab_size", config.get("vocab_size"))
+    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 @dataclass
@@ -62,6 +76,7 @@ class EngineLauncher:
         self.python = python
         self.env = dict(env) if env is not None else None
         self._attempts: dict[int, int] = {}
+        self.vocab_size = served_vocab_size(model_path)
 
     def engine_id(self, index: int) -> str:
         """The id of engine `index` (stable across replacements)."""
@@ -119,7 +134,8 @@ class EngineLauncher:
         except BaseException:
             await process.stop_async()
             raise
-        client = HttpEngine(self.engine_id(index), process.url, request_timeout_s=self.rollout.request_timeout_s)
+        client = HttpEngine(self.engine_id(index), process.url, request_timeout_s=self.rollout.request_timeout_s,
+                            vocab_size=self.vocab_size)
         return LaunchedEngine(index, process, client)
 
     async def stop(self, engine: LaunchedEngine, grace_s: float = 10.0) -> int | None:

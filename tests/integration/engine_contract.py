@@ -194,6 +194,16 @@ class EngineContract:
         assert len(scores) == 5
         assert max(abs(a - b) for a, b in zip(scores, expected, strict=True)) < tolerance(engine)
 
+    def test_score_of_the_first_and_last_vocabulary_ids(self, engine: LaunchedEngine,
+                                                        model_dirs: tuple[str, str]) -> None:
+        # SGLang reports the last id (511) as 0 in input log-probs; the client accepts exactly that, and the
+        # values must still be those of ids 511 and 0 at their positions.
+        tokens = PROMPT + [511, 0, 511, 511, 5, 0]
+        scores = run(engine.client.score(tokens, len(PROMPT)))
+        expected = hf_logprobs(model_dirs[0], tokens, len(PROMPT))
+        assert len(scores) == 6
+        assert max(abs(a - b) for a, b in zip(scores, expected, strict=True)) < tolerance(engine)
+
     def test_stop_token_ids(self, engine: LaunchedEngine) -> None:
         base = run(engine.client.generate(PROMPT, GREEDY))
         stop_at = base.output_ids.index(base.output_ids[3])  # first occurrence of the 4th token
