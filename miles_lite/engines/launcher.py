@@ -27,7 +27,9 @@ from miles_lite.engines.reference.engine import build_reference_command
 from miles_lite.engines.sglang.command import (
     build_sglang_command,
     check_sglang_command,
+    for_installed_sglang,
     plugin_env,
+    probe_sglang_option_names,
     with_weight_loader,
 )
 from miles_lite.ports import LOCAL_HOST
@@ -77,6 +79,14 @@ class EngineLauncher:
         self.env = dict(env) if env is not None else None
         self._attempts: dict[int, int] = {}
         self.vocab_size = served_vocab_size(model_path)
+        self._sglang_options: tuple[frozenset[str] | None] | None = None  # asked of the engines' SGLang once
+
+    def sglang_options(self) -> frozenset[str] | None:
+        """The installed SGLang's launch flags, as the engines' interpreter and environment see them."""
+        if self._sglang_options is None:
+            env = plugin_env(os.environ if self.env is None else {**os.environ, **self.env})
+            self._sglang_options = (probe_sglang_option_names(self.python, env),)
+        return self._sglang_options[0]
 
     def engine_id(self, index: int) -> str:
         """The id of engine `index` (stable across replacements)."""
@@ -99,7 +109,7 @@ class EngineLauncher:
                                                python=self.python)
 
             return reference
-        args = dict(self.rollout.sglang_args)
+        args = for_installed_sglang(self.rollout.sglang_args, self.sglang_options())
         args["custom_weight_loader"] = with_weight_loader(args.get("custom_weight_loader"))
         args.setdefault("base_gpu_id", index * self.rollout.engine_tp)
         check_sglang_command(build_sglang_command(self.model_path, 0, self.rollout.engine_tp, args,

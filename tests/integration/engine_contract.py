@@ -16,10 +16,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine
@@ -35,8 +37,17 @@ ENGINE_KINDS = [
     ]),
 ]
 
-# SGLang flags for a token-in/token-out server on one GPU (no tokenizer in the tiny model directory).
-SGLANG_TEST_ARGS: dict[str, Any] = {"skip_tokenizer_init": True, "mem_fraction_static": 0.3,
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shipped_sglang_args() -> dict[str, Any]:
+    """`conf/rollout/sglang.yaml`'s sglang_args: what a user's run starts SGLang with."""
+    return dict(yaml.safe_load((REPO / "conf" / "rollout" / "sglang.yaml").read_text())["sglang_args"])
+
+
+# SGLang flags for a token-in/token-out server on one GPU (no tokenizer in the tiny model directory), over the
+# shipped defaults.
+SGLANG_TEST_ARGS: dict[str, Any] = {**shipped_sglang_args(), "skip_tokenizer_init": True, "mem_fraction_static": 0.3,
                                     "attention_backend": "triton", "sampling_backend": "pytorch",
                                     "disable_cuda_graph": True, "dtype": "float32"}
 # Largest |engine logprob - HF float32 logprob| accepted, per kind (SGLang's GPU kernels differ in rounding).
