@@ -56,7 +56,7 @@ def overrides(args: argparse.Namespace, model_dir: Path | None, out_dir: Path) -
         common.append(f"+rollout.sglang_args.custom_weight_loader=[{IPC_LOADER}]")
     return ["experiment=gsm8k_qwen2.5_0.5b", f"model.hf_path={model_dir}", *common, "cluster.placement=colocated",
             "rollout.sglang_args.base_gpu_id=0", f"rollout.sglang_args.mem_fraction_static={args.mem_fraction}",
-            "+rollout.sglang_args.disable_piecewise_cuda_graph=true", "weight_sync.max_probe_logp_diff=0.1", *env]
+            "weight_sync.max_probe_logp_diff=0.1", *env]
 
 
 def breakdown(run_dir: Path) -> list[dict[str, Any]]:

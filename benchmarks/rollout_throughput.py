@@ -4,7 +4,7 @@
         [--new-tokens 256] [--group-size 8] [--repeats 3] [--model-dir DIR] [--out FILE.json]
 
 Starts one engine (`--backend sglang`: `python -m sglang.launch_server` with `conf/rollout/sglang.yaml`'s
-flags plus `--dtype bfloat16 --disable-piecewise-cuda-graph`, through `start_fleet` / `EngineLauncher`; decode
+flags (prefill CUDA graphs off) plus `--dtype bfloat16`, through `start_fleet` / `EngineLauncher`; decode
 CUDA graphs stay on, as in training; `--no-cuda-graph` turns them off; `reference` for a CPU smoke run)
 on a random Qwen2.5-0.5B-shaped model
 (`tiny_hf.make_tiny_hf_model`, or `--model-dir`), then for each request count N runs, alternately and `--repeats` times:
@@ -57,13 +57,11 @@ class Run:
 
 
 def sglang_args(cuda_graph: bool = True) -> dict[str, Any]:
-    """`conf/rollout/sglang.yaml`'s sglang_args plus bf16 weights; no piecewise (prefill) CUDA graphs, whose
-    capture adds 45+ s of startup on an H200 and which the GRPO recipe leaves off too."""
+    """`conf/rollout/sglang.yaml`'s sglang_args (prefill CUDA graphs off, as shipped) plus bf16 weights."""
     import yaml
 
     cfg = yaml.safe_load((REPO / "conf" / "rollout" / "sglang.yaml").read_text())
-    return {**cfg["sglang_args"], "disable_cuda_graph": not cuda_graph, "disable_piecewise_cuda_graph": True,
-            "dtype": "bfloat16"}
+    return {**cfg["sglang_args"], "disable_cuda_graph": not cuda_graph, "dtype": "bfloat16"}
 
 
 def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -2,6 +2,7 @@
 
     python benchmarks/train_step.py --out results.json                       # GPU: Qwen2.5-0.5B shape
     python benchmarks/train_step.py --shape tiny --configs fp32 --steps 2    # anywhere (CPU: local spec)
+    python benchmarks/train_step.py --guard --steps 20 --configs bf16        # the divergence guard's cost
 
 Throughput: `TrainerActor.train_step` (GRPO advantages, PPO-clip loss, token-level IS correction
 against the batch's rollout log-probs) on a fixed 8 x 2048 batch and on a packed batch of ragged
@@ -11,6 +12,10 @@ model, DDP and optimizer, `[8, 2048]` BSHD input) so the RL path's overhead is m
 same process. Model FLOPs count the matmuls and causal attention once (no recomputation):
 6 * (matmul params) * tokens + 6 * layers * heads * head_dim * sum(s_i^2). MFU is against the
 H200's dense bf16 peak (989 TFLOP/s) for every precision.
+
+`--guard` times the RL step instead with the divergence guard as shipped, without it, and undoing every
+step (its fallback path), interleaved on one trainer: step time min/median/max, peak GPU memory of each, and
+`on_cost` (goal <= 0.02) / `on_extra_mem_frac` (goal <= 0.05).
 
 `--sft-steps N` trains bf16 and each FP8 recipe N SFT steps from the same weights on a learnable
 synthetic task (each response token is a fixed permutation of the previous one) and reports the
@@ -39,6 +44,7 @@ from miles_lite.data.permutation import permutation_batch
 from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.actor import TrainerActor
+from miles_lite.trainer.guard import UpdateGuard
 from miles_lite.trainer.model import HFModelSpec, spec_from_hf_config
 from miles_lite.trainer.tiny_hf import QWEN25_05B_SHAPE, QWEN25_VOCAB, make_tiny_hf_model
 from miles_lite.types import TrainBatch
@@ -300,6 +306,53 @@ def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device
 
 
 
+def guard_cost(args: argparse.Namespace, model_dir: Path, run: RunConfig, device: str) -> dict[str, Any]:
+    """The RL step with the divergence guard as shipped (`on`: `trainer.max_update_ratio=0.5`), without it
+    (`off`) and with a limit no step meets (`undo`: every step snapshotted, measured and undone, the path of a
+    step the guard's bound cannot clear), interleaved round by round on one trainer; step time min/median/max
+    and peak GPU memory of each, and the cost of `on` against `off`."""
+    spec = spec_from_hf_config(model_dir)
+    actor = TrainerActor(actor_config(model_dir, run, device, args.micro_batch_tokens, 1e-6), 0, 1)
+    try:
+        shipped = actor.guard
+        if shipped is None:
+            raise RuntimeError("the trainer was built without its divergence guard (trainer.max_update_ratio=0)")
+        undo = UpdateGuard(actor.optimizer, 1e-12)
+        actor.cfg.trainer.max_diverged_skips = 10**9  # undone steps are the point here, not a reason to stop
+        batch = fixed_batch(spec.vocab_size, args.batch, args.seq)
+        peaks: dict[str, float] = {}
+        last: dict[str, dict[str, float]] = {}
+
+        def variant(name: str, guard: UpdateGuard | None) -> Any:
+            def step() -> None:
+                actor.guard = guard
+                if torch.cuda.is_available():
+                    torch.cuda.reset_peak_memory_stats()
+                last[name] = actor.train_step(batch)
+                if torch.cuda.is_available():
+                    peaks[name] = max(peaks.get(name, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+            return step
+
+        times = time_interleaved({"off": variant("off", None), "on": variant("on", shipped),
+                                  "undo": variant("undo", undo)}, args.warmup, args.steps)
+        flops = step_flops(spec, [args.seq] * args.batch)
+        out: dict[str, Any] = {name: summarize(t, batch.num_tokens, flops) for name, t in times.items()}
+        out["on_cost"] = out["on"]["step_s"] / out["off"]["step_s"] - 1  # goal: <= 0.02
+        out["on_cost_per_round"] = sorted(on / off - 1 for on, off in zip(times["on"], times["off"], strict=True))
+        out["undo_cost"] = out["undo"]["step_s"] / out["off"]["step_s"] - 1
+        out["snapshots_taken_on"] = shipped.snapshots_taken  # 0: the bound cleared every step
+        out["update_ratio_bound_on"] = last["on"].get("update_ratio_bound")
+        out["skipped_undo"] = last["undo"].get("skipped")
+        if peaks:
+            out["peak_mem_gib"] = peaks
+            out["on_extra_mem_frac"] = peaks["on"] / peaks["off"] - 1  # goal: <= 0.05
+        return out
+    finally:
+        actor.close()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
 def sft_curve(model_dir: Path, run: RunConfig, device: str, steps: int, lr: float) -> list[float]:
     """Per-step SFT loss (nats/token) of `steps` steps on the permutation task from the saved weights."""
     vocab = spec_from_hf_config(model_dir).vocab_size
@@ -394,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sft-lr", type=float, default=1e-4)
     p.add_argument("--sft-configs", default="", help="FP8 recipes of the SFT curves (default: those of --configs)")
     p.add_argument("--agreement", action="store_true", help="trainer vs HF log-probs, fp32 and bf16")
+    p.add_argument("--guard", action="store_true",
+                   help="time the RL step with the divergence guard on / off / undoing every step, interleaved")
     p.add_argument("--init-std", type=float, default=0.02)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
@@ -415,7 +470,10 @@ def main(argv: list[str] | None = None) -> int:
             args.out.write_text(json.dumps(results, indent=1))
 
     for run in runs:
-        record(f"throughput/{run.name}{args.tag}", lambda r=run: throughput(args, model_dir, r, device))
+        if args.guard:
+            record(f"guard/{run.name}{args.tag}", lambda r=run: guard_cost(args, model_dir, r, device))
+        else:
+            record(f"throughput/{run.name}{args.tag}", lambda r=run: throughput(args, model_dir, r, device))
     if args.sft_steps:
         # Every FP8 recipe against the bf16 baseline (on CPU: the fp32 curve alone).
         base = RunConfig.parse("bf16" if gpu else "fp32")

@@ -91,7 +91,8 @@ def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
         batch = system.encoder.sft_batch([problems[i] for i in picked])
         stats = system.trainer.sft_step(batch, lr=exp.warmup_lr)
         loss = stats.get("loss/sft", stats.get("loss/total", loss))
-        _record(system, "sft", step, {"loss": loss, **{k: stats[k] for k in ("update_ratio", "skipped") if k in stats}})
+        guard = {k: stats[k] for k in ("update_ratio", "update_ratio_bound", "skipped") if k in stats}
+        _record(system, "sft", step, {"loss": loss, **guard})
         if _should_log(step, exp.warmup_steps):
             io.log(f"sft warm-up {step + 1}/{exp.warmup_steps}: loss {loss:.3f}")
         recent = [*recent[-(STOP_LOSS_WINDOW - 1):], loss]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
+from miles_lite.config.validate import model_dims
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.plugins import load_sync_fn
@@ -76,10 +77,13 @@ async def start_fleet(
     return await populate(fleet, fleet.launch(n), health_checks)
 
 
-async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, poll_s: float = 1.0) -> HttpEngine:
+async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, poll_s: float = 1.0,
+                       vocab_size: int | None = None) -> HttpEngine:
     """A client of engine `index` at `url` once it answers its health check, polled every `poll_s` for up to
-    `rollout.startup_timeout_s` (then TimeoutError naming the engine, `what` it was awaited for and the field)."""
-    engine = HttpEngine(f"engine-{index}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s)
+    `rollout.startup_timeout_s` (then TimeoutError naming the engine, `what` it was awaited for and the field).
+    `vocab_size`: the served model's (see `HttpEngine`)."""
+    engine = HttpEngine(f"engine-{index}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s,
+                        vocab_size=vocab_size)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + rollout.startup_timeout_s
     while not await engine.health(timeout_s=min(5.0, rollout.startup_timeout_s)):
@@ -91,7 +95,8 @@ async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, 
     return engine
 
 
-def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1.0) -> Launcher:
+def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1.0,
+                      vocab_size: int | None = None) -> Launcher:
     """The fleet's `launcher(index, incarnation)` for engines started elsewhere: the replacement of a dead
     engine is whatever answers at its URL again (the operator recreates a failed engine pod under the same
     DNS name), awaited for up to `rollout.startup_timeout_s`. The fleet then admits it as stale, and the
@@ -99,13 +104,15 @@ def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1
     """
 
     async def launch(index: int, incarnation: int) -> EngineHandle:
-        return EngineHandle(await await_engine(rollout, index, urls[index], "after it died", poll_s))
+        return EngineHandle(await await_engine(rollout, index, urls[index], "after it died", poll_s,
+                                                 vocab_size))
 
     return launch
 
 
 async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: list[str], *,
-                       health_checks: bool = True, poll_s: float = 1.0) -> EngineFleet:
+                       health_checks: bool = True, poll_s: float = 1.0,
+                       vocab_size: int | None = None) -> EngineFleet:
     """A fleet of engines started elsewhere (`rollout.engine_urls`, e.g. pods of the Kubernetes operator).
 
     Engines that do not answer yet are awaited (up to `rollout.startup_timeout_s` each, concurrently): pods
@@ -114,11 +121,11 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
     operator recreates failed engine pods), and the fleet re-admits an engine whose URL answers again
     (`reattach_launcher`), up to `fault_tolerance.max_engine_restarts`.
     """
-    fleet = EngineFleet(ft, reattach_launcher(rollout, urls, poll_s),
+    fleet = EngineFleet(ft, reattach_launcher(rollout, urls, poll_s, vocab_size),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
 
     async def attach_all() -> None:
-        answered = await asyncio.gather(*(await_engine(rollout, i, url, "at start", poll_s)
+        answered = await asyncio.gather(*(await_engine(rollout, i, url, "at start", poll_s, vocab_size)
                                           for i, url in enumerate(urls)), return_exceptions=True)
         errors = [e for e in answered if isinstance(e, BaseException)]
         if errors:
@@ -158,7 +165,8 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
             fleet = loop.run(start())
         elif rollout.engine_urls:
             # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
-            fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls)))
+            fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls),
+                                          vocab_size=model_dims(cfg).vocab_size))
         else:
             fleet = loop.run(start_fleet(rollout, ft, str(cfg.model.hf_path), log_dir))
     except BaseException:

@@ -16,6 +16,7 @@ installed apart (its own torch first on the path) can import the plugin.
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -26,7 +27,9 @@ from miles_lite.engines.reference.engine import build_reference_command
 from miles_lite.engines.sglang.command import (
     build_sglang_command,
     check_sglang_command,
+    for_installed_sglang,
     plugin_env,
+    probe_sglang_option_names,
     with_weight_loader,
 )
 from miles_lite.ports import LOCAL_HOST
@@ -34,6 +37,19 @@ from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.process import CommandFactory, EngineProcess
 
 BACKENDS = ("reference", "sglang")
+
+
+def served_vocab_size(model_path: str) -> int | None:
+    """The vocabulary size an engine serving `model_path` uses (config.json's, its text model's for a
+    multimodal config, as SGLang reads it); None when config.json does not say."""
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return None
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+    size = text.get("vocab_size", config.get("vocab_size"))
+    return int(size) if isinstance(size, int) and size > 0 else None
 
 
 @dataclass
@@ -62,6 +78,15 @@ class EngineLauncher:
         self.python = python
         self.env = dict(env) if env is not None else None
         self._attempts: dict[int, int] = {}
+        self.vocab_size = served_vocab_size(model_path)
+        self._sglang_options: tuple[frozenset[str] | None] | None = None  # asked of the engines' SGLang once
+
+    def sglang_options(self) -> frozenset[str] | None:
+        """The installed SGLang's launch flags, as the engines' interpreter and environment see them."""
+        if self._sglang_options is None:
+            env = plugin_env(os.environ if self.env is None else {**os.environ, **self.env})
+            self._sglang_options = (probe_sglang_option_names(self.python, env),)
+        return self._sglang_options[0]
 
     def engine_id(self, index: int) -> str:
         """The id of engine `index` (stable across replacements)."""
@@ -84,7 +109,7 @@ class EngineLauncher:
                                                python=self.python)
 
             return reference
-        args = dict(self.rollout.sglang_args)
+        args = for_installed_sglang(self.rollout.sglang_args, self.sglang_options())
         args["custom_weight_loader"] = with_weight_loader(args.get("custom_weight_loader"))
         args.setdefault("base_gpu_id", index * self.rollout.engine_tp)
         check_sglang_command(build_sglang_command(self.model_path, 0, self.rollout.engine_tp, args,
@@ -119,7 +144,8 @@ class EngineLauncher:
         except BaseException:
             await process.stop_async()
             raise
-        client = HttpEngine(self.engine_id(index), process.url, request_timeout_s=self.rollout.request_timeout_s)
+        client = HttpEngine(self.engine_id(index), process.url, request_timeout_s=self.rollout.request_timeout_s,
+                            vocab_size=self.vocab_size)
         return LaunchedEngine(index, process, client)
 
     async def stop(self, engine: LaunchedEngine, grace_s: float = 10.0) -> int | None:

@@ -17,7 +17,14 @@ import os
 import sys
 
 from miles_lite.engines.reference.engine import add_reference_arguments, run_from_args
-from miles_lite.engines.sglang.command import build_sglang_command, check_sglang_command, plugin_env, with_weight_loader
+from miles_lite.engines.sglang.command import (
+    build_sglang_command,
+    check_sglang_command,
+    for_installed_sglang,
+    plugin_env,
+    sglang_option_names,
+    with_weight_loader,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,6 +47,7 @@ def sglang_argv(args: argparse.Namespace) -> list[str]:
         raise ValueError(f"--sglang-args is not valid JSON: {exc}") from exc
     if not isinstance(extra, dict):
         raise ValueError("--sglang-args must be a JSON object, e.g. '{\"skip_tokenizer_init\": true}'")
+    extra = for_installed_sglang(extra, sglang_option_names())
     extra["custom_weight_loader"] = with_weight_loader(extra.get("custom_weight_loader"))
     cmd = build_sglang_command(args.model_path, args.port, args.tp, extra, host=args.host)
     check_sglang_command(cmd)

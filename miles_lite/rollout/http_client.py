@@ -13,6 +13,12 @@ the reference engine serves the same subset. Error handling:
 entry has no logprob (None), so entries 1.. are exactly the logprobs of `input_ids[prompt_len:]` (raw
 log-softmax, no temperature). SGLang 0.5.10 also accepts `max_new_tokens=0` (a prefill-only path); one
 decoded token keeps the request on the ordinary path every version serves.
+
+Each entry's token id is checked against the id that was sent, with one exception SGLang makes on
+purpose: from 0.5.10 through 0.5.23 it reports every input id >= vocab_size - 1 as 0 (a clip meant for
+image placeholder hashes, `_process_input_token_logprobs`), so the model's last id comes back as 0. An
+entry (logprob, 0) is taken for id vocab_size - 1 only when the client knows the model's `vocab_size`
+and that id is the one sent at that position; its logprob is still required and returned like any other.
 """
 
 from __future__ import annotations
@@ -33,11 +39,23 @@ _FINISH_TYPES = ("stop", "length", "abort")
 # Seconds an idle keep-alive connection is kept: below the servers' own idle timeout (SGLang: 5 s).
 CLIENT_KEEPALIVE_S = 3.0
 
+def reported_input_id(token_id: int, vocab_size: int | None) -> int:
+    """The id SGLang reports in `input_token_logprobs` for input id `token_id` (see the module docstring)."""
+    return 0 if vocab_size is not None and token_id == vocab_size - 1 else token_id
+
+
 class HttpEngine:
-    """An engine reached over HTTP at `url` (an SGLang server or the reference engine)."""
+    """An engine reached over HTTP at `url` (an SGLang server or the reference engine).
+
+    `vocab_size`: the served model's vocabulary size (config.json's `vocab_size`); with it, `score` accepts
+    SGLang's relabelling of the last id as 0, and only that. Without it every id must come back as sent.
+    """
 
     def __init__(self, engine_id: str, url: str, request_timeout_s: float = 600.0,
-                 control_timeout_s: float = 60.0) -> None:
+                 control_timeout_s: float = 60.0, vocab_size: int | None = None) -> None:
+        if vocab_size is not None and vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1 (the model's config.json vocab_size), got {vocab_size}")
+        self.vocab_size = vocab_size
         self.engine_id = engine_id
         self.url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
@@ -140,8 +158,11 @@ class HttpEngine:
             raise EngineError(f"{self.engine_id} score: {len(entries)} input logprobs for {len(targets)} + 1 tokens")
         out: list[float] = []
         for (lp, tok, *_), expected in zip(entries[1:], targets, strict=True):
-            if int(tok) != expected or lp is None:
-                raise EngineError(f"{self.engine_id} score: entry {[lp, tok]} does not match token {expected}")
+            if lp is None or int(tok) not in (expected, reported_input_id(expected, self.vocab_size)):
+                hint = ""
+                if int(tok) == 0 and self.vocab_size is None:
+                    hint = " (SGLang reports the model's last id as 0: give the client the model's vocab_size)"
+                raise EngineError(f"{self.engine_id} score: entry {[lp, tok]} does not match token {expected}{hint}")
             out.append(float(lp))
         return out
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import resource
 import select
 import signal
 import sys
@@ -59,13 +60,30 @@ def _kill_group(sig: int) -> None:
 
 
 def _exit_code(status: int) -> int:
-    """The server's exit code; a server killed by a signal is mirrored (this process dies of the same one)."""
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        signal.signal(sig, signal.SIG_DFL)
-        os.kill(os.getpid(), sig)
-        return 128 + sig  # a signal that does not end a process
-    return os.waitstatus_to_exitcode(status)
+    """The server's exit code; a server killed by a signal is mirrored (this process dies of the same one).
+
+    SIGKILL and SIGSTOP take no handler (`signal.signal` refuses them) and are never blocked, so they are
+    sent as they are; any other signal gets its default action back first (Python ignores SIGPIPE, for
+    instance) and is unblocked. The server already dumped its core if the signal dumps one; this process
+    does not add a second.
+    """
+    if not os.WIFSIGNALED(status):
+        return os.waitstatus_to_exitcode(status)
+    sig = os.WTERMSIG(status)
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):
+        try:
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, [sig])
+        except (OSError, ValueError):  # a signal this platform will not let us touch: its action is the default
+            pass
+    try:
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    except (OSError, ValueError):
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), sig)
+    return 128 + sig  # a signal whose default action does not end a process (the shell's convention)
 
 
 def supervise(lifeline_fd: int, argv: list[str]) -> int:
@@ -75,6 +93,8 @@ def supervise(lifeline_fd: int, argv: list[str]) -> int:
     if child == 0:
         try:
             os.close(lifeline_fd)
+            for sig in (signal.SIGPIPE, signal.SIGXFSZ):  # Python ignores these; exec would keep them ignored
+                signal.signal(sig, signal.SIG_DFL)
             _set_parent_death_signal(signal.SIGKILL)
             if os.getppid() != parent:  # the supervisor died before the signal was armed
                 os._exit(1)

@@ -334,15 +334,17 @@ class TrainerActor:
         if lr is not None:
             set_lr(self.optimizer, lr)
         if self.guard is not None:
-            self.guard.snapshot()
+            self.guard.prepare()
         _, grad_norm, _ = self.optimizer.step()
         out = {"skipped": 0.0, "grad_norm": float(grad_norm or 0.0)}
         if self.guard is not None:
-            ratio = self.guard.update_ratio()
-            out["update_ratio"] = ratio
-            if not ratio <= self.guard.max_ratio:  # also NaN
+            check = self.guard.check()
+            out["update_ratio_bound"] = check.bound
+            if check.ratio is not None:  # measured only when the bound could not rule divergence out
+                out["update_ratio"] = check.ratio
+            if check.diverged:
                 self.guard.restore()
-                self._skip_diverged(ratio)
+                self._skip_diverged(check.ratio)
                 out["skipped"] = 1.0
                 return out
         if lr is None and advance_schedule:

@@ -1,8 +1,9 @@
 """Request bodies of SGLang's weight-update HTTP endpoints, built as plain dicts.
 
-Field names follow SGLang 0.5.10's `srt/managers/io_struct.py` (the request dataclasses are built
-with `Cls(**json)`, so an unknown key is a 400 and a missing required key too). Only fields the
-caller sets explicitly, or that SGLang requires, are sent; SGLang's defaults cover the rest.
+Field names follow SGLang's `srt/managers/io_struct.py`, 0.5.10 and 0.5.23 alike: every body sent here is
+valid on both. The request dataclasses are built with `Cls(**json)`, so an unknown key is a 400 and a missing
+required key too. Only fields the caller sets explicitly, or that SGLang requires, are sent;
+SGLang's defaults cover the rest.
 """
 
 from __future__ import annotations

@@ -170,3 +170,57 @@ def test_fp8_sft_tracks_bf16(model_dir: Path) -> None:
     assert bf16[-1] < 0.25 * bf16[0] and fp8[-1] < 0.25 * fp8[0], (bf16, fp8)
     for step, (a, b) in enumerate(zip(bf16, fp8, strict=True)):
         assert abs(a - b) <= max(0.3, 0.1 * a), (step, a, b)
+
+
+def _main_ratio(before: list[torch.Tensor], after: list[torch.Tensor]) -> float:
+    delta = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(after, before, strict=True))
+    return (delta / sum(float(b.double().square().sum()) for b in before)) ** 0.5
+
+
+@pytest.mark.parametrize(("precision", "recipe"), [("bf16", "delayed"), ("fp8", "tensorwise")])
+def test_divergence_guard_bounds_steps_and_undoes_exactly(model_dir: Path, precision: str, recipe: str) -> None:
+    """On the GPU optimizer (TransformerEngine's fused Adam): ordinary steps are cleared by the guard's bound
+    (no snapshot) and move the main params by no more than it; a step at an exploding learning rate is
+    measured, undone from the host snapshot, and leaves main params, Adam state, step counters and the
+    model's weights bit for bit as they were."""
+    from miles_lite.trainer.guard import _is_adam
+
+    batch = ragged_batch(2)
+    actor = make_actor(model_dir, precision, recipe, lr=3e-5)
+    try:
+        guard = actor.guard
+        assert guard is not None and all(_is_adam(o) for o in guard._torch_optimizers())
+        for _ in range(3):
+            main = [p.detach().clone() for p in guard._main_params()]
+            stats = actor.train_step(batch)
+            assert stats["skipped"] == 0.0 and "update_ratio" not in stats, stats
+            assert 0 < _main_ratio(main, [p.detach() for p in guard._main_params()]) <= stats["update_ratio_bound"]
+        assert guard.snapshots_taken == 0
+
+        main = [p.detach().clone() for p in guard._main_params()]
+        state = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in o.state[p].items()}
+                 for o in guard._torch_optimizers() for g in o.param_groups for p in g["params"]]
+        groups = [{k: v for k, v in g.items() if k != "params"} for o in guard._torch_optimizers()
+                  for g in o.param_groups]
+        model = {n: p.detach().clone() for n, p in actor.policy.model.named_parameters()}
+        for o in guard._torch_optimizers():
+            for g in o.param_groups:
+                g["lr"] = 1e3
+        groups = [{**g, "lr": 1e3} for g in groups]
+        stats = actor.train_step(batch)
+        assert stats["skipped"] == 1.0 and stats["update_ratio"] > 0.5, stats
+        assert stats["update_ratio"] <= stats["update_ratio_bound"]
+        assert guard.snapshots_taken == 1
+        for a, b in zip(main, guard._main_params(), strict=True):
+            assert torch.equal(a, b.detach())
+        live = [o.state[p] for o in guard._torch_optimizers() for g in o.param_groups for p in g["params"]]
+        for saved, now in zip(state, live, strict=True):
+            assert saved.keys() == now.keys()
+            for k, v in saved.items():
+                assert torch.equal(v, now[k]) if isinstance(v, torch.Tensor) else v == now[k], k
+        assert groups == [{k: v for k, v in g.items() if k != "params"} for o in guard._torch_optimizers()
+                          for g in o.param_groups]
+        for n, p in actor.policy.model.named_parameters():
+            assert torch.equal(model[n], p.detach()), n
+    finally:
+        actor.close()

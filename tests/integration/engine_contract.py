@@ -16,10 +16,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import yaml
 
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine
@@ -35,8 +37,17 @@ ENGINE_KINDS = [
     ]),
 ]
 
-# SGLang flags for a token-in/token-out server on one GPU (no tokenizer in the tiny model directory).
-SGLANG_TEST_ARGS: dict[str, Any] = {"skip_tokenizer_init": True, "mem_fraction_static": 0.3,
+REPO = Path(__file__).resolve().parents[2]
+
+
+def shipped_sglang_args() -> dict[str, Any]:
+    """`conf/rollout/sglang.yaml`'s sglang_args: what a user's run starts SGLang with."""
+    return dict(yaml.safe_load((REPO / "conf" / "rollout" / "sglang.yaml").read_text())["sglang_args"])
+
+
+# SGLang flags for a token-in/token-out server on one GPU (no tokenizer in the tiny model directory), over the
+# shipped defaults.
+SGLANG_TEST_ARGS: dict[str, Any] = {**shipped_sglang_args(), "skip_tokenizer_init": True, "mem_fraction_static": 0.3,
                                     "attention_backend": "triton", "sampling_backend": "pytorch",
                                     "disable_cuda_graph": True, "dtype": "float32"}
 # Largest |engine logprob - HF float32 logprob| accepted, per kind (SGLang's GPU kernels differ in rounding).
@@ -192,6 +203,16 @@ class EngineContract:
         scores = run(engine.client.score(tokens, len(PROMPT)))
         expected = hf_logprobs(model_dirs[0], tokens, len(PROMPT))
         assert len(scores) == 5
+        assert max(abs(a - b) for a, b in zip(scores, expected, strict=True)) < tolerance(engine)
+
+    def test_score_of_the_first_and_last_vocabulary_ids(self, engine: LaunchedEngine,
+                                                        model_dirs: tuple[str, str]) -> None:
+        # SGLang reports the last id (511) as 0 in input log-probs; the client accepts exactly that, and the
+        # values must still be those of ids 511 and 0 at their positions.
+        tokens = PROMPT + [511, 0, 511, 511, 5, 0]
+        scores = run(engine.client.score(tokens, len(PROMPT)))
+        expected = hf_logprobs(model_dirs[0], tokens, len(PROMPT))
+        assert len(scores) == 6
         assert max(abs(a - b) for a, b in zip(scores, expected, strict=True)) < tolerance(engine)
 
     def test_stop_token_ids(self, engine: LaunchedEngine) -> None:

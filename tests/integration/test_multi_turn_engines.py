@@ -16,7 +16,7 @@ import asyncio
 from pathlib import Path
 
 import pytest
-from engine_contract import ENGINE_KINDS
+from engine_contract import ENGINE_KINDS, shipped_sglang_args
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig, TinyModelShape
 from miles_lite.data.tokenizer import load_or_build_tokenizer
@@ -66,8 +66,9 @@ def test_tool_turns_continue_from_the_exact_ids_on_a_real_engine(kind: str, mode
     rollout = RolloutConfig(backend=kind, engines=1, engine_tp=1, startup_timeout_s=600.0, request_timeout_s=120.0,
                             group_size=4, max_new_tokens=40, max_turns=4, temperature=1.0,
                             reference_args={"max_batch_size": 32, "threads": 1},
-                            sglang_args={"skip_tokenizer_init": False, "mem_fraction_static": 0.3,
-                                         "disable_cuda_graph": True, "dtype": "bfloat16"})
+                            # The shipped defaults (they must start on this shape), with the tokenizer on.
+                            sglang_args={**shipped_sglang_args(), "skip_tokenizer_init": False,
+                                         "mem_fraction_static": 0.3, "dtype": "bfloat16"})
     ft = FaultToleranceConfig(health_interval_s=60, request_retries=0)
 
     def encode(text: str) -> list[int]:

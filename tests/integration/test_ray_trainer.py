@@ -105,12 +105,15 @@ def test_tp2_logprobs_and_step_stats_equal_tp1(scenario: dict[str, Any]) -> None
     assert max_diff(tp2, tp1) < 1e-4
     for kind in ("train", "sft"):
         stats2, stats1 = scenario[kind]
-        assert sorted(stats2) == sorted(stats1), kind
+        # The divergence guard's ratio and bound sum every rank's shards: parameters that TP replicates
+        # (norms, row-parallel biases) count once per rank, so they are not TP-invariant by design; the exact
+        # ratio is there only in steps whose bound did not rule divergence out.
+        guard = {"update_ratio", "update_ratio_bound"}
+        assert sorted(set(stats2) - guard) == sorted(set(stats1) - guard), kind
+        assert "update_ratio_bound" in stats1 and "update_ratio_bound" in stats2
         assert stats1["skipped"] == 0.0 and stats1["grad_norm"] > 0
         for key, value in stats1.items():
-            # The divergence guard's update ratio sums every rank's shards: parameters that TP replicates
-            # (norms, row-parallel biases) count once per rank, so it is not TP-invariant by design.
-            if key not in TIMING_STATS and key != "update_ratio":
+            if key not in TIMING_STATS and key not in guard:
                 assert stats2[key] == pytest.approx(value, rel=STAT_TOL, abs=STAT_TOL), (kind, key)
 
 

@@ -15,6 +15,7 @@ from miles_lite.engines.serve import add_arguments, sglang_argv
 from miles_lite.engines.sglang.command import (
     build_sglang_command,
     check_sglang_command,
+    for_installed_sglang,
     sglang_flag_args,
     sglang_importable,
 )
@@ -116,8 +117,15 @@ def test_build_command_validates_tp_and_path() -> None:
 
 @pytest.mark.skipif(not sglang_importable(), reason="needs sglang importable")
 def test_real_sglang_parser_accepts_the_project_defaults() -> None:
-    check_sglang_command(build_sglang_command("/m", 1, 1, {"skip_tokenizer_init": True,
-                                                           "mem_fraction_static": 0.6}))
+    from pathlib import Path
+
+    import yaml
+
+    from miles_lite.engines.sglang.command import sglang_option_names
+
+    shipped = yaml.safe_load((Path(__file__).resolve().parents[2] / "conf" / "rollout" / "sglang.yaml").read_text())
+    check_sglang_command(build_sglang_command("/m", 1, 1, for_installed_sglang(shipped["sglang_args"],
+                                                                              sglang_option_names())))
     with pytest.raises(ValueError, match="does not know"):
         check_sglang_command(build_sglang_command("/m", 1, 1, {"no_such_flag_anywhere": 3}))
 
@@ -204,3 +212,68 @@ def test_every_engine_loads_the_weight_loader_plugin(tmp_path) -> None:
                          str(tmp_path), str(tmp_path))
     with pytest.raises(ValueError, match="custom_weight_loader must be a list"):
         bad.command_factory(0)
+
+
+# The launch flags of two SGLang versions, as far as the renamed flag goes.
+SGLANG_0_5_10 = frozenset({"--model-path", "--disable-cuda-graph", "--disable-piecewise-cuda-graph"})
+SGLANG_0_5_23 = frozenset({"--model-path", "--disable-cuda-graph", "--disable-prefill-cuda-graph",
+                           "--cuda-graph-backend-prefill"})
+
+
+@pytest.mark.parametrize("key", ["disable_piecewise_cuda_graph", "disable_prefill_cuda_graph",
+                                 "disable-prefill-cuda-graph"])
+def test_renamed_flags_are_spelt_as_the_installed_sglang_knows_them(key: str) -> None:
+    args = {key: True, "mem_fraction_static": 0.5}
+    assert for_installed_sglang(args, SGLANG_0_5_10) == {"disable_piecewise_cuda_graph": True,
+                                                         "mem_fraction_static": 0.5}
+    assert for_installed_sglang(args, SGLANG_0_5_23) == {"disable_prefill_cuda_graph": True,
+                                                         "mem_fraction_static": 0.5}
+    assert for_installed_sglang(args, None) == args  # SGLang not visible: passed as given
+    # A parser that knows neither spelling: left for the parser check to name.
+    assert for_installed_sglang(args, frozenset({"--model-path"})) == args
+
+
+def test_both_spellings_must_agree() -> None:
+    both = {"disable_piecewise_cuda_graph": True, "disable_prefill_cuda_graph": True}
+    assert for_installed_sglang(both, SGLANG_0_5_23) == {"disable_prefill_cuda_graph": True}
+    with pytest.raises(ValueError, match="disable_piecewise_cuda_graph and disable_prefill_cuda_graph .* different"):
+        for_installed_sglang({**both, "disable_prefill_cuda_graph": False}, SGLANG_0_5_23)
+
+
+def test_the_shipped_config_turns_prefill_cuda_graphs_off() -> None:
+    from pathlib import Path
+
+    import yaml
+
+    text = (Path(__file__).resolve().parents[2] / "conf" / "rollout" / "sglang.yaml").read_text()
+    assert yaml.safe_load(text)["sglang_args"]["disable_prefill_cuda_graph"] is True
+    assert "FusedAddRMSNorm" in text  # the comment says why
+
+
+FAKE_SERVER_ARGS = """
+class ServerArgs:
+    @staticmethod
+    def add_cli_args(parser):
+        parser.add_argument("--model-path")
+        parser.add_argument("{flag}", action="store_true")
+"""
+
+
+@pytest.mark.parametrize("flag", ["--disable-piecewise-cuda-graph", "--disable-prefill-cuda-graph"])
+def test_launcher_asks_the_engines_sglang_for_its_flags(tmp_path, flag: str) -> None:
+    # An SGLang installed apart (on the engines' PYTHONPATH only) declaring one spelling of the flag.
+    package = tmp_path / "site" / "sglang" / "srt"
+    package.mkdir(parents=True)
+    for init in (package.parent / "__init__.py", package / "__init__.py"):
+        init.write_text("")
+    (package / "server_args.py").write_text(FAKE_SERVER_ARGS.format(flag=flag))
+    sg = EngineLauncher(RolloutConfig(backend="sglang", sglang_args={"disable_piecewise_cuda_graph": True}),
+                        str(tmp_path), str(tmp_path / "logs"), env={"PYTHONPATH": str(tmp_path / "site")})
+    assert sg.sglang_options() == frozenset({"-h", "--help", "--model-path", flag})
+    cmd = sg.command_factory(0)(40000, None)
+    assert flag in cmd and len([c for c in cmd if "cuda-graph" in c]) == 1
+    # Without SGLang where the engines run, flags pass as given.
+    plain = EngineLauncher(RolloutConfig(backend="sglang", sglang_args={"disable_prefill_cuda_graph": True}),
+                           str(tmp_path), str(tmp_path / "logs"), env={"PYTHONPATH": str(tmp_path / "none")})
+    assert plain.sglang_options() is None
+    assert "--disable-prefill-cuda-graph" in plain.command_factory(0)(40000, None)

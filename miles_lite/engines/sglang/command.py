@@ -12,6 +12,8 @@ dashes (`mem_fraction_static` or `mem-fraction-static`). Mapping of values, foll
 - str/int/float -> `--flag value`.
 
 The launcher owns `--model-path`, `--host`, `--port` and `--tp-size`; setting them here is an error.
+Flags SGLang renamed between the versions the project runs on (0.5.10 through 0.5.23, `RENAMED_FLAGS`) may be
+given in either spelling: `for_installed_sglang` passes the one the installed SGLang's parser knows.
 When SGLang is importable, `check_sglang_command` parses the command with SGLang's own parser, so a typo
 fails before a GPU is touched. Engines get the project's weight-loader plugin (`with_weight_loader`) and,
 for SGLang installed apart, the project root at the end of PYTHONPATH (`plugin_env`) to import it from.
@@ -24,6 +26,7 @@ import importlib.util
 import json
 import os
 import re
+import subprocess
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -46,6 +49,11 @@ RESERVED_FLAGS: dict[str, str] = {
     "tp": "rollout.engine_tp",
     "tensor_parallel_size": "rollout.engine_tp",
 }
+
+# (older, newer) spelling of flags SGLang renamed. 0.5.23 replaced 0.5.10's piecewise (torch.compile) prefill
+# CUDA graph by a prefill phase of its CUDA-graph config (`--cuda-graph-backend-prefill`, on by default on CUDA);
+# `--disable-prefill-cuda-graph` turns it off as `--disable-piecewise-cuda-graph` did.
+RENAMED_FLAGS: tuple[tuple[str, str], ...] = (("disable_piecewise_cuda_graph", "disable_prefill_cuda_graph"),)
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 
@@ -148,3 +156,60 @@ def check_sglang_command(cmd: list[str]) -> None:
         raise ValueError(f"SGLang rejects the launch flags {cmd[start:]}: {exc}") from exc
     if unknown:
         raise ValueError(f"SGLang does not know the flags {unknown}; check rollout.sglang_args")
+
+
+def _flag(norm: str) -> str:
+    return "--" + norm.replace("_", "-")
+
+
+def for_installed_sglang(sglang_args: Mapping[str, Any], known: frozenset[str] | None) -> dict[str, Any]:
+    """`sglang_args` with each flag of `RENAMED_FLAGS` spelt as the installed SGLang knows it.
+
+    `known`: the option strings of the installed `launch_server` parser (`sglang_option_names`); None (SGLang
+    not installed where this can see) leaves the mapping as it is. Both spellings with different values are
+    an error naming them.
+    """
+    out = dict(sglang_args)
+    if known is None:
+        return out
+    for older, newer in RENAMED_FLAGS:
+        given = [k for k in out if str(k).replace("-", "_") in (older, newer)]
+        if not given:
+            continue
+        target = newer if _flag(newer) in known else older if _flag(older) in known else None
+        if target is None:
+            continue  # neither spelling: the parser check names the flag
+        values = {k: out.pop(k) for k in given}
+        if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
+            raise ValueError(f"rollout.sglang_args sets {' and '.join(values)} (one flag, renamed between SGLang "
+                             f"versions) to different values {list(values.values())}; keep one of them")
+        out[target] = next(iter(values.values()))
+    return out
+
+
+def sglang_option_names() -> frozenset[str] | None:
+    """The option strings of the importable SGLang's `launch_server` parser; None when SGLang is not importable."""
+    if not sglang_importable():
+        return None
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(prog="sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    return frozenset(o for action in parser._actions for o in action.option_strings)
+
+
+_PROBE = ("import json; from miles_lite.engines.sglang.command import sglang_option_names as names; "
+          "found = names(); print(json.dumps(None if found is None else sorted(found)))")
+
+
+def probe_sglang_option_names(python: str, env: Mapping[str, str] | None) -> frozenset[str] | None:
+    """`sglang_option_names` as the engines will see it: asked of `python` under `env` (with the project on
+    PYTHONPATH, as engines get it). None when SGLang is not importable there or the probe fails (the engine's
+    own start then reports why)."""
+    try:
+        done = subprocess.run([python, "-c", _PROBE], env=plugin_env(os.environ if env is None else env),
+                              capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+        found = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
+        return None
+    return frozenset(found) if isinstance(found, list) else None
