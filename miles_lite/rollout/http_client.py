@@ -24,6 +24,7 @@ from typing import Any
 
 import aiohttp
 
+from miles_lite.api_key import authorization
 from miles_lite.rollout.engine import EngineError
 from miles_lite.types import Generation, SamplingParams
 
@@ -37,8 +38,10 @@ class HttpEngine:
     """An engine reached over HTTP at `url` (an SGLang server or the reference engine)."""
 
     def __init__(self, engine_id: str, url: str, request_timeout_s: float = 600.0,
-                 control_timeout_s: float = 60.0) -> None:
+                 control_timeout_s: float = 60.0, api_key: str | None = None) -> None:
+        """`api_key`: the run's key, sent with every request (`Authorization: Bearer`)."""
         self.engine_id = engine_id
+        self._headers = authorization(api_key)
         self.url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
@@ -57,7 +60,7 @@ class HttpEngine:
             # No total-connection cap: the rollout manager bounds concurrency itself. Idle connections are
             # dropped before the server drops them (SGLang's uvicorn: 5 s): reusing one the server has just
             # closed fails with ServerDisconnectedError, which an H200 run hit after 5 s of training.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(
                 limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S))
             self._session_loop = loop
         return self._session

@@ -262,3 +262,34 @@ def test_engine_restart_counter_exists_at_zero() -> None:
     assert samples(reg)[("miles_lite_engine_restarts_total", lab(run="r0"))] == 2
     with pytest.raises(ValueError, match="count"):
         reg.engine_restarted(-1)
+
+
+def test_exporter_is_read_only() -> None:
+    reg = MetricsRegistry("ro", "driver")
+    reg.publish_step(1, {"reward/mean": 1.0})
+    with MetricsExporter(reg, "127.0.0.1", 0) as exporter:
+        base = exporter.url.removesuffix("/metrics")
+        for method, path, status in (("POST", "/metrics", 405), ("PUT", "/metrics", 405),
+                                     ("DELETE", "/metrics", 405), ("GET", "/", 404), ("GET", "/debug", 404)):
+            request = urllib.request.Request(base + path, data=b"x" if method != "GET" else None, method=method)
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(request, timeout=5)
+            assert err.value.code == status, (method, path)
+        assert exporter.scrapes_served == 0  # refused requests are no scrapes
+        with urllib.request.urlopen(exporter.url, timeout=5) as resp:
+            assert resp.status == 200 and b"miles_lite_" in resp.read()
+
+
+def test_metrics_host_node_binds_this_nodes_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles_lite.observability import exporter as exporter_module
+    from miles_lite.ports import AddressError
+
+    assert exporter_module.bind_address("127.0.0.1") == "127.0.0.1"
+    monkeypatch.setattr(exporter_module, "ray_node_address", lambda: None)
+    monkeypatch.setattr(exporter_module.socket, "gethostbyname", lambda name: "10.1.2.3")
+    assert exporter_module.bind_address("node") == "10.1.2.3"
+    monkeypatch.setattr(exporter_module.socket, "gethostbyname", lambda name: "127.0.1.1")
+    with pytest.raises(AddressError, match="observability.metrics_host"):
+        exporter_module.bind_address("node")
+    monkeypatch.setattr(exporter_module, "ray_node_address", lambda: "10.9.9.9")
+    assert exporter_module.bind_address("node") == "10.9.9.9"

@@ -54,7 +54,7 @@ def test_overrides_user_first_then_deployment_facts():
     for expected in ("rollout.backend=reference", "rollout.engines=2", urls, "rollout.engine_tp=1",
                      "checkpoint.dir=/checkpoints/checkpoints", "checkpoint.interval=10", "checkpoint.resume=auto",
                      "fault_tolerance.max_engine_restarts=3", "observability.metrics_port=9400",
-                     "observability.metrics_host=0.0.0.0", "cluster=local"):
+                     "observability.metrics_host=node", "cluster=local"):
         assert expected in lines, expected
     assert not any(line.startswith("model.hf_path") for line in lines)
 
@@ -210,7 +210,7 @@ def test_sglang_engine_command_is_what_miles_lite_engine_parses():
     assert (args.backend, args.tp, args.port, args.host) == ("sglang", 2, 30000, "0.0.0.0")
     assert json.loads(args.sglang_args) == {"enable_x": True, "off": False}
     sglang = sglang_argv(args)
-    assert sglang[1:3] == ["-m", "sglang.launch_server"] and "--custom-weight-loader" in sglang
+    assert sglang[1:3] == ["-m", "miles_lite.engines.sglang.launch"] and "--custom-weight-loader" in sglang
     assert sglang[sglang.index("--tp-size") + 1] == "2" and "--enable-x" in sglang and "--off" not in sglang
 
 
