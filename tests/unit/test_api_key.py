@@ -35,7 +35,8 @@ def test_fresh_key_lives_in_a_private_directory_and_goes_away() -> None:
     finally:
         key.close()
     assert not key.path.exists() and not key.path.parent.exists()
-    assert ApiKey.for_run(None, env={}).value != key.value  # fresh per run
+    with ApiKey.for_run(None, env={}) as other:
+        assert other.value != key.value  # fresh per run
 
 
 def test_given_key_file_is_used_and_kept(tmp_path: Path) -> None:
