@@ -33,8 +33,9 @@ def by_kind(objs: list[dict], kind: str) -> list[dict]:
 def test_tiny_cpu_renders_every_object_with_owner_and_labels():
     objs = render(example("tiny-cpu.yaml"))
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
-        ("ConfigMap", "tiny-cpu-config"), ("Service", "tiny-cpu-trainer"), ("Service", "tiny-cpu-rollout"),
-        ("Job", "tiny-cpu-trainer"), ("Pod", "tiny-cpu-rollout-0"), ("Pod", "tiny-cpu-rollout-1"),
+        ("ConfigMap", "tiny-cpu-config"), ("NetworkPolicy", "tiny-cpu"), ("Service", "tiny-cpu-trainer"),
+        ("Service", "tiny-cpu-rollout"), ("Job", "tiny-cpu-trainer"), ("Pod", "tiny-cpu-rollout-0"),
+        ("Pod", "tiny-cpu-rollout-1"),
     ]
     for o in objs:
         assert o["metadata"]["namespace"] == "research"
@@ -73,7 +74,8 @@ def test_trainer_job_is_indexed_and_fails_fast():
     assert 'exec miles-lite train "${OVERRIDES[@]}"' in c["command"][2]
     assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert mounts == {"config": "/etc/miles-lite", "checkpoints": "/checkpoints"}
+    assert mounts == {"config": "/etc/miles-lite", "checkpoints": "/checkpoints",
+                      "api-key": "/var/run/miles-lite/api-key", "tmp": "/tmp", "work": "/work"}
     (cm,) = by_kind(objs, "ConfigMap")
     overrides_hash = hashlib.sha256(cm["data"]["overrides"].encode()).hexdigest()[:16]
     assert spec["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] == overrides_hash
