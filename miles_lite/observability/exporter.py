@@ -25,18 +25,21 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from miles_lite.observability.metrics import MetricsRegistry
-from miles_lite.ports import AddressError, is_loopback, ray_node_address
+from miles_lite.ports import AddressError, is_loopback, ray_node_address, route_address
 
 # `observability.metrics_host` value for this node's own address.
 NODE = "node"
 METRICS_PATH = "/metrics"
+# A documentation address (TEST-NET-1): routing toward it selects the default route; no packet is sent.
+DEFAULT_ROUTE_PROBE = "192.0.2.1"
 
 if TYPE_CHECKING:  # the config package pulls in Hydra; runtime code needs only the fields
     from miles_lite.config.schema import ObservabilityConfig
 
 
 def bind_address(host: str) -> str:
-    """`host`, or for `node` this node's address: its Ray node's, else what its host name resolves to."""
+    """`host`, or for `node` this node's address: its Ray node's, else what its host name resolves to, else
+    (a name mapped to loopback, as Debian's /etc/hosts does) the source address of its default route."""
     if host != NODE:
         return host
     address = ray_node_address()
@@ -44,12 +47,17 @@ def bind_address(host: str) -> str:
         return address
     try:
         address = socket.gethostbyname(socket.gethostname())
-    except OSError as exc:
-        raise AddressError(f"observability.metrics_host=node: this host's name does not resolve ({exc}); set "
-                           "observability.metrics_host to the address Prometheus scrapes") from exc
-    if is_loopback(address):
-        raise AddressError(f"observability.metrics_host=node: this host's name resolves to {address}, a loopback "
-                           "address Prometheus cannot reach; set observability.metrics_host to the node's address")
+    except OSError:
+        address = ""
+    if address and not is_loopback(address):
+        return address
+    try:
+        address = route_address(DEFAULT_ROUTE_PROBE)
+    except AddressError:
+        address = ""
+    if not address or is_loopback(address):
+        raise AddressError("observability.metrics_host=node: this host's name resolves to no routable address and "
+                           "it has no default route; set observability.metrics_host to the address Prometheus scrapes")
     return address
 
 

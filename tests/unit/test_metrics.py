@@ -289,6 +289,13 @@ def test_metrics_host_node_binds_this_nodes_address(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(exporter_module.socket, "gethostbyname", lambda name: "10.1.2.3")
     assert exporter_module.bind_address("node") == "10.1.2.3"
     monkeypatch.setattr(exporter_module.socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setattr(exporter_module, "route_address", lambda peer: "10.4.5.6")
+    assert exporter_module.bind_address("node") == "10.4.5.6"  # a name mapped to loopback: the default route's
+
+    def no_route(peer: str) -> str:
+        raise AddressError("no route")
+
+    monkeypatch.setattr(exporter_module, "route_address", no_route)
     with pytest.raises(AddressError, match="observability.metrics_host"):
         exporter_module.bind_address("node")
     monkeypatch.setattr(exporter_module, "ray_node_address", lambda: "10.9.9.9")
