@@ -114,6 +114,12 @@ def _volumes(job: JobSpec, role: str, gpus: int) -> tuple[list[dict[str, Any]], 
         else:
             volumes.append({"name": "checkpoints", "emptyDir": {}})
         mounts.append({"name": "checkpoints", "mountPath": job.checkpoint.mount_path})
+    else:
+        # An engine without the job's volume still finds the run's output directory (the overrides put it on the
+        # checkpoint mount; the reference engine caches the job's tokenizer there): scratch space, the root
+        # filesystem being read-only.
+        volumes.append({"name": "outputs-scratch", "emptyDir": {}})
+        mounts.append({"name": "outputs-scratch", "mountPath": job.checkpoint.mount_path})
     # The job's key (the operator's Secret), and scratch space on the read-only root filesystem.
     volumes.append(security.key_volume(job))
     mounts.append(security.key_mount())

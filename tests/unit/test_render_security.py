@@ -38,7 +38,7 @@ def test_every_pod_mounts_the_key_secret_and_runs_unprivileged() -> None:
                                                 "capabilities": {"drop": ["ALL"]}}
         # What a process writes off its volumes goes to emptyDirs, the root filesystem being read-only.
         writable = {m["mountPath"] for m in container["volumeMounts"] if not m.get("readOnly")}
-        assert {"/tmp", "/work"} <= writable
+        assert {"/tmp", "/work", "/checkpoints"} <= writable  # the run's outputs: its volume, or scratch
         assert spec["automountServiceAccountToken"] is False
 
 
