@@ -1,10 +1,11 @@
 """`python -m miles_lite.engines.sglang.launch [--api-key-file FILE] [--insecure] LAUNCH_SERVER_FLAGS...`:
 stock SGLang's HTTP server behind the run's API key.
 
-SGLang's own `--api-key` (SGLang 0.5.10's `srt/utils/auth.py`) asks for the key on every endpoint except
-those starting with `/health`, `/ready` and `/metrics` (so `/health_generate`, which runs a generation, stays
-open), and `--admin-api-key`, once set, replaces it on the control endpoints (weight updates, flush, abort,
-pause); the key would also sit on SGLang's command line and in the server arguments it prints. So this
+SGLang's own `--api-key` (its API-key middleware) asks for the key on every endpoint except paths starting
+with `/health`, `/ready` and `/metrics` (so `/health_generate`, which runs a generation, stays open);
+releases with `--admin-api-key` ask for that one instead on the control endpoints (weight updates, flush,
+abort, pause) once it is set. Either key would also sit on SGLang's command line and in the server
+arguments it prints. So this
 launcher reads the key from a file (or the environment), keeps it out of SGLang's arguments, and wraps
 SGLang's application in `RequireKey`: every HTTP and WebSocket path but `/health` asks
 `Authorization: Bearer KEY`, and a request without it is answered 401 before SGLang sees it.
