@@ -131,7 +131,7 @@ def resolved_overrides(job: JobSpec) -> list[str]:
         "checkpoint.resume=auto",
         f"fault_tolerance.max_engine_restarts={job.fault_tolerance.max_engine_restarts}",
         f"observability.metrics_port={job.metrics_port}",
-        "observability.metrics_host=0.0.0.0",
+        "observability.metrics_host=node",
         # Engine pods dial the trainer's weight-update rendezvous at trainer pod 0's Service name.
         f"cluster.advertise_address={trainer_head_host(job)}",
     ]

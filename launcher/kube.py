@@ -21,6 +21,8 @@ PLURALS: dict[str, str] = {
     "Pod": "pods",
     "Job": "jobs",
     "PodGroup": "podgroups",
+    "Secret": "secrets",
+    "NetworkPolicy": "networkpolicies",
     KIND: PLURAL,
 }
 

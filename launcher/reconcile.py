@@ -22,7 +22,8 @@ from typing import Any
 from launcher import status as st
 from launcher.commands import trainer_name
 from launcher.kube import Conflict, KubeApi
-from launcher.render import HASH_ANNOTATION, render_job, selector
+from launcher.render import HASH_ANNOTATION, key_secret_metadata, render_job, selector
+from launcher.security import ensure_key_secret, secret_name
 from launcher.spec import API_VERSION, KIND, JobSpec, SpecError, gpu_variant, parse_job, uses_gpus
 
 COMPLETION_INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
@@ -116,7 +117,7 @@ class Reconciler:
         """Apply every rendered object of the job (idempotent); returns 'Kind/name: action' lines."""
         body = self.stamp_image(body)
         job = parse_job(body)
-        out = []
+        out = [f"Secret/{secret_name(job)}: {ensure_key_secret(self.api, job, key_secret_metadata(job))}"]
         for obj in render_job(job, body):
             if obj["kind"] in ("Job", "Pod"):
                 live = self.api.get(*_meta(obj))
@@ -160,6 +161,7 @@ class Reconciler:
             obs = st.Observation(spec_error=str(err))
             return self._status(phase, obs, status, conditions, now, generation, None, None)
         counts = _Counts(int(status.get("trainerRestarts") or 0), int(status.get("engineRestarts") or 0))
+        ensure_key_secret(self.api, job, key_secret_metadata(job))  # before any pod that mounts it
         for obj in objs:
             if obj["kind"] not in ("Job", "Pod"):
                 apply_object(self.api, obj)

@@ -2,6 +2,10 @@
 
 `render(body)` returns, in apply order:
   ConfigMap `<job>-config`          the resolved Hydra overrides (read by every container) and the spec
+  NetworkPolicy `<job>`             ingress only from the job's own pods (metrics: also the operator and
+                                    spec.metrics.allowFrom); see launcher/security.py
+(The Secret `<job>-api-key` holding the job's API key is created by the operator, not rendered: its key
+is random, and this renderer is pure. Every pod mounts it.)
   Service   `<job>-trainer`         headless; DNS for trainer pods (Ray head, metrics)
   Service   `<job>-rollout`         headless; DNS `<job>-rollout-<i>.<job>-rollout.<ns>.svc` per engine
   PodGroup  `<job>-trainer|rollout` only for gang.scheduler volcano / coscheduling (one gang per role)
@@ -22,7 +26,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from launcher import commands
+from launcher import commands, security
 from launcher.gang import pod_group, role_gang
 from launcher.spec import API_VERSION, GROUP, KIND, JobSpec, Placement, parse_job
 
@@ -110,6 +114,18 @@ def _volumes(job: JobSpec, role: str, gpus: int) -> tuple[list[dict[str, Any]], 
         else:
             volumes.append({"name": "checkpoints", "emptyDir": {}})
         mounts.append({"name": "checkpoints", "mountPath": job.checkpoint.mount_path})
+    else:
+        # An engine without the job's volume still finds the run's output directory (the overrides put it on the
+        # checkpoint mount; the reference engine caches the job's tokenizer there): scratch space, the root
+        # filesystem being read-only.
+        volumes.append({"name": "outputs-scratch", "emptyDir": {}})
+        mounts.append({"name": "outputs-scratch", "mountPath": job.checkpoint.mount_path})
+    # The job's key (the operator's Secret), and scratch space on the read-only root filesystem.
+    volumes.append(security.key_volume(job))
+    mounts.append(security.key_mount())
+    scratch, scratch_mounts = security.scratch_volumes()
+    volumes += scratch
+    mounts += scratch_mounts
     if gpus:
         # NCCL and SGLang need more shared memory than the container runtime's 64 MiB default.
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory"}})
@@ -128,6 +144,9 @@ def _env(job: JobSpec, role: str) -> list[dict[str, Any]]:
         {"name": "MILES_LITE_TRAINER_REPLICAS", "value": str(job.trainer.replicas)},
         {"name": "POD_NAME", **field_ref("metadata.name")},
         {"name": "POD_NAMESPACE", **field_ref("metadata.namespace")},
+        security.key_env(),
+        # Caches of a user without a home directory (the pods run as an arbitrary uid).
+        {"name": "HOME", "value": security.SCRATCH_MOUNTS["work"]},
         *copy.deepcopy(job.env),
     ]
 
@@ -143,6 +162,7 @@ def _pod_spec(job: JobSpec, role: str, command: list[str], ports: list[dict[str,
         "env": _env(job, role),
         "ports": ports,
         "volumeMounts": mounts,
+        "securityContext": security.container_security_context(),
     }
     resources = _resources(placement, gpus)
     if resources:
@@ -157,6 +177,9 @@ def _pod_spec(job: JobSpec, role: str, command: list[str], ports: list[dict[str,
         "enableServiceLinks": False,
         "containers": [container],
         "volumes": volumes,
+        "securityContext": security.pod_security_context(),
+        # The job's processes call no Kubernetes API: no token in the pods, unless the job names an account.
+        "automountServiceAccountToken": bool(job.service_account),
     }
     if placement.node_selector:
         spec["nodeSelector"] = dict(placement.node_selector)
@@ -274,12 +297,23 @@ def render_engine_pod(job: JobSpec, index: int, config_hash: str = "") -> dict[s
     return _stamp({"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": pod_spec})
 
 
+def render_network_policy(job: JobSpec) -> dict[str, Any]:
+    """The job's NetworkPolicy (see `launcher.security`)."""
+    return security.render_network_policy(job, _metadata(job, job.name, None), {JOB_LABEL: job.name})
+
+
+def key_secret_metadata(job: JobSpec) -> dict[str, Any]:
+    """Metadata of the job's key Secret (its data is the operator's: `security.ensure_key_secret`)."""
+    return _metadata(job, security.secret_name(job), None)
+
+
 def render_job(job: JobSpec, body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """All objects of a parsed job, in apply order (see the module docstring)."""
     config_map = _stamp(render_config_map(job, body))
     # Only the overrides reach the processes; the recorded spec copy must not restart pods.
     config_hash = hashlib.sha256(config_map["data"][commands.OVERRIDES_FILE].encode()).hexdigest()[:16]
-    objs = [*render_services(job), *render_pod_groups(job), render_trainer_job(job, config_hash)]
+    objs = [render_network_policy(job), *render_services(job), *render_pod_groups(job),
+            render_trainer_job(job, config_hash)]
     return [config_map, *(_stamp(o) for o in objs),
             *(render_engine_pod(job, i, config_hash) for i in range(job.rollout.engines))]
 

@@ -138,6 +138,13 @@ class JobSpec:
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
     fault_tolerance: FaultToleranceSpec = field(default_factory=FaultToleranceSpec)
     metrics_port: int = 9400
+    # NetworkPolicyPeer objects (namespaceSelector / podSelector / ipBlock) that may scrape the metrics port.
+    metrics_allow_from: list[dict[str, Any]] = field(default_factory=list)
+
+
+# Environment variables the operator sets from the job's key Secret; the MilesJob must not carry a key.
+RESERVED_ENV = ("MILES_API_KEY", "MILES_API_KEY_FILE")
+PEER_KEYS = ("namespaceSelector", "podSelector", "ipBlock")
 
 
 class _Reader:
@@ -274,13 +281,22 @@ def parse_job(body: Mapping[str, Any]) -> JobSpec:
         max_engine_restarts=r.integer(f, "maxEngineRestarts", "spec.faultTolerance", 3, 0, 10**6),
         max_trainer_restarts=r.integer(f, "maxTrainerRestarts", "spec.faultTolerance", 3, 0, 10**6),
     )
-    metrics_port = r.integer(r.section(spec, "metrics", "spec"), "port", "spec.metrics", 9400, 1024, 65535)
+    metrics = r.section(spec, "metrics", "spec")
+    metrics_port = r.integer(metrics, "port", "spec.metrics", 9400, 1024, 65535)
+    allow_from = r.listing(metrics, "allowFrom", "spec.metrics")
+    for i, peer in enumerate(allow_from):
+        if not isinstance(peer, Mapping) or not peer or any(k not in PEER_KEYS for k in peer):
+            problems.append(f"spec.metrics.allowFrom[{i}]: expected a NetworkPolicyPeer with only "
+                            f"{', '.join(PEER_KEYS)}, got {peer!r}")
     if metrics_port == rollout.port:
         problems.append(f"spec.metrics.port: {metrics_port} collides with spec.rollout.port; pick another port")
     env = r.listing(spec, "env", "spec")
     for i, e in enumerate(env):
         if not isinstance(e, Mapping) or not e.get("name"):
             problems.append(f"spec.env[{i}]: each entry needs a name (an EnvVar object)")
+        elif e["name"] in RESERVED_ENV:
+            problems.append(f"spec.env[{i}]: {e['name']} is set by the operator from the job's key Secret "
+                            f"(<job>-api-key); remove it: a key in the MilesJob is readable by anyone who can read it")
     pull_policy = r.string(spec, "imagePullPolicy", "spec", "IfNotPresent", ("Always", "IfNotPresent", "Never"))
     if problems:
         raise SpecError(problems)
@@ -301,4 +317,5 @@ def parse_job(body: Mapping[str, Any]) -> JobSpec:
         checkpoint=checkpoint,
         fault_tolerance=fault_tolerance,
         metrics_port=metrics_port,
+        metrics_allow_from=[dict(p) for p in allow_from if isinstance(p, Mapping)],
     )

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from miles_lite.api_key import ApiKey
 from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import remote_reward_spec
@@ -45,8 +46,10 @@ def start_trainer(cfg: MilesConfig) -> TrainerRole:
 class System:
     """The live roles of a run. Build with `System.start`; always `close()` (or use `with`)."""
 
-    def __init__(self, cfg: MilesConfig, run_dir: Path, tokenizer: Any) -> None:
+    def __init__(self, cfg: MilesConfig, run_dir: Path, tokenizer: Any, api_key: ApiKey | None = None) -> None:
         self.cfg = cfg
+        # The run's key: the engines ask for it, the weight-update group admits only ranks presenting it.
+        self.api_key = api_key if api_key is not None else ApiKey.for_run(cfg.cluster.api_key_file)
         self.run_dir = run_dir
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer, cfg.data.prompt_template,
@@ -74,8 +77,13 @@ class System:
     @classmethod
     def start(cls, cfg: MilesConfig, run_dir: Path) -> System:
         """Prepare the model, then start the trainer, the engines and the weight-sync group."""
-        cfg, tokenizer = prepare_model(cfg, run_dir)
-        system = cls(cfg, run_dir, tokenizer)
+        api_key = ApiKey.for_run(cfg.cluster.api_key_file)  # a bad key file fails before anything starts
+        try:
+            cfg, tokenizer = prepare_model(cfg, run_dir)
+            system = cls(cfg, run_dir, tokenizer, api_key)
+        except BaseException:
+            api_key.close()
+            raise
         try:
             system.trainer = start_trainer(cfg)
             system._rollout = system._start_rollout()
@@ -97,17 +105,18 @@ class System:
                                                            trainer_gang(self.cfg).bundles)
 
             def gang_fleet() -> Any:
-                return start_gang_fleet(gang)
+                return start_gang_fleet(gang, api_key=self.api_key.value)
 
             start = gang_fleet
-        return build_rollout(self.cfg, self.tokenizer, log_dir, seed=self.cfg.experiment.seed, start=start)
+        return build_rollout(self.cfg, self.tokenizer, log_dir, seed=self.cfg.experiment.seed, start=start,
+                             api_key=self.api_key)
 
     def _start_sync(self) -> None:
         from miles_lite.weight_sync.factory import build_coordinator
 
         assert self.trainer is not None and self.loop_thread is not None and self.fleet is not None
         loop = EngineLoop(self.loop_thread.loop)
-        self.sync = build_coordinator(self.cfg, self.trainer, loop, self.run_dir)
+        self.sync = build_coordinator(self.cfg, self.trainer, loop, self.run_dir, self.api_key.value)
         self.pusher = FleetPusher(self.sync, self.fleet, loop, self.cfg.rollout.engine_tp, self.cfg.rollout.backend)
         self.fleet.on_starved = self.relay.signal
         assert self.rollout is not None
@@ -135,9 +144,12 @@ class System:
                         gang, self.rollout_gang = self.rollout_gang, None
                         gang.close()
             finally:
-                if self.trainer is not None:
-                    trainer, self.trainer = self.trainer, None
-                    trainer.close()
+                try:
+                    if self.trainer is not None:
+                        trainer, self.trainer = self.trainer, None
+                        trainer.close()
+                finally:
+                    self.api_key.close()
 
     def __enter__(self) -> System:
         return self

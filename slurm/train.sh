@@ -40,6 +40,10 @@
 #   MILES_SLURM_REQUEUE_ON_SIGNAL  1 (default) requeue after a USR1 stop; 0 never
 #   MILES_SLURM_RAY_STOP   1 (default) also run `ray stop` on every node at exit; 0 when the nodes
 #                          may run other Ray instances of the same user (ray stop is host-wide)
+#   MILES_API_KEY_FILE     the run's API key (a 0600 file); default: a fresh key per job attempt in the
+#                          job's private directory ${TMPDIR:-/tmp}/miles-key-$SLURM_JOB_ID.* (mode 0700, removed
+#                          at exit). Engines and the weight-update group ask for it; Ray hands it to the
+#                          engine actors, which keep it in a private file on their node.
 set -uo pipefail
 
 MILES_LITE_HOME=${MILES_LITE_HOME:-${SLURM_SUBMIT_DIR:-$PWD}}
@@ -69,6 +73,15 @@ stdout_path=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *StdOu
 [ -z "$stdout_path" ] || ln -sfn "$stdout_path" "$LOGS/slurm.out"
 attempt=${SLURM_RESTART_COUNT:-0}
 log "job $SLURM_JOB_ID attempt $attempt on $(hostname -s): run directory $RUN_DIR"
+
+# ---- the run's API key: in the job's private directory, never in the (shared) run directory ----------
+KEY_DIR=""
+if [ -z "${MILES_API_KEY_FILE:-}${MILES_API_KEY:-}" ] && [ -z "$(override_value cluster.api_key_file "$@")" ]; then
+  KEY_DIR=$(mktemp -d "${TMPDIR:-/tmp}/miles-key-$SLURM_JOB_ID.XXXXXX") || die "cannot create a private key directory"
+  (umask 077 && head -c 32 /dev/urandom | base64 | tr -d '\n=' | tr '+/' '-_' >"$KEY_DIR/api-key") ||
+    die "cannot write the API key"
+  export MILES_API_KEY_FILE=$KEY_DIR/api-key
+fi
 
 # ---- lifecycle: STARTING -> RAY_READY -> TRAINING -> STOPPING -> STOPPED [-> REQUEUED] -----------
 # A signal in any state before STOPPING asks for a stop; cleanup runs once, also on errors (EXIT).
@@ -107,6 +120,7 @@ cleanup() {
   if [ "${MILES_SLURM_RAY_STOP:-1}" = 1 ] && [ -n "$LAYOUT" ]; then
     ray_stop_all_nodes
   fi
+  [ -z "$KEY_DIR" ] || rm -rf "$KEY_DIR"
   if [ "$RUN_OK" = 1 ]; then
     rm -rf "${MILES_RAY_TMP:?}"
   elif [ -n "${MILES_RAY_TMP:-}" ]; then

@@ -59,17 +59,21 @@ class EngineServer:
     """Body of one engine's Ray actor (see the module docstring)."""
 
     def __init__(self, rollout: RolloutConfig, model_path: str, log_dir: str, slot: int, incarnation: int,
-                 env: Mapping[str, str] | None = None, own_gpus: bool = True) -> None:
+                 env: Mapping[str, str] | None = None, own_gpus: bool = True, api_key: str | None = None) -> None:
         """`own_gpus`: the actor holds its engine's GPUs (Ray shows it only those); False when colocated,
-        where the engine shares the node's GPUs with the trainer and `sglang_args.base_gpu_id` applies."""
+        where the engine shares the node's GPUs with the trainer and `sglang_args.base_gpu_id` applies.
+        `api_key`: the run's key, written to a private file on this node for the server (removed at `stop`)."""
+        from miles_lite.api_key import ApiKey
         from miles_lite.engines.launcher import EngineLauncher
+
+        self.key = ApiKey.private(api_key) if api_key is not None else None
 
         self.slot = slot
         self.incarnation = incarnation
         # The Ray node's own address: the server binds it and the fleet dials it.
         self.address = node_address()
         self.launcher = EngineLauncher(on_ray_gpus(rollout) if own_gpus else rollout, model_path, log_dir,
-                                       host=self.address, env=env)
+                                       host=self.address, env=env, api_key=self.key)
         self.process = self.launcher.create(slot, attempt=incarnation)
         self.startup_timeout_s = rollout.startup_timeout_s
 
@@ -107,4 +111,8 @@ class EngineServer:
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the server's process group, SIGKILL after `grace_s`; its exit code."""
-        return self.process.stop(grace_s)
+        try:
+            return self.process.stop(grace_s)
+        finally:
+            if self.key is not None:
+                self.key.close()

@@ -53,8 +53,9 @@ class GangEngine(HttpEngine):
     once, with the reason, instead of after an HTTP timeout.
     """
 
-    def __init__(self, location: EngineLocation, actor: Any, request_timeout_s: float) -> None:
-        super().__init__(location.engine_id, location.url, request_timeout_s=request_timeout_s)
+    def __init__(self, location: EngineLocation, actor: Any, request_timeout_s: float,
+                 api_key: str | None = None) -> None:
+        super().__init__(location.engine_id, location.url, request_timeout_s=request_timeout_s, api_key=api_key)
         self.location = location
         self.actor = actor
 
@@ -76,6 +77,8 @@ class RolloutGang:
     def __init__(self, cfg: MilesConfig, log_dir: str, placement_group: Any, bundles: tuple[dict[str, float], ...],
                  owns_group: bool) -> None:
         self.cfg = cfg
+        # The run's key (`start_gang_fleet` sets it): each engine actor gets it as a call argument, never argv.
+        self.api_key: str | None = None
         self.log_dir = log_dir
         self.placement_group = placement_group
         self.bundles = bundles
@@ -121,7 +124,7 @@ class RolloutGang:
         rollout = self.cfg.rollout
         env = {str(k): str(v) for k, v in rollout.engine_env.items()}
         actor = ray.remote(EngineServer).options(**self._actor_options(slot)).remote(
-            rollout, str(self.cfg.model.hf_path), self.log_dir, slot, incarnation, env, self.owns_group)
+            rollout, str(self.cfg.model.hf_path), self.log_dir, slot, incarnation, env, self.owns_group, self.api_key)
         self.actors[slot] = actor
         # Placement (a bundle whose node died waits for room) plus the server's own start-up.
         timeout = self.cfg.cluster.placement_timeout_s + rollout.startup_timeout_s
@@ -137,7 +140,7 @@ class RolloutGang:
             self._kill(slot)
             raise
         self._record(location)
-        client = GangEngine(location, actor, rollout.request_timeout_s)
+        client = GangEngine(location, actor, rollout.request_timeout_s, self.api_key)
 
         async def stop() -> None:
             await self.stop(slot, actor)
@@ -193,11 +196,14 @@ def _kill_actor(actor: Any) -> None:
 
 
 
-async def start_gang_fleet(gang: RolloutGang, *, health_checks: bool = True) -> EngineFleet:
-    """`rollout.engines` engines, one per bundle of `gang`, as one fleet whose replacements stay in the gang.
+async def start_gang_fleet(gang: RolloutGang, *, health_checks: bool = True,
+                           api_key: str | None = None) -> EngineFleet:
+    """`rollout.engines` engines, one per bundle of `gang`, as one fleet whose replacements stay in the gang;
+    they ask for `api_key`.
 
     If an engine fails to start, the ones already up are stopped before the error propagates.
     """
     cfg = gang.cfg
+    gang.api_key = api_key
     fleet = EngineFleet(cfg.fault_tolerance, gang.launch, max_inflight_per_engine=cfg.rollout.max_inflight_per_engine)
     return await populate(fleet, fleet.launch(cfg.rollout.engines), health_checks)

@@ -39,8 +39,8 @@ class LocalTrainer:
         return node_address(self.cfg.cluster.advertise_address, peers, fallback=LOCAL_HOST), free_port("")
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout_s: float) -> None:
-        self.rank.join_weight_group(master_address, master_port, world_size, group_name, backend, timeout_s)
+                          backend: str, timeout_s: float, key: str | None = None) -> None:
+        self.rank.join_weight_group(master_address, master_port, world_size, group_name, backend, timeout_s, key)
 
     def send_weight_bucket(self, schedules: Sequence[Any]) -> list[Any]:
         return [self.rank.send_weight_bucket(schedules[0])]

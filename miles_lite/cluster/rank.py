@@ -56,13 +56,13 @@ class TrainerRank:
     # ---- weight sync, shard mode (`weight_sync.senders.ShardSenders`) -------------------------------
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout_s: float) -> None:
+                          backend: str, timeout_s: float, key: str | None = None) -> None:
         """Join the weight-update group as group rank = this rank's TP rank (blocks until all joined)."""
         from miles_lite.weight_sync.senders import RankSender
 
         if self.sender is None:
             self.sender = RankSender(self.actor.par.tp_rank)
-        self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s)
+        self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s, key)
 
     def send_weight_bucket(self, schedule: Any) -> Any:
         """Send this rank's part of one bucket from the live parameters; its `SendStats`."""

@@ -271,10 +271,10 @@ class RayTrainerGroup:
         return tuple(self._collect({0: ref}, "weight_group_endpoint", STRAGGLER_GRACE_S)[0])
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout_s: float) -> None:
+                          backend: str, timeout_s: float, key: str | None = None) -> None:
         """Every TP rank of data-parallel rank 0 joins as group rank = its TP rank; returns once all joined."""
         refs = {tp: a.join_weight_group.remote(master_address, master_port, world_size, group_name, backend,
-                                               timeout_s) for tp, a in sorted(self._senders().items())}
+                                               timeout_s, key) for tp, a in sorted(self._senders().items())}
         # A rank whose rendezvous fails raises within `timeout_s`; the margin covers the call itself.
         self._collect(refs, "join_weight_group", timeout_s + STRAGGLER_GRACE_S)
 

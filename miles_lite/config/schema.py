@@ -273,7 +273,7 @@ class ObservabilityConfig:
     """Prometheus exporter, rollout tables, progress output, optional sinks."""
 
     metrics_port: int = bounded(0, ge=0, le=65535)
-    # 127.0.0.1 by default; cluster runs listen on all interfaces.
+    # Address the exporter binds: 127.0.0.1 (local runs), or `node`: this node's own (conf/observability/cluster).
     metrics_host: str = "127.0.0.1"
     metrics_enabled: bool = True
     rollout_table: bool = True
@@ -306,12 +306,13 @@ class ClusterConfig:
     # GPU of a node, or per CPU on a GPU-less node); None: any node with the CPUs/GPUs.
     trainer_resource: str | None = None
     rollout_resource: str | None = None
-    # The address the engines dial for the weight-update group's rendezvous (trainer TP rank 0's node, or the
-    # driver in weight_sync.mode=full); None: that node's own (its Ray node address, or the route toward
-    # rollout.engine_urls). Engine servers always bind and advertise their own node's address.
+    # Address engines dial for the weight-update rendezvous (trainer TP rank 0's node; the driver in mode=full);
+    # None: that node's own (Ray's, or the route to rollout.engine_urls). Engines bind their node's own address.
     advertise_address: str | None = None
     # Seconds for every trainer rank (a Ray actor) to import, join the process group and build its model.
     trainer_start_timeout_s: float = bounded(600.0, gt=0)
+    # Key file (0600) engines and the weight-update group ask for; None: $MILES_API_KEY(_FILE), else a fresh key.
+    api_key_file: str | None = None
 
 
 @dataclass

@@ -338,6 +338,13 @@ def validate(cfg: MilesConfig) -> ModelDims | None:
     _check_rewards(cfg, problems)
     _check_rollout(cfg, problems)
     _check_paths_and_devices(cfg, problems)
+    if cfg.cluster.api_key_file:
+        from miles_lite.api_key import ApiKeyError, read_key_file
+
+        try:
+            read_key_file(cfg.cluster.api_key_file)
+        except ApiKeyError as err:
+            problems.append(f"cluster.api_key_file: {err}")
     if problems:
         raise ConfigError(problems)
     return dims

@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from miles_lite.api_key import ApiKey
 from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
 from miles_lite.config.validate import model_dims
 from miles_lite.data.encoding import PromptEncoder
@@ -61,29 +62,32 @@ async def start_fleet(
     *,
     engines: int | None = None,
     health_checks: bool = True,
+    api_key: ApiKey | None = None,
 ) -> EngineFleet:
     """Start `engines` (default `rollout.engines`) servers of `rollout.backend` as one fleet.
 
-    The fleet owns the servers: `await fleet.close()` stops them all. With `health_checks`, the
+    The fleet owns the servers: `await fleet.close()` stops them all. They ask for `api_key` (None: open, on
+    loopback only). With `health_checks`, the
     periodic health task runs from the start. If a server fails to start, the ones already up
     are stopped before the error propagates.
     """
     n = rollout.engines if engines is None else engines
     if n < 1:
         raise ValueError(f"rollout.engines must be >= 1, got {n}")
-    launcher = EngineLauncher(rollout, model_path, log_dir, env={str(k): str(v) for k, v in rollout.engine_env.items()})
+    launcher = EngineLauncher(rollout, model_path, log_dir, env={str(k): str(v) for k, v in rollout.engine_env.items()},
+                              api_key=api_key)
     fleet = EngineFleet(ft, fleet_launcher(launcher),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
     return await populate(fleet, fleet.launch(n), health_checks)
 
 
 async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, poll_s: float = 1.0,
-                       vocab_size: int | None = None) -> HttpEngine:
+                       vocab_size: int | None = None, api_key: str | None = None) -> HttpEngine:
     """A client of engine `index` at `url` once it answers its health check, polled every `poll_s` for up to
     `rollout.startup_timeout_s` (then TimeoutError naming the engine, `what` it was awaited for and the field).
-    `vocab_size`: the served model's (see `HttpEngine`)."""
+    `vocab_size`: the served model's (see `HttpEngine`); `api_key`: the run's key, sent with every request."""
     engine = HttpEngine(f"engine-{index}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s,
-                        vocab_size=vocab_size)
+                        vocab_size=vocab_size, api_key=api_key)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + rollout.startup_timeout_s
     while not await engine.health(timeout_s=min(5.0, rollout.startup_timeout_s)):
@@ -96,7 +100,7 @@ async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, 
 
 
 def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1.0,
-                      vocab_size: int | None = None) -> Launcher:
+                      vocab_size: int | None = None, api_key: str | None = None) -> Launcher:
     """The fleet's `launcher(index, incarnation)` for engines started elsewhere: the replacement of a dead
     engine is whatever answers at its URL again (the operator recreates a failed engine pod under the same
     DNS name), awaited for up to `rollout.startup_timeout_s`. The fleet then admits it as stale, and the
@@ -105,14 +109,14 @@ def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1
 
     async def launch(index: int, incarnation: int) -> EngineHandle:
         return EngineHandle(await await_engine(rollout, index, urls[index], "after it died", poll_s,
-                                                 vocab_size))
+                                                 vocab_size, api_key))
 
     return launch
 
 
 async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: list[str], *,
                        health_checks: bool = True, poll_s: float = 1.0,
-                       vocab_size: int | None = None) -> EngineFleet:
+                       vocab_size: int | None = None, api_key: str | None = None) -> EngineFleet:
     """A fleet of engines started elsewhere (`rollout.engine_urls`, e.g. pods of the Kubernetes operator).
 
     Engines that do not answer yet are awaited (up to `rollout.startup_timeout_s` each, concurrently): pods
@@ -121,11 +125,11 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
     operator recreates failed engine pods), and the fleet re-admits an engine whose URL answers again
     (`reattach_launcher`), up to `fault_tolerance.max_engine_restarts`.
     """
-    fleet = EngineFleet(ft, reattach_launcher(rollout, urls, poll_s, vocab_size),
+    fleet = EngineFleet(ft, reattach_launcher(rollout, urls, poll_s, vocab_size, api_key),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
 
     async def attach_all() -> None:
-        answered = await asyncio.gather(*(await_engine(rollout, i, url, "at start", poll_s, vocab_size)
+        answered = await asyncio.gather(*(await_engine(rollout, i, url, "at start", poll_s, vocab_size, api_key)
                                           for i, url in enumerate(urls)), return_exceptions=True)
         errors = [e for e in answered if isinstance(e, BaseException)]
         if errors:
@@ -139,25 +143,35 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
 
 @dataclass
 class Rollout:
-    """A started rollout side: the event-loop thread, the fleet living on it, and the blocking manager."""
+    """A started rollout side: the event-loop thread, the fleet living on it, and the blocking manager;
+    `own_key`: a key this object made for its engines, removed at `close`."""
 
     loop: EventLoopThread
     fleet: EngineFleet
     manager: SyncRolloutManager
+    own_key: ApiKey | None = None
 
     def close(self) -> None:
         """Stop the engines (those this job started), then the loop; the loop stops even if the fleet fails to."""
         try:
             self.loop.run(self.fleet.close())
         finally:
-            self.loop.stop()
+            try:
+                self.loop.stop()
+            finally:
+                if self.own_key is not None:
+                    self.own_key.close()
 
 
 def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int | None = None,
-                  start: Callable[[], Awaitable[EngineFleet]] | None = None) -> Rollout:
+                  start: Callable[[], Awaitable[EngineFleet]] | None = None,
+                  api_key: ApiKey | None = None) -> Rollout:
     """Start (or, with `rollout.engine_urls`, attach) the fleet of `model.hf_path` on a new event-loop thread,
     with a manager decoding and stopping with `tokenizer`; `seed` seeds the manager's sampling seeds.
-    `start`: the coroutine that starts the fleet instead (the engines of a Ray rollout gang)."""
+    `start`: the coroutine that starts the fleet instead (the engines of a Ray rollout gang).
+    `api_key`: the run's key; None: `ApiKey.for_run(cluster.api_key_file)`, owned by the returned Rollout."""
+    own_key = ApiKey.for_run(cfg.cluster.api_key_file) if api_key is None else None
+    key = api_key if api_key is not None else own_key
     loop = EventLoopThread().start()
     try:
         rollout, ft = cfg.rollout, cfg.fault_tolerance
@@ -166,11 +180,13 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
         elif rollout.engine_urls:
             # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
             fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls),
-                                          vocab_size=model_dims(cfg).vocab_size))
+                                          vocab_size=model_dims(cfg).vocab_size, api_key=key.value))
         else:
-            fleet = loop.run(start_fleet(rollout, ft, str(cfg.model.hf_path), log_dir))
+            fleet = loop.run(start_fleet(rollout, ft, str(cfg.model.hf_path), log_dir, api_key=key))
     except BaseException:
         loop.stop()
+        if own_key is not None:
+            own_key.close()
         raise
     encoder = PromptEncoder(tokenizer)
     # Plug-ins (checked at start by config validation): a tool environment (multi-turn), a generate function,
@@ -181,4 +197,4 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
     manager = RolloutManager(fleet, rollout, ft, decode=encoder.decode, stop_token_ids=encoder.stop_token_ids,
                              seed=seed, encode=encoder.encode, environment=environment, generate_fn=generate_fn,
                              group_filter=group_filter)
-    return Rollout(loop, fleet, SyncRolloutManager(manager, loop))
+    return Rollout(loop, fleet, SyncRolloutManager(manager, loop), own_key)

@@ -22,6 +22,7 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from miles_lite.api_key import ApiKey
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.reference.engine import build_reference_command
 from miles_lite.engines.sglang.command import (
@@ -65,7 +66,10 @@ class EngineLauncher:
     """Builds, starts and stops engine servers for one rollout configuration."""
 
     def __init__(self, rollout: RolloutConfig, model_path: str, log_dir: str, host: str = LOCAL_HOST,
-                 python: str = sys.executable, env: Mapping[str, str] | None = None) -> None:
+                 python: str = sys.executable, env: Mapping[str, str] | None = None,
+                 api_key: ApiKey | None = None) -> None:
+        """`api_key`: the run's key; engines read it from its file and the clients send it. None: open engines
+        (allowed on loopback only; the engine refuses another address without a key)."""
         if rollout.backend not in BACKENDS:
             raise ValueError(f"rollout.backend={rollout.backend!r} is not one of {BACKENDS}")
         if not model_path or not os.path.isdir(model_path):
@@ -77,6 +81,7 @@ class EngineLauncher:
         self.host = host
         self.python = python
         self.env = dict(env) if env is not None else None
+        self.api_key = api_key
         self._attempts: dict[int, int] = {}
         self.vocab_size = served_vocab_size(model_path)
         self._sglang_options: tuple[frozenset[str] | None] | None = None  # asked of the engines' SGLang once
@@ -88,12 +93,18 @@ class EngineLauncher:
             self._sglang_options = (probe_sglang_option_names(self.python, env),)
         return self._sglang_options[0]
 
+    @property
+    def key_value(self) -> str | None:
+        """The key the engines ask for (None: none)."""
+        return self.api_key.value if self.api_key is not None else None
+
     def engine_id(self, index: int) -> str:
         """The id of engine `index` (stable across replacements)."""
         return f"{self.rollout.backend}-{index}"
 
     def command_factory(self, index: int) -> CommandFactory:
         """(port, inherited socket fd) -> argv of engine `index`; validates the configuration up front."""
+        key_file = str(self.api_key.path) if self.api_key is not None else None
         if self.rollout.backend == "reference":
             args = dict(self.rollout.reference_args)
             args["custom_weight_loader"] = with_weight_loader(args.get("custom_weight_loader"))
@@ -106,7 +117,7 @@ class EngineLauncher:
 
             def reference(port: int, fd: int | None) -> list[str]:
                 return build_reference_command(self.model_path, port, args, listen_fd=fd, host=self.host,
-                                               python=self.python)
+                                               python=self.python, api_key_file=key_file)
 
             return reference
         args = for_installed_sglang(self.rollout.sglang_args, self.sglang_options())
@@ -117,7 +128,7 @@ class EngineLauncher:
 
         def sglang(port: int, fd: int | None) -> list[str]:
             return build_sglang_command(self.model_path, port, self.rollout.engine_tp, args, host=self.host,
-                                        python=self.python)
+                                        python=self.python, api_key_file=key_file)
 
         return sglang
 
@@ -133,7 +144,7 @@ class EngineLauncher:
         if self.rollout.backend == "sglang":
             env = plugin_env(os.environ if env is None else {**os.environ, **env})
         return EngineProcess(self.engine_id(index), self.command_factory(index), log_path, host=self.host,
-                             pass_socket=self.rollout.backend == "reference", env=env)
+                             pass_socket=self.rollout.backend == "reference", env=env, api_key=self.key_value)
 
     async def start(self, index: int) -> LaunchedEngine:
         """Start engine `index` and wait until it generates; raises EngineStartError with the log tail."""
@@ -145,7 +156,7 @@ class EngineLauncher:
             await process.stop_async()
             raise
         client = HttpEngine(self.engine_id(index), process.url, request_timeout_s=self.rollout.request_timeout_s,
-                            vocab_size=self.vocab_size)
+                            vocab_size=self.vocab_size, api_key=self.key_value)
         return LaunchedEngine(index, process, client)
 
     async def stop(self, engine: LaunchedEngine, grace_s: float = 10.0) -> int | None:

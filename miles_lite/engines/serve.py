@@ -5,8 +5,10 @@
         --sglang-args '{"skip_tokenizer_init": true, "mem_fraction_static": 0.6}'
 
 The reference backend takes every flag of `python -m miles_lite.engines.reference.engine`; the sglang backend
-replaces this process with `python -m sglang.launch_server` built from `--sglang-args` (a JSON object in
-`rollout.sglang_args` form), so signals reach SGLang directly. Both load the project's weight-loader plugin.
+replaces this process with SGLang's server built from `--sglang-args` (a JSON object in `rollout.sglang_args`
+form), so signals reach SGLang directly. Both load the project's weight-loader plugin, and both ask every
+request but `/health` for the key in `--api-key-file FILE` (mode 0600; else $MILES_API_KEY_FILE or
+$MILES_API_KEY); without a key they serve a loopback address only, unless `--insecure`.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import json
 import os
 import sys
 
-from miles_lite.engines.reference.engine import add_reference_arguments, run_from_args
+from miles_lite.api_key import ApiKeyError
+from miles_lite.engines.reference.engine import add_reference_arguments, engine_key, run_from_args
 from miles_lite.engines.sglang.command import (
     build_sglang_command,
     check_sglang_command,
@@ -49,7 +52,8 @@ def sglang_argv(args: argparse.Namespace) -> list[str]:
         raise ValueError("--sglang-args must be a JSON object, e.g. '{\"skip_tokenizer_init\": true}'")
     extra = for_installed_sglang(extra, sglang_option_names())
     extra["custom_weight_loader"] = with_weight_loader(extra.get("custom_weight_loader"))
-    cmd = build_sglang_command(args.model_path, args.port, args.tp, extra, host=args.host)
+    cmd = build_sglang_command(args.model_path, args.port, args.tp, extra, host=args.host,
+                               api_key_file=args.api_key_file, insecure=args.insecure)
     check_sglang_command(cmd)
     return cmd
 
@@ -68,6 +72,11 @@ def prepare_job_model(overrides: list[str], model_dir: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped; returns the exit code (the sglang backend does not return: it execs SGLang)."""
+    try:
+        engine_key(args)  # refuse an open routable address before preparing a model or exec'ing SGLang
+    except ApiKeyError as exc:
+        print(f"miles-lite engine: {exc}", file=sys.stderr)
+        return 2
     if args.model_path is None:
         args.model_path = prepare_job_model(args.overrides, args.model_dir)
     if args.backend == "reference":

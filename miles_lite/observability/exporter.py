@@ -5,6 +5,10 @@ can be shut down (tests, role restarts) instead of living until the process exit
 it has served, so a finished run can keep serving until its final values have been read
 (:meth:`MetricsExporter.wait_for_scrape`, ``observability.linger_s``) instead of vanishing between two
 scrapes with its last step unrecorded.
+
+The exporter is read-only: it answers GET (and HEAD) of `/metrics` alone; other methods get 405 and other
+paths 404. `observability.metrics_host` is the address it binds: 127.0.0.1 for local runs, `node` for this
+node's own address (`bind_address`), or any address.
 """
 
 from __future__ import annotations
@@ -21,9 +25,40 @@ from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
 
 from miles_lite.observability.metrics import MetricsRegistry
+from miles_lite.ports import AddressError, is_loopback, ray_node_address, route_address
+
+# `observability.metrics_host` value for this node's own address.
+NODE = "node"
+METRICS_PATH = "/metrics"
+# A documentation address (TEST-NET-1): routing toward it selects the default route; no packet is sent.
+DEFAULT_ROUTE_PROBE = "192.0.2.1"
 
 if TYPE_CHECKING:  # the config package pulls in Hydra; runtime code needs only the fields
     from miles_lite.config.schema import ObservabilityConfig
+
+
+def bind_address(host: str) -> str:
+    """`host`, or for `node` this node's address: its Ray node's, else what its host name resolves to, else
+    (a name mapped to loopback, as Debian's /etc/hosts does) the source address of its default route."""
+    if host != NODE:
+        return host
+    address = ray_node_address()
+    if address:
+        return address
+    try:
+        address = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        address = ""
+    if address and not is_loopback(address):
+        return address
+    try:
+        address = route_address(DEFAULT_ROUTE_PROBE)
+    except AddressError:
+        address = ""
+    if not address or is_loopback(address):
+        raise AddressError("observability.metrics_host=node: this host's name resolves to no routable address and "
+                           "it has no default route; set observability.metrics_host to the address Prometheus scrapes")
+    return address
 
 
 class ExporterState(enum.Enum):
@@ -71,7 +106,7 @@ class MetricsExporter:
         if not 0 <= port <= 65535:
             raise ValueError(f"observability.metrics_port={port} is not a TCP port; use 0..65535 (0 = any free port)")
         if not host:
-            raise ValueError("observability.metrics_host is empty; use 127.0.0.1 or 0.0.0.0")
+            raise ValueError("observability.metrics_host is empty; use 127.0.0.1, node or an address")
         self._registry = registry
         self._host = host
         self._requested_port = port
@@ -105,6 +140,12 @@ class MetricsExporter:
         inner = make_wsgi_app(self._registry.registry)
 
         def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            if environ.get("PATH_INFO", "") != METRICS_PATH:
+                start_response("404 Not Found", [("Content-Type", "text/plain")])
+                return [b"only /metrics is served\n"]
+            if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
+                start_response("405 Method Not Allowed", [("Allow", "GET, HEAD"), ("Content-Type", "text/plain")])
+                return [b"read-only: GET /metrics\n"]
             with self._scrape_cond:
                 self._scrapes_started += 1
                 index = self._scrapes_started
@@ -200,6 +241,6 @@ def start_exporter(registry: MetricsRegistry, cfg: ObservabilityConfig) -> Metri
         return None
     if cfg.linger_s < 0:
         raise ValueError(f"observability.linger_s={cfg.linger_s} must be >= 0 seconds (0: stop at the end at once)")
-    exporter = MetricsExporter(registry, cfg.metrics_host, cfg.metrics_port)
+    exporter = MetricsExporter(registry, bind_address(cfg.metrics_host), cfg.metrics_port)
     exporter.start()
     return exporter

@@ -30,6 +30,7 @@ from typing import Any
 
 import aiohttp
 
+from miles_lite.api_key import authorization
 from miles_lite.rollout.engine import EngineError
 from miles_lite.types import Generation, SamplingParams
 
@@ -52,11 +53,14 @@ class HttpEngine:
     """
 
     def __init__(self, engine_id: str, url: str, request_timeout_s: float = 600.0,
-                 control_timeout_s: float = 60.0, vocab_size: int | None = None) -> None:
+                 control_timeout_s: float = 60.0, vocab_size: int | None = None,
+                 api_key: str | None = None) -> None:
+        """`api_key`: the run's key, sent with every request (`Authorization: Bearer`)."""
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1 (the model's config.json vocab_size), got {vocab_size}")
         self.vocab_size = vocab_size
         self.engine_id = engine_id
+        self._headers = authorization(api_key)
         self.url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
         self.control_timeout_s = control_timeout_s
@@ -75,7 +79,7 @@ class HttpEngine:
             # No total-connection cap: the rollout manager bounds concurrency itself. Idle connections are
             # dropped before the server drops them (SGLang's uvicorn: 5 s): reusing one the server has just
             # closed fails with ServerDisconnectedError, which an H200 run hit after 5 s of training.
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(
+            self._session = aiohttp.ClientSession(headers=self._headers, connector=aiohttp.TCPConnector(
                 limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S))
             self._session_loop = loop
         return self._session

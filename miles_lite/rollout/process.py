@@ -32,6 +32,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 
+from miles_lite.api_key import authorization
 from miles_lite.ports import LOCAL_HOST, free_port
 from miles_lite.rollout import lifeline
 
@@ -69,8 +70,9 @@ class EngineProcess:
 
     def __init__(self, name: str, command: CommandFactory, log_path: str, host: str = LOCAL_HOST,
                  pass_socket: bool = False, env: Mapping[str, str] | None = None, port_retries: int = 3,
-                 port: int | None = None) -> None:
-        """`port`: listen there (a server others find at a fixed address); None picks a free one per start."""
+                 port: int | None = None, api_key: str | None = None) -> None:
+        """`port`: listen there (a server others find at a fixed address); None picks a free one per start.
+        `api_key`: the key the server asks for, sent with the readiness checks."""
         if port is not None and pass_socket:
             raise ValueError("EngineProcess: pass_socket binds a free port; give port= or pass_socket=True, not both")
         self.name = name
@@ -81,6 +83,7 @@ class EngineProcess:
         self._env = dict(env) if env is not None else None
         self._port_retries = port_retries
         self._fixed_port = port
+        self._headers = authorization(api_key)
         self._proc: subprocess.Popen | None = None
         # Write end of the pipe whose end-of-file tells the engine's supervisor that this process is gone.
         self._lifeline: int | None = None
@@ -172,7 +175,8 @@ class EngineProcess:
 
     def _health(self, timeout_s: float) -> bool:
         try:
-            with urllib.request.urlopen(f"{self.url}/health_generate", timeout=timeout_s) as resp:
+            request = urllib.request.Request(f"{self.url}/health_generate", headers=self._headers)
+            with urllib.request.urlopen(request, timeout=timeout_s) as resp:
                 return resp.status == 200
         except (urllib.error.URLError, OSError, TimeoutError):
             return False

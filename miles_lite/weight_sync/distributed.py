@@ -71,7 +71,9 @@ class DistributedTransport(WeightTransport):
     def __init__(self, specs: Sequence[ParamSpec], trainer_tp: int, loop: EngineLoop, *, bucket_bytes: int,
                  mode: str = "shard", backend: str = "gloo", master_address: str | None = None,
                  group_name: str = "miles_lite_weights", init_timeout_s: float = 120.0,
-                 device: str | torch.device = "cpu", senders: ShardSenders | None = None) -> None:
+                 device: str | torch.device = "cpu", senders: ShardSenders | None = None,
+                 group_key: str | None = None) -> None:
+        """`group_key`: the run's API key, which every rank of the group presents (None: no admission check)."""
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"weight_sync.mode={mode!r}; use one of {MODES}")
@@ -91,6 +93,7 @@ class DistributedTransport(WeightTransport):
         self.master_address = master_address
         self.group_base = group_name
         self.init_timeout_s = init_timeout_s
+        self._group_key = group_key
         self.device = torch.device(device)
         self.full_plan = full_tensor_plan(self.specs, trainer_tp)
         self.plan: ReshardPlan | None = None
@@ -145,12 +148,12 @@ class DistributedTransport(WeightTransport):
         try:
             if self.mode == "full":
                 self.group = init_custom_process_group(self.backend, address, port, 0, world,
-                                                       self.group_name, self.init_timeout_s)
+                                                       self.group_name, self.init_timeout_s, key=self._group_key)
             else:
                 assert self.senders is not None
                 self.senders_joined = True  # some ranks may have joined even if others failed
                 self.senders.join_weight_group(address, port, world, self.group_name, self.backend,
-                                               self.init_timeout_s)
+                                               self.init_timeout_s, self._group_key)
         except Exception as exc:  # the rendezvous timed out or broke: report which engines never answered
             self.state = TransportState.FAILED
             pending = sorted(eid for eid, fut in futures.items() if not fut.done())

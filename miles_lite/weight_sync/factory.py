@@ -13,8 +13,10 @@ from miles_lite.weight_sync.transport import EngineLoop, WeightTransport
 from miles_lite.weight_sync.verify import PushVerifier, make_probe
 
 
-def build_transport(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop, run_dir: Path) -> WeightTransport:
-    """The transport `weight_sync.transport` names, over the trainer's parameter layouts."""
+def build_transport(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop, run_dir: Path,
+                    api_key: str | None = None) -> WeightTransport:
+    """The transport `weight_sync.transport` names, over the trainer's parameter layouts; a weight-update group
+    admits only ranks presenting `api_key` (except SGLang's own group: full mode on SGLang engines)."""
 
     ws = cfg.weight_sync
     dtype = "float32" if cfg.trainer.precision == "fp32" else "bfloat16"
@@ -30,13 +32,15 @@ def build_transport(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop, r
         from miles_lite.weight_sync.distributed import DistributedTransport
 
         backend = collective_backend(cfg)
+        sglang_group = ws.mode == "full" and cfg.rollout.backend == "sglang"
         # Full mode hosts the group in this process (the driver); shard mode asks the trainer's TP rank 0.
         master = node_address(cfg.cluster.advertise_address, [url_host(u) for u in cfg.rollout.engine_urls],
                               fallback=LOCAL_HOST)
         return DistributedTransport(specs, cfg.trainer.tp, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib),
                                     mode=ws.mode, backend=backend, init_timeout_s=ws.init_timeout_s,
                                     master_address=master, device="cuda" if backend == "nccl" else "cpu",
-                                    senders=trainer if ws.mode == "shard" else None)
+                                    senders=trainer if ws.mode == "shard" else None,
+                                    group_key=None if sglang_group else api_key)
     if ws.transport == "ipc_handles":
         from miles_lite.weight_sync.ipc_handles import IpcHandleTransport
 
@@ -47,10 +51,10 @@ def build_transport(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop, r
 
 
 def build_coordinator(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop,
-                      run_dir: Path) -> WeightSyncCoordinator:
+                      run_dir: Path, api_key: str | None = None) -> WeightSyncCoordinator:
     """Transport plus, when `weight_sync.verify`, a probe verifier scoring a fixed batch on both sides."""
     ws = cfg.weight_sync
-    transport = build_transport(cfg, trainer, loop, run_dir)
+    transport = build_transport(cfg, trainer, loop, run_dir, api_key)
     verifier = None
     if ws.verify:
         from miles_lite.config.validate import model_dims

@@ -30,8 +30,8 @@ class ShardSenders(Protocol):
         """(address, port) of the group's rendezvous: trainer TP rank 0's node address and a port free there."""
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout_s: float) -> None:
-        """Every TP rank joins the group as rank = its TP rank; returns once all have joined."""
+                          backend: str, timeout_s: float, key: str | None = None) -> None:
+        """Every TP rank joins the group as rank = its TP rank, presenting `key`; returns once all have joined."""
 
     def send_weight_bucket(self, schedules: Sequence[RankSchedule]) -> list[SendStats]:
         """TP rank t sends `schedules[t]` from its live parameters; returns once every send completed."""
@@ -69,11 +69,11 @@ class RankSender:
         self.group_name = ""
 
     def join(self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
-             timeout_s: float) -> None:
+             timeout_s: float, key: str | None = None) -> None:
         """Join `group_name` as group rank `tp_rank` (blocks until every member joined); leaves a previous group."""
         self.leave()
         self.group = init_custom_process_group(backend, master_address, master_port, self.tp_rank, world_size,
-                                               group_name, timeout_s)
+                                               group_name, timeout_s, key=key)
         self.group_name = group_name
         self.state = SenderState.JOINED
 

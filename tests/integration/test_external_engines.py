@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from miles_lite.api_key import new_key, read_key_file, write_key_file
 from miles_lite.config import load_config, validate
 from miles_lite.engines.fleet_launch import attach_fleet
 from miles_lite.model_assets import prepare_model
@@ -57,14 +58,16 @@ def test_engine_cli_builds_the_jobs_model_and_a_fleet_attaches_by_url(tmp_path: 
         server.stop()
 
 
-def _engine_at(port: int, tmp_path: Path, name: str, overrides: list[str]) -> EngineProcess:
-    """`miles-lite engine` on a fixed port (a pod behind its Service), once it answers `/health_generate`."""
+def _engine_at(port: int, tmp_path: Path, name: str, overrides: list[str], key_file: Path) -> EngineProcess:
+    """`miles-lite engine` on a fixed port (a pod behind its Service) asking for the job's key (a mounted
+    Secret's file), once it answers `/health_generate`."""
 
     def command(port: int, fd: int | None) -> list[str]:
         return [sys.executable, "-m", "miles_lite.cli", "engine", "--host", LOCAL_HOST, "--port", str(port),
-                "--model-dir", str(tmp_path / f"{name}-model"), *overrides]
+                "--api-key-file", str(key_file), "--model-dir", str(tmp_path / f"{name}-model"), *overrides]
 
-    server = EngineProcess(name, command, str(tmp_path / f"{name}.log"), port=port)
+    server = EngineProcess(name, command, str(tmp_path / f"{name}.log"), port=port,
+                           api_key=read_key_file(key_file))
     server.start()
     server.wait_ready(240)
     return server
@@ -74,11 +77,14 @@ def test_an_attached_engine_restarted_between_health_checks_is_left_out_of_the_p
     # A killed engine pod is recreated under its Service name before any health check fails (checks every
     # 60 s here): the next push meets a new process at the old address, serving its initial weights and in
     # no weight-update group. The run must go on without it, then re-admit it after a push.
+    # The job's key: the engines ask for it, the run sends it and presents it to the weight-update group.
+    key_file = write_key_file(tmp_path / "api-key", new_key())
     overrides = [f"experiment.output_dir={tmp_path}"]
     ports = [free_port(LOCAL_HOST), free_port(LOCAL_HOST)]
-    procs = [_engine_at(p, tmp_path, f"engine-{i}", overrides) for i, p in enumerate(ports)]
+    procs = [_engine_at(p, tmp_path, f"engine-{i}", overrides, key_file) for i, p in enumerate(ports)]
     try:
-        cfg = load_config([*overrides, f"rollout.engine_urls=[{','.join(f'http://{LOCAL_HOST}:{p}' for p in ports)}]",
+        urls = ",".join(f"http://{LOCAL_HOST}:{p}" for p in ports)
+        cfg = load_config([*overrides, f"cluster.api_key_file={key_file}", f"rollout.engine_urls=[{urls}]",
                            "fault_tolerance.health_interval_s=60", "fault_tolerance.max_engine_restarts=1"])
         validate(cfg)
         with System.start(cfg, tmp_path / "run") as system:
@@ -87,7 +93,7 @@ def test_an_attached_engine_restarted_between_health_checks_is_left_out_of_the_p
             survivor, victim = system.fleet.records
             os.killpg(procs[1].pid, signal.SIGKILL)  # the pod dies without a word (its new server binds the
             procs[1].stop()                          # port seconds later, after its imports)
-            procs[1] = _engine_at(ports[1], tmp_path, "engine-1-new", overrides)
+            procs[1] = _engine_at(ports[1], tmp_path, "engine-1-new", overrides, key_file)
 
             report, _ = system.push_weights()
             assert report.push.engines == (survivor.engine_id,)

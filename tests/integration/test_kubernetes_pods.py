@@ -21,6 +21,8 @@ import secrets
 import shutil
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,6 +154,25 @@ def service_names_resolve(api: KubeApi, node: PodmanNode) -> dict[str, str]:
     return out
 
 
+def engines_ask_for_the_key(api: KubeApi) -> dict[str, tuple[int, int]]:
+    """Engine pod -> (status of /model_info without the job's key, status of /health), asked from outside the
+    job (this host); the key itself is in no pod spec and no MilesJob."""
+    out = {}
+    for pod in api.list("v1", "Pod", NS, {"mileslite.dev/job": JOB, "mileslite.dev/role": "rollout"}):
+        ip = (pod.get("status") or {}).get("podIP")
+        if not ip:
+            continue
+        statuses = []
+        for path in ("/model_info", "/health"):
+            try:
+                with urllib.request.urlopen(f"http://{ip}:30000{path}", timeout=10) as resp:
+                    statuses.append(resp.status)
+            except urllib.error.HTTPError as err:
+                statuses.append(err.code)
+        out[pod["metadata"]["name"]] = (statuses[0], statuses[1])
+    return out
+
+
 # A cold machine builds the image first (Debian base, wheelhouse, dependency layer: minutes).
 @pytest.mark.timeout(3000)
 def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl, api: KubeApi,
@@ -195,6 +216,7 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
         kubectl("apply", "-f", str(job_file))
 
         resolved: dict[str, str] = {}
+        keyed: dict[str, tuple[int, int]] = {}
         killed_after: int | None = None
         readmitted_at: int | None = None
         volume: Path | None = None
@@ -210,6 +232,7 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
             lines = metrics_lines(volume) if volume is not None else []
             if lines and not resolved and killed_after is None:
                 resolved = service_names_resolve(api, node)
+                keyed = engines_ask_for_the_key(api)
             if killed_after is None and len(lines) >= KILL_AFTER_STEPS:
                 killed_after = len(lines)
                 podman("kill", node.container(f"{JOB}-rollout-1"))
@@ -234,6 +257,10 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
 
     # Each side dialled the other by its Service name, resolved to that pod's own address.
     assert len(resolved) == 3, resolved
+    # The engines asked for the job's key (the operator's Secret, mounted) while the run trained with it.
+    assert keyed == {f"{JOB}-rollout-{i}": (401, 200) for i in range(2)}, keyed
+    secret = api.get("v1", "Secret", NS, f"{JOB}-api-key")
+    assert secret is not None and secret["metadata"]["ownerReferences"][0]["name"] == JOB
     job = api.get(API_VERSION, "MilesJob", NS, JOB)
     assert job["spec"]["image"] == image  # written by the operator: the example names none
     status = job["status"]

@@ -211,6 +211,11 @@ def test_hetjob_short_run_completes_with_artifacts(slurm: SlurmCluster, job_env:
     assert re.search(r"ray_address: \S+:" + str(20000 + job_id % 10000), config), config
     # Ray was stopped inside the allocation and its per-job temp dir removed.
     assert not Path(f"/tmp/miles-ray-{job_id}").exists()
+    # The run's key lived in the job's private directory (the driver was told its path) and went with the job;
+    # the engine asked for it.
+    assert "api_key_file: null" in config and not list(Path("/tmp").glob(f"miles-key-{job_id}.*"))
+    engine_log = next((run_dir / "logs").glob("reference-*.log"))
+    assert "API key required" in engine_log.read_text(errors="replace")
 
 
 def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, job_env: dict[str, str]) -> None:

@@ -236,3 +236,18 @@ def test_stop_strings_into_sglang_need_its_tokenizer(extra):
 
 def test_top_k_zero_is_refused_before_any_engine_starts():
     assert "rollout.top_k=0 samples from no token" in _problems(["rollout.top_k=0"])
+
+
+def test_api_key_file_is_checked_with_the_other_fields(tmp_path: Path):
+    from miles_lite.api_key import write_key_file
+
+    loose = tmp_path / "loose"
+    loose.write_text("k" * 32)
+    loose.chmod(0o644)
+    cfg = load_config([f"cluster.api_key_file={loose}", "rollout.top_k=0"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert any(p.startswith("cluster.api_key_file:") and "chmod 600" in p for p in err.value.problems)
+    assert any(p.startswith("rollout.top_k") for p in err.value.problems)
+    good = write_key_file(tmp_path / "good", "k" * 32)
+    validate(load_config([f"cluster.api_key_file={good}"]))

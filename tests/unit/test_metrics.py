@@ -276,3 +276,41 @@ def test_evaluation_set_measures_are_one_gauge_labelled_by_set_and_measure():
                for family in text_string_to_metric_families(generate_latest(reg.registry).decode())
                if family.name == "miles_lite_eval_set_value" for s in family.samples}
     assert samples == {("dev", "avg@4"): 0.25, ("dev", "pass@4"): 0.5}
+
+
+def test_exporter_is_read_only() -> None:
+    reg = MetricsRegistry("ro", "driver")
+    reg.publish_step(1, {"reward/mean": 1.0})
+    with MetricsExporter(reg, "127.0.0.1", 0) as exporter:
+        base = exporter.url.removesuffix("/metrics")
+        for method, path, status in (("POST", "/metrics", 405), ("PUT", "/metrics", 405),
+                                     ("DELETE", "/metrics", 405), ("GET", "/", 404), ("GET", "/debug", 404)):
+            request = urllib.request.Request(base + path, data=b"x" if method != "GET" else None, method=method)
+            with pytest.raises(urllib.error.HTTPError) as err:
+                urllib.request.urlopen(request, timeout=5)
+            assert err.value.code == status, (method, path)
+        assert exporter.scrapes_served == 0  # refused requests are no scrapes
+        with urllib.request.urlopen(exporter.url, timeout=5) as resp:
+            assert resp.status == 200 and b"miles_lite_" in resp.read()
+
+
+def test_metrics_host_node_binds_this_nodes_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles_lite.observability import exporter as exporter_module
+    from miles_lite.ports import AddressError
+
+    assert exporter_module.bind_address("127.0.0.1") == "127.0.0.1"
+    monkeypatch.setattr(exporter_module, "ray_node_address", lambda: None)
+    monkeypatch.setattr(exporter_module.socket, "gethostbyname", lambda name: "10.1.2.3")
+    assert exporter_module.bind_address("node") == "10.1.2.3"
+    monkeypatch.setattr(exporter_module.socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setattr(exporter_module, "route_address", lambda peer: "10.4.5.6")
+    assert exporter_module.bind_address("node") == "10.4.5.6"  # a name mapped to loopback: the default route's
+
+    def no_route(peer: str) -> str:
+        raise AddressError("no route")
+
+    monkeypatch.setattr(exporter_module, "route_address", no_route)
+    with pytest.raises(AddressError, match="observability.metrics_host"):
+        exporter_module.bind_address("node")
+    monkeypatch.setattr(exporter_module, "ray_node_address", lambda: "10.9.9.9")
+    assert exporter_module.bind_address("node") == "10.9.9.9"

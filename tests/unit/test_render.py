@@ -33,8 +33,9 @@ def by_kind(objs: list[dict], kind: str) -> list[dict]:
 def test_tiny_cpu_renders_every_object_with_owner_and_labels():
     objs = render(example("tiny-cpu.yaml"))
     assert [(o["kind"], o["metadata"]["name"]) for o in objs] == [
-        ("ConfigMap", "tiny-cpu-config"), ("Service", "tiny-cpu-trainer"), ("Service", "tiny-cpu-rollout"),
-        ("Job", "tiny-cpu-trainer"), ("Pod", "tiny-cpu-rollout-0"), ("Pod", "tiny-cpu-rollout-1"),
+        ("ConfigMap", "tiny-cpu-config"), ("NetworkPolicy", "tiny-cpu"), ("Service", "tiny-cpu-trainer"),
+        ("Service", "tiny-cpu-rollout"), ("Job", "tiny-cpu-trainer"), ("Pod", "tiny-cpu-rollout-0"),
+        ("Pod", "tiny-cpu-rollout-1"),
     ]
     for o in objs:
         assert o["metadata"]["namespace"] == "research"
@@ -54,7 +55,7 @@ def test_overrides_user_first_then_deployment_facts():
     for expected in ("rollout.backend=reference", "rollout.engines=2", urls, "rollout.engine_tp=1",
                      "checkpoint.dir=/checkpoints/checkpoints", "checkpoint.interval=10", "checkpoint.resume=auto",
                      "fault_tolerance.max_engine_restarts=3", "observability.metrics_port=9400",
-                     "observability.metrics_host=0.0.0.0", "cluster=local"):
+                     "observability.metrics_host=node", "cluster=local"):
         assert expected in lines, expected
     assert not any(line.startswith("model.hf_path") for line in lines)
 
@@ -73,7 +74,8 @@ def test_trainer_job_is_indexed_and_fails_fast():
     assert 'exec miles-lite train "${OVERRIDES[@]}"' in c["command"][2]
     assert c["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "8Gi"}}
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
-    assert mounts == {"config": "/etc/miles-lite", "checkpoints": "/checkpoints"}
+    assert mounts == {"config": "/etc/miles-lite", "checkpoints": "/checkpoints",
+                      "api-key": "/var/run/miles-lite/api-key", "tmp": "/tmp", "work": "/work"}
     (cm,) = by_kind(objs, "ConfigMap")
     overrides_hash = hashlib.sha256(cm["data"]["overrides"].encode()).hexdigest()[:16]
     assert spec["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] == overrides_hash
@@ -210,7 +212,7 @@ def test_sglang_engine_command_is_what_miles_lite_engine_parses():
     assert (args.backend, args.tp, args.port, args.host) == ("sglang", 2, 30000, "0.0.0.0")
     assert json.loads(args.sglang_args) == {"enable_x": True, "off": False}
     sglang = sglang_argv(args)
-    assert sglang[1:3] == ["-m", "sglang.launch_server"] and "--custom-weight-loader" in sglang
+    assert sglang[1:3] == ["-m", "miles_lite.engines.sglang.launch"] and "--custom-weight-loader" in sglang
     assert sglang[sglang.index("--tp-size") + 1] == "2" and "--enable-x" in sglang and "--off" not in sglang
 
 

@@ -99,7 +99,7 @@ def test_build_command_round_trips_through_sglang_like_parser() -> None:
                                                 "preferred_sampling_params": {"temperature": 0.0},
                                                 "experts_shared_outer_loras": False, "disable_cuda_graph": False},
                                python="/usr/bin/python3")
-    assert cmd[:3] == ["/usr/bin/python3", "-m", "sglang.launch_server"]
+    assert cmd[:3] == ["/usr/bin/python3", "-m", "miles_lite.engines.sglang.launch"]
     ns = _sglang_like_parser().parse_args(cmd[3:])
     assert (ns.model_path, ns.port, ns.tp_size, ns.host) == ("/m", 31000, 2, "127.0.0.1")
     assert ns.skip_tokenizer_init and not ns.disable_cuda_graph

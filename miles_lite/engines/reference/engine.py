@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from aiohttp import web
 
+from miles_lite.api_key import ENV_KEY, ENV_KEY_FILE, ApiKeyError, serving_key
 from miles_lite.engines.reference.server import FAIL_MODES, ReferenceServer, ServerOptions
 from miles_lite.ports import LOCAL_HOST
 
@@ -68,7 +69,18 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
                         help="tensor-parallel size: ranks in the weight-update group (rollout.engine_tp)")
     parser.add_argument("--custom-weight-loader", nargs="*", default=[],
                         help="module.function paths a /update_weights_from_tensor load_format may name (as SGLang's)")
+    parser.add_argument("--api-key-file", default=None, metavar="FILE",
+                        help=f"file (mode 0600) holding the key every request but /health must present as "
+                             f"'Authorization: Bearer KEY'; default: ${ENV_KEY_FILE}, then ${ENV_KEY}")
+    parser.add_argument("--insecure", action="store_true",
+                        help="allow serving a non-loopback address without an API key (anyone who reaches the "
+                             "port can generate, pause and replace the weights)")
     parser.add_argument("--log-level", default="INFO")
+
+
+def engine_key(args: argparse.Namespace) -> str | None:
+    """`api_key.serving_key` for parsed engine flags (`--api-key-file`, `--host`, `--insecure`)."""
+    return serving_key(args.api_key_file, args.host, args.insecure)
 
 
 def reference_flags(reference_args: Mapping[str, Any]) -> list[str]:
@@ -96,16 +108,19 @@ def reference_flags(reference_args: Mapping[str, Any]) -> list[str]:
 
 def build_reference_command(model_path: str, port: int, reference_args: Mapping[str, Any],
                             listen_fd: int | None = None, host: str = LOCAL_HOST,
-                            python: str = sys.executable) -> list[str]:
-    """The command line of one reference engine server listening on `host:port` (or on `listen_fd`)."""
+                            python: str = sys.executable, api_key_file: str | None = None) -> list[str]:
+    """The command line of one reference engine server listening on `host:port` (or on `listen_fd`);
+    `api_key_file`: the path of the key it asks for (the path only: argv is public)."""
     cmd = [python, "-m", "miles_lite.engines.reference.engine", "--model-path", model_path,
            "--host", host, "--port", str(port)]
     if listen_fd is not None:
         cmd += ["--listen-fd", str(listen_fd)]
+    if api_key_file is not None:
+        cmd += ["--api-key-file", api_key_file]
     return cmd + reference_flags(reference_args)
 
 
-async def serve(args: argparse.Namespace) -> None:
+async def serve(args: argparse.Namespace, api_key: str | None) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then shut down cleanly."""
     torch.set_num_threads(max(1, args.threads))
     torch.manual_seed(args.seed)
@@ -114,7 +129,7 @@ async def serve(args: argparse.Namespace) -> None:
         weight_version=args.weight_version, drop_weight_updates=args.drop_weight_updates,
         fail_mode=args.fail_mode, fail_after=args.fail_after,
         return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s, tp=args.tp,
-        custom_weight_loader=tuple(args.custom_weight_loader),
+        custom_weight_loader=tuple(args.custom_weight_loader), api_key=api_key,
     ))
     # Shutdown aborts every request first, so handlers finish quickly; 5 s bounds stragglers.
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
@@ -124,8 +139,8 @@ async def serve(args: argparse.Namespace) -> None:
     else:
         site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    log.info("reference engine serving %s on %s (weight_version=%s)", args.model_path, site.name,
-             server.weight_version)
+    log.info("reference engine serving %s on %s (weight_version=%s, %s)", args.model_path, site.name,
+             server.weight_version, "API key required" if api_key else "no API key: open to anyone reaching it")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -139,7 +154,12 @@ async def serve(args: argparse.Namespace) -> None:
 def run_from_args(args: argparse.Namespace) -> int:
     """Serve with parsed arguments; returns the process exit code."""
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    asyncio.run(serve(args))
+    try:
+        api_key = engine_key(args)
+    except ApiKeyError as exc:
+        print(f"miles-lite engine: {exc}", file=sys.stderr)
+        return 2
+    asyncio.run(serve(args, api_key))
     return 0
 
 

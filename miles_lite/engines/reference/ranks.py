@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from miles_lite.api_key import key_from_env
 from miles_lite.engines.reference.shards import RankParameters
 from miles_lite.engines.sglang.weight_loader import receiver_of
 from miles_lite.weight_sync.engine_layout import Store, shard_full
@@ -49,8 +50,9 @@ class RankGroups:
              timeout_s: float) -> None:
         if name in self.groups:
             raise ValueError(f"group {name!r} already exists; destroy it first")
+        # The engine's key (its environment names the file): the group admits only ranks of the same run.
         self.groups[name] = init_custom_process_group(backend, address, port, rank_offset + self.rank, world, name,
-                                                      timeout_s)
+                                                      timeout_s, key=key_from_env())
 
     def receive(self, name: str, names: list[str], dtypes: list[str], shapes: list[list[int]]) -> Shards:
         """This rank's local shards of `names`, sliced from the full tensors rank 0 broadcasts."""

@@ -13,11 +13,12 @@ import asyncio
 import json
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from miles_lite.api_key import bearer_matches
 from miles_lite.engines.reference.model import ReferenceModel, deserialize_named_tensors, read_safetensors
 from miles_lite.engines.reference.ranks import EngineRanks
 from miles_lite.engines.reference.sampling import RequestSampling
@@ -27,6 +28,9 @@ from miles_lite.engines.reference.shards import ShardedWeights
 log = logging.getLogger("miles_lite.reference_engine")
 
 FAIL_MODES = ("none", "hang", "error")
+# Paths served without the API key: liveness for kubelet probes and load balancers. `/health` takes no input
+# and answers only a status (200 once a one-token probe on a fixed prompt succeeds).
+OPEN_PATHS = frozenset({"/health"})
 
 
 @dataclass
@@ -46,6 +50,8 @@ class ServerOptions:
     tp: int = 1
     # `module.function` paths a `/update_weights_from_tensor` load_format may name (SGLang's --custom-weight-loader).
     custom_weight_loader: tuple[str, ...] = ()
+    # Every path but OPEN_PATHS asks `Authorization: Bearer <api_key>` (None: nothing is asked; kept out of reprs).
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -97,7 +103,7 @@ class ReferenceServer:
                                  self.weights.stores)
         self._generate_count = 0
         self._hang = asyncio.Event()  # set only at shutdown: what a hung engine waits on
-        self.app = web.Application(client_max_size=1 << 30)
+        self.app = web.Application(client_max_size=1 << 30, middlewares=[self._authenticate])
         self.app.on_startup.append(self._on_startup)
         self.app.on_shutdown.append(self._on_shutdown)
         self.app.on_cleanup.append(self._on_cleanup)
@@ -118,6 +124,17 @@ class ReferenceServer:
         ]
         for method, path, handler in routes:
             self.app.router.add_route(method, path, handler)
+
+    @web.middleware
+    async def _authenticate(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        """401 before the handler runs (no body read, no work) unless the request presents the key."""
+        key = self.opts.api_key
+        if key is not None and request.path not in OPEN_PATHS \
+                and not bearer_matches(request.headers.get("Authorization"), key):
+            return web.json_response({"error": {"message": "Unauthorized: send the run's API key as "
+                                                           "'Authorization: Bearer <key>'"}},
+                                     status=401, headers={"WWW-Authenticate": "Bearer"})
+        return await handler(request)
 
     async def _on_startup(self, _app: web.Application) -> None:
         self.scheduler.start()

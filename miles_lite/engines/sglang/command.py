@@ -1,4 +1,5 @@
-"""Stock SGLang servers: `rollout.sglang_args` -> a `python -m sglang.launch_server` command line.
+"""Stock SGLang servers: `rollout.sglang_args` -> the command line of SGLang's `launch_server` (run under
+`engines.sglang.launch`, which adds the API key check).
 
 Arguments pass through instead of being re-wrapped: every key is a `launch_server` flag without its leading
 dashes (`mem_fraction_static` or `mem-fraction-static`). Mapping of values, following how SGLang 0.5.10's
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import miles_lite
+from miles_lite.engines.sglang.launch import LAUNCH_MODULE, split_own_flags
 from miles_lite.ports import LOCAL_HOST
 from miles_lite.weight_sync.loader_protocol import LOADER_FUNCTION
 
@@ -48,6 +50,8 @@ RESERVED_FLAGS: dict[str, str] = {
     "tp_size": "rollout.engine_tp",
     "tp": "rollout.engine_tp",
     "tensor_parallel_size": "rollout.engine_tp",
+    "api_key": "cluster.api_key_file (the key reaches the engine in a file, never on its command line)",
+    "admin_api_key": "cluster.api_key_file (the key reaches the engine in a file, never on its command line)",
 }
 
 # (older, newer) spelling of flags SGLang renamed. 0.5.23 replaced 0.5.10's piecewise (torch.compile) prefill
@@ -96,14 +100,20 @@ def sglang_flag_args(sglang_args: Mapping[str, Any]) -> list[str]:
 
 
 def build_sglang_command(model_path: str, port: int, tp: int, sglang_args: Mapping[str, Any],
-                         host: str = LOCAL_HOST, python: str = sys.executable) -> list[str]:
-    """`python -m sglang.launch_server` for one engine of `tp` GPUs listening on `host:port`."""
+                         host: str = LOCAL_HOST, python: str = sys.executable,
+                         api_key_file: str | None = None, insecure: bool = False) -> list[str]:
+    """SGLang's server for one engine of `tp` GPUs listening on `host:port`, under `engines.sglang.launch`
+    (which runs `sglang.launch_server`'s server in its process): every request must present the key that
+    `api_key_file` (else $MILES_API_KEY_FILE / $MILES_API_KEY) holds; the command line carries the path only.
+    Without a key it serves loopback only, unless `insecure`."""
     if tp < 1:
         raise ValueError(f"rollout.engine_tp must be >= 1, got {tp}")
     if not model_path:
         raise ValueError("model path is empty; set model.hf_path or save the initial weights first")
-    return [python, "-m", "sglang.launch_server", "--model-path", model_path, "--host", host, "--port", str(port),
-            "--tp-size", str(tp), *sglang_flag_args(sglang_args)]
+    flags = ["--model-path", model_path, "--host", host, "--port", str(port), "--tp-size", str(tp),
+             *sglang_flag_args(sglang_args)]
+    own = ["--api-key-file", api_key_file] if api_key_file is not None else []
+    return [python, "-m", LAUNCH_MODULE, *own, *(["--insecure"] if insecure else []), *flags]
 
 
 def with_weight_loader(loaders: Any) -> list[str]:
@@ -144,10 +154,11 @@ def check_sglang_command(cmd: list[str]) -> None:
         return
     from sglang.srt.server_args import ServerArgs
 
-    try:
-        start = cmd.index("sglang.launch_server") + 1
-    except ValueError as exc:
-        raise ValueError(f"not a sglang.launch_server command: {cmd[:4]}") from exc
+    modules = [i for i, part in enumerate(cmd) if part in ("sglang.launch_server", LAUNCH_MODULE)]
+    if not modules:
+        raise ValueError(f"not a sglang.launch_server command: {cmd[:4]}")
+    start = modules[0] + 1
+    cmd = cmd[:start] + split_own_flags(cmd[start:])[1]
     parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
     ServerArgs.add_cli_args(parser)
     try:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from miles_lite.api_key import key_from_env
 from miles_lite.weight_sync.loader_protocol import LoaderRequest, from_named_tensors
 from miles_lite.weight_sync.weight_group import init_custom_process_group
 
@@ -63,9 +64,10 @@ class WeightReceiver:
             raise ValueError("the pushed weights do not fit this engine's parameters (trainer and engine must load "
                              "the same model; quantized engines take weight_sync.mode=full): " + "; ".join(problems))
         self.leave()
+        # The engine's key (its environment names the file): the group admits only ranks of the same run.
         self.group = init_custom_process_group(f["backend"], f["master_address"], int(f["master_port"]),
                                                int(f["rank"]), int(f["world_size"]), request.group,
-                                               float(f["timeout_s"]))
+                                               float(f["timeout_s"]), key=key_from_env())
         self.group_name = request.group
         self.backend = f["backend"]
         self.state = ReceiverState.JOINED

@@ -96,8 +96,12 @@ def _ready(url: str) -> bool:
         return False
 
 
-def start_control_plane(workdir: Path, binary: Path | None = None, timeout_s: float = 90.0) -> ControlPlane:
-    """Start etcd and kube-apiserver with state under `workdir`; returns once /readyz is 200 (or raises)."""
+def start_control_plane(workdir: Path, binary: Path | None = None, timeout_s: float = 90.0,
+                        authorization: str = "AlwaysAllow") -> ControlPlane:
+    """Start etcd and kube-apiserver with state under `workdir`; returns once /readyz is 200 (or raises).
+
+    `authorization`: the API server's --authorization-mode (RBAC: roles are enforced; the admin token is in
+    system:masters either way)."""
     binary = binary or apiserver_binary()
     etcd_bin = shutil.which("etcd")
     if binary is None or etcd_bin is None:
@@ -123,7 +127,7 @@ def start_control_plane(workdir: Path, binary: Path | None = None, timeout_s: fl
          f"--secure-port={api_port}", "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
          f"--cert-dir={workdir / 'certs'}", "--service-account-issuer=https://kubernetes.default.svc",
          f"--service-account-key-file={sa_key}", f"--service-account-signing-key-file={sa_key}",
-         "--service-cluster-ip-range=10.0.0.0/24", "--authorization-mode=AlwaysAllow",
+         "--service-cluster-ip-range=10.0.0.0/24", f"--authorization-mode={authorization}",
          "--disable-admission-plugins=ServiceAccount"],
         stdout=api_log, stderr=subprocess.STDOUT)
     url = f"https://127.0.0.1:{api_port}"

@@ -15,10 +15,14 @@ plays the parts a MilesJob needs, each pass of `sync()` reading the API server a
 Pod specs are played as rendered, except what podman 4.3 cannot take and a kubelet resolves itself:
 downward-API fieldRefs become their values, probes are run by this class rather than by podman, and
 container ports are not published on the host (podman 4.3 would; pods are reached at their addresses).
+Volumes are prepared as a kubelet does for a pod with an `fsGroup`: a Secret volume is a directory of its
+keys (files root:fsGroup with the volume's defaultMode, behind the `..data` link layout), an emptyDir a
+fresh world-writable directory, and a claim's volume group-owned by fsGroup and group-writable.
 """
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import os
@@ -212,7 +216,19 @@ class PodmanNode:
                     env.pop("valueFrom")
                     env["value"] = value
         docs: list[dict[str, Any]] = []
+        fs_group = int((spec.get("securityContext") or {}).get("fsGroup") or 0)
         for vol in spec.get("volumes") or []:
+            if "secret" in vol:
+                vol["hostPath"] = {"path": str(self._secret_dir(meta["name"], vol, fs_group)), "type": "Directory"}
+                vol.pop("secret")
+            elif "emptyDir" in vol:
+                path = self.workdir / "emptydir" / meta["name"] / vol["name"]
+                path.mkdir(parents=True, exist_ok=True)
+                path.chmod(0o1777)
+                vol["hostPath"] = {"path": str(path), "type": "Directory"}
+                vol.pop("emptyDir")
+            elif "persistentVolumeClaim" in vol and fs_group:
+                self._own_claim(vol["persistentVolumeClaim"]["claimName"], fs_group)
             if "configMap" in vol:
                 cm = self.api.get("v1", "ConfigMap", self.namespace, vol["configMap"]["name"])
                 if cm is None:
@@ -225,6 +241,36 @@ class PodmanNode:
                                   "annotations": meta.get("annotations") or {}},
                      "spec": spec})
         return yaml.safe_dump_all(docs, sort_keys=False)
+
+    def _secret_dir(self, pod: str, vol: dict[str, Any], fs_group: int) -> Path:
+        """The Secret's keys as a kubelet lays them out: `<key>` -> `..data/<key>`, root:fsGroup, defaultMode."""
+        name = vol["secret"]["secretName"]
+        secret = self.api.get("v1", "Secret", self.namespace, name)
+        if secret is None:
+            raise RuntimeError(f"pod {pod} mounts absent Secret {name}")
+        root = self.workdir / "secrets" / pod / vol["name"]
+        data = root / "..data"
+        data.mkdir(parents=True, exist_ok=True)
+        for key, value in (secret.get("data") or {}).items():
+            path = data / key
+            path.write_bytes(base64.b64decode(value))
+            os.chown(path, 0, fs_group)
+            path.chmod(int(vol["secret"].get("defaultMode", 0o644)))
+            link = root / key
+            if not link.is_symlink():
+                link.symlink_to(f"..data/{key}")
+        return root
+
+    def _own_claim(self, claim: str, fs_group: int) -> None:
+        """The claim's volume (created if absent) group-owned by `fs_group`, group-writable, setgid."""
+        if volume_path(claim) is None:
+            podman("volume", "create", claim)
+        path = volume_path(claim)
+        assert path is not None
+        for directory, _, files in os.walk(path):
+            for entry in [directory, *(os.path.join(directory, f) for f in files)]:
+                os.chown(entry, -1, fs_group)
+                os.chmod(entry, os.stat(entry).st_mode | 0o060 | (0o2010 if entry == directory else 0))
 
     def _play(self, pod: dict[str, Any]) -> None:
         name = pod["metadata"]["name"]

@@ -1,0 +1,110 @@
+"""`python -m miles_lite.engines.sglang.launch [--api-key-file FILE] [--insecure] LAUNCH_SERVER_FLAGS...`:
+stock SGLang's HTTP server behind the run's API key.
+
+SGLang's own `--api-key` (its API-key middleware) asks for the key on every endpoint except paths starting
+with `/health`, `/ready` and `/metrics` (so `/health_generate`, which runs a generation, stays open);
+releases with `--admin-api-key` ask for that one instead on the control endpoints (weight updates, flush,
+abort, pause) once it is set. Either key would also sit on SGLang's command line and in the server
+arguments it prints. So this
+launcher reads the key from a file (or the environment), keeps it out of SGLang's arguments, and wraps
+SGLang's application in `RequireKey`: every HTTP and WebSocket path but `/health` asks
+`Authorization: Bearer KEY`, and a request without it is answered 401 before SGLang sees it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from miles_lite.api_key import ApiKeyError, bearer_matches, serving_key
+
+# Paths SGLang serves to anyone: the liveness check (kubelet probes), which takes no input.
+OPEN_PATHS = frozenset({"/health"})
+LAUNCH_MODULE = "miles_lite.engines.sglang.launch"
+# This launcher's own flags, which precede SGLang's: flag -> takes a value.
+OWN_FLAGS = {"--api-key-file": True, "--insecure": False}
+
+Scope = dict[str, Any]
+Asgi = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
+
+
+class RequireKey:
+    """ASGI middleware: 401 (WebSocket: close 1008) unless the request presents `key`; `/health` is open."""
+
+    def __init__(self, app: Asgi, key: str) -> None:
+        self.app = app
+        self._key = key
+
+    def _allowed(self, scope: Scope) -> bool:
+        if scope.get("path") in OPEN_PATHS:
+            return True
+        header = dict(scope.get("headers") or ()).get(b"authorization")
+        return bearer_matches(header.decode("latin-1") if header is not None else None, self._key)
+
+    async def __call__(self, scope: Scope, receive: Any, send: Any) -> None:
+        if scope["type"] not in ("http", "websocket") or self._allowed(scope):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008})
+            return
+        body = json.dumps({"error": "Unauthorized: send the run's API key as 'Authorization: Bearer <key>'"})
+        await send({"type": "http.response.start", "status": 401,
+                    "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer")]})
+        await send({"type": "http.response.body", "body": body.encode()})
+
+
+def split_own_flags(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(this launcher's flags, SGLang's flags) of `argv`."""
+    own: list[str] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        flag = argv[i].split("=", 1)[0]
+        if flag in OWN_FLAGS:
+            takes = OWN_FLAGS[flag] and "=" not in argv[i]
+            own += argv[i:i + 1 + int(takes)]
+            i += 1 + int(takes)
+        else:
+            rest.append(argv[i])
+            i += 1
+    return own, rest
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse, check the key, then run SGLang's server in this process (returns when it stops)."""
+    own, rest = split_own_flags(list(sys.argv[1:] if argv is None else argv))
+    parser = argparse.ArgumentParser(prog=LAUNCH_MODULE, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--api-key-file", default=None, metavar="FILE")
+    parser.add_argument("--insecure", action="store_true")
+    args = parser.parse_args(own)
+
+    from sglang.srt.entrypoints import http_server
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(rest)
+    if getattr(server_args, "api_key", None) or getattr(server_args, "admin_api_key", None):
+        print(f"{LAUNCH_MODULE}: give the key with --api-key-file (a file), not SGLang's --api-key/--admin-api-key "
+              "(the command line is public)", file=sys.stderr)
+        return 2
+    try:
+        key = serving_key(args.api_key_file, server_args.host, args.insecure)
+    except ApiKeyError as exc:
+        print(f"{LAUNCH_MODULE}: {exc}", file=sys.stderr)
+        return 2
+    if key is not None:
+        if int(getattr(server_args, "tokenizer_worker_num", 1) or 1) > 1:
+            print(f"{LAUNCH_MODULE}: tokenizer_worker_num > 1 serves from re-imported applications the key check "
+                  "does not wrap; use 1", file=sys.stderr)
+            return 2
+        http_server.app.add_middleware(RequireKey, key=key)
+    http_server.launch_server(server_args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

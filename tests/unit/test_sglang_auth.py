@@ -1,0 +1,69 @@
+"""The key check wrapped around SGLang's application (`engines.sglang.launch.RequireKey`), on a stand-in ASGI app,
+and the launcher's own flags kept apart from SGLang's."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from miles_lite.api_key import authorization, new_key
+from miles_lite.engines.sglang.command import build_sglang_command
+from miles_lite.engines.sglang.launch import LAUNCH_MODULE, RequireKey, split_own_flags
+
+KEY = new_key()
+
+
+def _ask(scope_type: str, path: str, headers: dict[str, str]) -> tuple[list[dict[str, Any]], list[str]]:
+    reached: list[str] = []
+
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b""}
+
+    scope = {"type": scope_type, "path": path,
+             "headers": [(k.lower().encode(), v.encode("latin-1")) for k, v in headers.items()]}
+    asyncio.run(RequireKey(app, KEY)(scope, receive, send))
+    return sent, reached
+
+
+def test_every_path_but_health_needs_the_key() -> None:
+    for path in ("/generate", "/health_generate", "/metrics", "/ready", "/update_weights_from_disk",
+                 "/v1/chat/completions", "/get_server_info", "/unknown"):
+        for headers in ({}, authorization(new_key()), {"Authorization": KEY}):
+            sent, reached = _ask("http", path, headers)
+            assert sent[0]["status"] == 401 and not reached, (path, headers)
+        sent, reached = _ask("http", path, authorization(KEY))
+        assert sent[0]["status"] == 200 and reached == [path]
+    sent, reached = _ask("http", "/health", {})
+    assert sent[0]["status"] == 200 and reached == ["/health"]
+
+
+def test_websockets_without_the_key_are_closed() -> None:
+    sent, reached = _ask("websocket", "/v1/realtime", {})
+    assert sent == [{"type": "websocket.close", "code": 1008}] and not reached
+
+
+def test_key_file_path_not_key_reaches_the_command_line(tmp_path) -> None:
+    cmd = build_sglang_command("/m", 30000, 1, {"skip_tokenizer_init": True}, api_key_file="/run/key")
+    assert cmd[1:3] == ["-m", LAUNCH_MODULE] and cmd[cmd.index("--api-key-file") + 1] == "/run/key"
+    own, rest = split_own_flags(cmd[3:])
+    assert own == ["--api-key-file", "/run/key"] and "--api-key-file" not in rest and "--skip-tokenizer-init" in rest
+    assert split_own_flags(["--insecure", "--port", "1", "--api-key-file=/k"]) == (
+        ["--insecure", "--api-key-file=/k"], ["--port", "1"])
+
+
+def test_sglang_api_key_flags_are_refused() -> None:
+    import pytest
+
+    for flag in ("api_key", "admin-api-key"):
+        with pytest.raises(ValueError, match="cluster.api_key_file"):
+            build_sglang_command("/m", 1, 1, {flag: "secret"})
