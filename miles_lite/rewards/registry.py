@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
+from miles_lite.plugins import PluginFailed
 from miles_lite.rewards import math as math_rewards
 from miles_lite.types import Group
 
@@ -232,6 +233,19 @@ def _checked_values(name: str, values: object, n: int) -> list[float]:
     return checked
 
 
+def _reward_values(reward_set: RewardSet, name: str, completions: Sequence[str], answers: Sequence[float],
+                   questions: Sequence[str], steps: Sequence[Sequence[float]]) -> list[float]:
+    """One reward's checked values; a plug-in reward (anything but the built-in ones) that raises or returns
+    unusable values raises `PluginFailed` naming it."""
+    try:
+        values = reward_set.reward(name).fn(completions, answers=answers, questions=questions, steps=steps)
+        return _checked_values(name, values, len(completions))
+    except Exception as exc:
+        if name in REWARD_NAMES:
+            raise
+        raise PluginFailed(f"reward {name!r}", exc) from exc
+
+
 def score(
     reward_set: RewardSet | str,
     completions: Sequence[str],
@@ -251,8 +265,10 @@ def score(
         weighted sum.
 
     Raises:
-        ValueError: unknown reward set or reward names, misaligned inputs, or a reward that did
+        ValueError: unknown reward set or reward names, misaligned inputs, or a built-in reward that did
             not return exactly one finite float per completion (the message names the reward).
+        PluginFailed: a plug-in reward (a function, a `RewardSet`'s own, the remote reward model) raised
+            or did not return one finite float per completion.
     """
     reward_set = get_reward_set(reward_set)
     validate_reward_names(reward_set.names, reward_set.functions)
@@ -260,14 +276,7 @@ def score(
     for label, values in (("answers", answers), ("questions", questions), ("steps", steps)):
         if len(values) != n:
             raise ValueError(f"{label} has {len(values)} entries but there are {n} completions")
-    raw = {
-        name: _checked_values(
-            name,
-            reward_set.reward(name).fn(completions, answers=answers, questions=questions, steps=steps),
-            n,
-        )
-        for name in reward_set.names
-    }
+    raw = {name: _reward_values(reward_set, name, completions, answers, questions, steps) for name in reward_set.names}
     results = []
     for index in range(n):
         row = {name: raw[name][index] for name in reward_set.names}
