@@ -126,7 +126,10 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
     if plan.checkpoint is None and cfg.checkpoint.dir and Path(cfg.checkpoint.dir).is_dir():
         # A fresh start: earlier checkpoints of this run (resume=none, or none intact) belong to another
         # configuration; a later resume must not take them.
-        set_aside_newer(cfg.checkpoint.dir, -1, log=print)
+        moved = set_aside_newer(cfg.checkpoint.dir, -1, log=lambda _: None)
+        if moved:
+            print(f"starting from step 0 (checkpoint.resume={cfg.checkpoint.resume}): the run's earlier checkpoints "
+                  f"{', '.join(p.name for p in moved)} were moved to {moved[0].parent}", flush=True)
     record_start_config(run_dir, to_yaml(recorded_cfg), plan.step)
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
     with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg), record) as io:

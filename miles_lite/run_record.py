@@ -104,6 +104,12 @@ def plan_resume(cfg: MilesConfig, checkpoint: Path | None) -> ResumePlan:
     changes = [c for c in config_changes(recorded_cfg, config_tree(cfg)) if c.kind != "ignored"]
     refused = [f"  {c.field}: the checkpoint has {show(c.old)} (asked: {show(c.new)})"
                for c in changes if c.kind == "refused"]
+    tools = [c for c in changes if c.field == "rollout.environment"
+             and (c.old == "calculator") != (c.new == "calculator")]
+    if tools and cfg.model.hf_path is None:
+        # The offline tokenizer of a random model has the calculator's tags as tokens only with that tool.
+        refused.append(f"  rollout.environment: the checkpoint has {show(tools[0].old)} (asked: {show(tools[0].new)}); "
+                       "the offline tokenizer's calculator tags come and go with it")
     data_changed, note = False, ""
     current_data = data_identity(cfg.data)
     if recorded_data is not None and not same_data(recorded_data, current_data):

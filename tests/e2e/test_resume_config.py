@@ -159,3 +159,19 @@ def test_a_raising_reward_plugin_ends_the_run_with_one_line_and_the_last_checkpo
                      pythonpath=str(tmp_path / "plugins")))
     assert f"resumed from {ckpts / 'step_00000002'} at step 2" in out
     assert [m["step"] for m in _metrics(run)] == [0, 1, 2, 3, 4]
+
+
+def test_the_offered_fix_resume_none_trains_the_run_over_with_the_new_shape(tmp_path: Path):
+    run = tmp_path / "run"
+    _ok(_train(tmp_path, "experiment.steps=1"))
+    out = _ok(_train(tmp_path, "experiment.steps=1", "model.shape.hidden_size=96", "checkpoint.resume=none"))
+    assert "the run's earlier checkpoints step_00000001 were moved to" in out
+    # The random initial model is built again with the new shape, and the new checkpoint holds it.
+    assert json.loads((run / "initial_model" / "config.json").read_text())["hidden_size"] == 96
+    step1 = run / "checkpoints" / "step_00000001"
+    assert json.loads((step1 / "hf" / "config.json").read_text())["hidden_size"] == 96
+    assert load_manifest(step1).meta["run_config"]["model"]["shape"]["hidden_size"] == 96
+    superseded = list((run / "checkpoints" / "superseded").glob("*/step_00000001"))
+    assert len(superseded) == 1
+    assert "hidden_size: 64" in (run / "config.from_step_0.yaml").read_text()
+    assert "hidden_size: 96" in (run / "config.yaml").read_text()

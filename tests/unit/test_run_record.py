@@ -161,3 +161,13 @@ def test_the_run_directory_keeps_every_starts_configuration(tmp_path: Path) -> N
     assert record_start_config(tmp_path, first, 9) == tmp_path / "config.from_step_5.yaml"
     (tmp_path / "config.yaml").write_text("legacy: true\n")  # written before starts were recorded
     assert record_start_config(tmp_path, second, 12) == tmp_path / "config.from_step_unknown.yaml"
+
+
+def test_the_calculator_tool_on_a_random_model_is_a_tokenizer_change(tmp_path: Path) -> None:
+    cfg = MilesConfig()
+    ckpt = _checkpoint(tmp_path, cfg)
+    with pytest.raises(ResumeRefused, match="rollout.environment: the checkpoint has null .asked: calculator.; the "
+                                            "offline tokenizer's calculator tags"):
+        plan_resume(_with(cfg, rollout=dataclasses.replace(cfg.rollout, environment="calculator")), ckpt)
+    plugin = _with(cfg, rollout=dataclasses.replace(cfg.rollout, environment="tools:Env"))
+    assert [c.field for c in plan_resume(plugin, ckpt).applied] == ["rollout.environment"]
