@@ -32,17 +32,23 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.checkpoint.driver_state import DriverState, restore_driver_rng
+from miles_lite.checkpoint.resume import resolve_resume, set_aside_newer
 from miles_lite.config import MilesConfig, to_yaml
+from miles_lite.config.changes import config_tree
+from miles_lite.data.identity import data_identity
 from miles_lite.data.problems import EvalSet, load_eval_sets, load_problems
 from miles_lite.data.source import PromptSource
 from miles_lite.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.eval_sets import SetResult, evaluate_set
 from miles_lite.evaluation import EvalResult, evaluate
+from miles_lite.plugins import PluginFailed
 from miles_lite.rewards import score_groups
 from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rl_distill_coef, rollout_stats, tool_stats
 from miles_lite.rollout.pipeline import RolloutPipeline
+from miles_lite.run_failure import end_on_plugin_failure
 from miles_lite.run_io import RunIO, checkpoint_root, finished_summary
 from miles_lite.run_lock import RunLock
+from miles_lite.run_record import ResumePlan, plan_resume, record_start_config
 from miles_lite.stop import StopRequest
 from miles_lite.system import System
 from miles_lite.task_check import check_task
@@ -60,8 +66,12 @@ class RunSummary:
     before: dict[str, float] = field(default_factory=dict)
     after: dict[str, float] = field(default_factory=dict)
     stopped_by_signal: bool = False
-    # Why the run ended before `experiment.steps` (the signal, or the guard that halted training).
+    # Why the run ended before `experiment.steps` (the signal, the guard that halted training, a plug-in).
     stopped_reason: str | None = None
+    # A resume's changes of the configuration (`run_record.ResumePlan.as_json`); None: a fresh start.
+    config_changes: dict[str, Any] | None = None
+    # The plug-in that ended the run: plugin, where, error, log, resume_from.
+    plugin_failure: dict[str, Any] | None = None
 
 
 def run_name(cfg: MilesConfig) -> str:
@@ -113,48 +123,87 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
 
 def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: list, held_out: list,
            start: float, eval_sets: list[EvalSet] | None = None) -> RunSummary:
-    (run_dir / "config.yaml").write_text(to_yaml(cfg))
-    cfg = checkpoints_under(cfg, run_dir)
+    # Recorded by every checkpoint; compared with what a resume asks for before any work.
+    record = {"config": config_tree(cfg), "data": data_identity(cfg.data)}
+    recorded_cfg, cfg = cfg, checkpoints_under(cfg, run_dir)
+    plan = plan_resume(recorded_cfg, resolve_resume(cfg.checkpoint, log=print))  # ResumeRefused: nothing touched
+    if plan.checkpoint is None and cfg.checkpoint.dir and Path(cfg.checkpoint.dir).is_dir():
+        # A fresh start: earlier checkpoints of this run (resume=none, or none intact) belong to another
+        # configuration; a later resume must not take them.
+        moved = set_aside_newer(cfg.checkpoint.dir, -1, log=lambda _: None)
+        if moved:
+            print(f"starting from step 0 (checkpoint.resume={cfg.checkpoint.resume}): the run's earlier checkpoints "
+                  f"{', '.join(p.name for p in moved)} were moved to {moved[0].parent}", flush=True)
+    record_start_config(run_dir, to_yaml(recorded_cfg), plan.step)
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
-    with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg)) as io:
-        system.report_fleet_events(io.log)
-        first_step = continue_from(io.resume(system), system, data, io)
-        summary = RunSummary(str(run_dir), first_step, 0.0)
-        if first_step == 0 and not prepare_rl(system, data, train_problems, held_out, io, stop, summary, eval_sets):
-            # A checkpoint at step 0 would be resumed as a fresh run, warm-up included, on warmed weights.
-            summary.stopped_by_signal = True
-            summary.stopped_reason = f"{stop.name} before the first RL step"
-            io.log(f"stopped by {stop.name} before the first RL step: no checkpoint written; the next start "
-                   "begins with the warm-up again")
-            summary.wall_seconds = time.perf_counter() - start
-            io.finish(summary)
-            return summary
-        rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size,
-                                   relay=system.relay, **refill_hooks(system, data))
+    with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg), record) as io:
+        summary = RunSummary(str(run_dir), 0, 0.0, config_changes=plan.as_json() if plan.checkpoint else None)
         try:
-            for step in range(first_step, cfg.experiment.steps):
-                rl_step(system, data, io, rollouts, step, held_out, eval_sets)
-                summary.steps_done = step + 1
-                if stop.requested:
-                    summary.stopped_by_signal = True
-                    summary.stopped_reason = stop.name
-                    break
-        except TrainingHalted as halt:
-            # The trainer refused the step and kept the last good weights: save those, say why, end.
-            summary.stopped_reason = str(halt)
-            io.log(f"training stopped: {halt}")
-        finally:
-            untrained = rollouts.close()
-            if untrained is not None:  # the next step's prompts go back to the stream
-                data.load_state_dict(untrained)
-        io.save_checkpoint(system, data, summary.steps_done, final=True)
-        if held_out and summary.stopped_reason is None:
-            summary.after = io.report_eval("after RL", eval_now(system, held_out))
-        if eval_sets and summary.stopped_reason is None:
-            summary.after.update(io.report_eval_sets("after RL", eval_sets_now(system, eval_sets), summary.steps_done))
+            _run(system, io, data, plan, stop, train_problems, held_out, summary, start, eval_sets)
+        except PluginFailed as failure:
+            raise end_on_plugin_failure(system, io, summary, failure, start) from failure
+    return summary
+
+
+def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: StopRequest, train_problems: list,
+         held_out: list, summary: RunSummary, start: float, eval_sets: list[EvalSet] | None) -> None:
+    cfg = system.cfg
+    system.report_fleet_events(io.log)
+    first_step = continue_from(io.resume(system, plan.checkpoint), system, data, io, plan.data_changed)
+    summary.steps_done = first_step
+    if (line := plan.line()) is not None:
+        io.log(line)
+    try:
+        ready = first_step > 0 or prepare_rl(system, data, train_problems, held_out, io, stop, summary,
+                                               eval_sets)
+    except PluginFailed as failure:
+        failure.where = "before the first RL step (warm-up, evaluation, presample)"
+        raise
+    if not ready:
+        # A checkpoint at step 0 would be resumed as a fresh run, warm-up included, on warmed weights.
+        summary.stopped_by_signal = True
+        summary.stopped_reason = f"{stop.name} before the first RL step"
+        io.log(f"stopped by {stop.name} before the first RL step: no checkpoint written; the next start "
+               "begins with the warm-up again")
         summary.wall_seconds = time.perf_counter() - start
         io.finish(summary)
-    return summary
+        return
+    rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size,
+                               relay=system.relay, **refill_hooks(system, data))
+    try:
+        for step in range(first_step, cfg.experiment.steps):
+            rl_step(system, data, io, rollouts, step, held_out, eval_sets)
+            summary.steps_done = step + 1
+            if stop.requested:
+                summary.stopped_by_signal = True
+                summary.stopped_reason = stop.name
+                break
+    except TrainingHalted as halt:
+        # The trainer refused the step and kept the last good weights: save those, say why, end.
+        summary.stopped_reason = str(halt)
+        io.log(f"training stopped: {halt}")
+    except PluginFailed as failure:
+        failure.where = f"at step {summary.steps_done + 1}/{cfg.experiment.steps}"
+        raise
+    finally:
+        untrained = rollouts.close()
+        if untrained is not None:  # the next step's prompts go back to the stream
+            data.load_state_dict(untrained)
+    io.save_checkpoint(system, data, summary.steps_done, final=True)
+    if held_out and summary.stopped_reason is None:
+        try:
+            summary.after = io.report_eval("after RL", eval_now(system, held_out))
+        except PluginFailed as failure:
+            failure.where = "in the held-out evaluation after RL"
+            raise
+    if eval_sets and summary.stopped_reason is None:
+        try:
+            summary.after.update(io.report_eval_sets("after RL", eval_sets_now(system, eval_sets), summary.steps_done))
+        except PluginFailed as failure:
+            failure.where = "in the evaluation sets after RL"
+            raise
+    summary.wall_seconds = time.perf_counter() - start
+    io.finish(summary)
 
 
 def prepare_rl(system: System, data: PromptSource, train_problems: list, held_out: list, io: RunIO,
@@ -181,13 +230,16 @@ def checkpoints_under(cfg: MilesConfig, run_dir: Path) -> MilesConfig:
     return dataclasses.replace(cfg, checkpoint=checkpoint)
 
 
-def continue_from(driver: DriverState | None, system: System, data: PromptSource, io: RunIO) -> int:
+def continue_from(driver: DriverState | None, system: System, data: PromptSource, io: RunIO,
+                  new_data: bool = False) -> int:
     """The step to start from: 0 for a fresh run, else the restored one, with the data cursor, the driver's
     RNG streams and the weight version put back and the restored weights pushed to the engines (they
-    started from the initial model)."""
+    started from the initial model). `new_data` (`checkpoint.allow_data_change` on other data): the cursor
+    starts at the beginning of the new data instead."""
     if driver is None:
         return 0
-    data.load_state_dict(driver.data)
+    if not new_data:
+        data.load_state_dict(driver.data)
     restore_driver_rng(driver.rng)
     system.version = driver.weight_version
     io.report_sync(*system.push_weights())

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -36,10 +38,18 @@ def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
         raise ValueError(f"the offline tokenizer has {len(tokenizer)} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; raise model.vocab_size")
     model_dir = run_dir / "initial_model"
+    # What the random model is built from: a run started over with another shape (checkpoint.resume=none)
+    # builds it again rather than loading the earlier one (the build is seeded: the same spec, the same weights).
+    spec = json.dumps({"arch": cfg.model.arch, "shape": dataclasses.asdict(cfg.model.shape),
+                       "vocab_size": cfg.model.vocab_size, "tokenizer_tags": list(extra_tags)}, sort_keys=True)
+    spec_file = model_dir / "miles_lite_spec.json"
+    if model_dir.exists() and (not spec_file.is_file() or spec_file.read_text() != spec):
+        shutil.rmtree(model_dir)
     if not (model_dir / "config.json").is_file():
         make_tiny_hf_model(cfg.model.arch, cfg.model.shape, cfg.model.vocab_size, model_dir,
                            seed=cfg.model.shape.init_seed)
         tokenizer.save_pretrained(str(model_dir))
+        spec_file.write_text(spec)
     model = dataclasses.replace(cfg.model, hf_path=str(model_dir), tokenizer_path=str(model_dir))
     return dataclasses.replace(cfg, model=model), tokenizer
 

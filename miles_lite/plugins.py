@@ -17,6 +17,22 @@ class PluginError(ValueError):
     """A plug-in path that cannot be imported, or an object of the wrong shape; names the field."""
 
 
+class PluginFailed(RuntimeError):
+    """A plug-in failed while the run used it: it raised, or returned what its caller cannot use.
+
+    `plugin` names it as the user knows it (``reward 'brevity'``, ``rollout.group_filter=pkg:fn``);
+    the original exception is `__cause__`. A run ends on it without saving anything half-done.
+    """
+
+    def __init__(self, plugin: str, error: BaseException) -> None:
+        detail = str(error) or type(error).__name__
+        super().__init__(f"{plugin} failed: {type(error).__name__}: {detail}")
+        self.plugin = plugin
+        self.error = error
+        # Where in the run it failed ("at step 3/5"), set by the loop that was running it.
+        self.where: str | None = None
+
+
 def load_plugin(path: str, field: str) -> Any:
     """Import ``path`` (``"pkg.module:attr"``, ``attr`` may be dotted) and return the object.
 

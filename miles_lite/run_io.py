@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.checkpoint.driver_state import DriverState, capture_driver_rng
-from miles_lite.checkpoint.resume import resolve_resume, set_aside_newer
+from miles_lite.checkpoint.resume import set_aside_newer
 from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.schema import MilesConfig
 from miles_lite.evaluation import EvalResult
@@ -82,9 +82,13 @@ def finished_summary(cfg: MilesConfig, run_dir: Path) -> dict[str, Any] | None:
 class RunIO:
     """Outputs of one run under `run_dir`; a context manager that starts and stops the exporter."""
 
-    def __init__(self, cfg: MilesConfig, run_dir: Path, run_name: str) -> None:
+    def __init__(self, cfg: MilesConfig, run_dir: Path, run_name: str,
+                 record: Mapping[str, Any] | None = None) -> None:
         self.cfg = cfg
         self.run_dir = run_dir
+        # What every checkpoint records of the run: `config` (the resolved configuration) and `data`
+        # (the identity of the data the prompt cursor indexes).
+        self.record = dict(record or {})
         self.metrics = MetricsRegistry(run_name, "driver")
         gpu = nvml_collector(run_name, "driver")
         if gpu is not None:  # GPU series only where NVML sees a GPU (absent on CPU, never zeros)
@@ -181,15 +185,15 @@ class RunIO:
 
     # ---- checkpoints --------------------------------------------------------------------------------
 
-    def resume(self, system: Any) -> DriverState | None:
-        """Load the checkpoint `checkpoint.resume` selects into `system.trainer` (any TP/DP); the driver
-        state it holds (None: a fresh run, or an initial checkpoint with weights only). Pushes nothing.
+    def resume(self, system: Any, path: Path | None) -> DriverState | None:
+        """Load checkpoint `path` (what `checkpoint.resume` selected, None: none) into `system.trainer` (any
+        TP/DP); the driver state it holds (None: a fresh run, or an initial checkpoint with weights only).
+        Pushes nothing.
 
         Checkpoints in `checkpoint.dir` newer than the one resumed (a roll-back, or damaged ones passed
         over) are moved aside, so that the run's own later checkpoints are the ones auto-resume and
         retention see.
         """
-        path = resolve_resume(self.cfg.checkpoint, self.log)
         if path is None:
             return None
         trainer: TrainerRole = system.trainer
@@ -228,7 +232,8 @@ class RunIO:
             stats = trainer.finalize_checkpoint()
         else:
             driver = DriverState(step=steps_done, weight_version=int(system.version), data=data.state_dict(),
-                                 rng=capture_driver_rng())
+                                 rng=capture_driver_rng(), run_config=self.record.get("config"),
+                                 data_identity=self.record.get("data"))
             stats = trainer.save_checkpoint(steps_done, driver, final)
             system.last_checkpoint_step = steps_done
             self.metrics.checkpoint_blocked(stats.blocked_s)
@@ -242,8 +247,8 @@ class RunIO:
 
     # ---- the end ------------------------------------------------------------------------------------
 
-    def finish(self, summary: Any) -> None:
-        """Write summary.json and the reward/accuracy curves PNG."""
+    def finish(self, summary: Any, quiet: bool = False) -> None:
+        """Write summary.json and the reward/accuracy curves PNG (`quiet`: without the closing lines)."""
         data = asdict(summary)
         (self.run_dir / "summary.json").write_text(json.dumps(data, indent=2))
         from miles_lite.observability.plots import reward_plot
@@ -253,6 +258,8 @@ class RunIO:
         if png is not None:
             (self.run_dir / "curves.png").write_bytes(png)
         before, after = summary.before.get("exact"), summary.after.get("exact")
+        if quiet:
+            return
         if before is not None and after is not None:
             self.log(f"exact accuracy on held-out problems: {before * 100:.1f}% after warm-up -> "
                      f"{after * 100:.1f}% after RL ({(after - before) * 100:+.1f} points) in "

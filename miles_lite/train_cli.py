@@ -62,8 +62,10 @@ def run(args: argparse.Namespace) -> int:
     """Compose, validate, then print (`--cfg`) or train.
 
     Exit codes: 0 done (or stopped by a signal, with a checkpoint), 2 bad input (configuration, data
-    files, an unwritable or full output directory, a run directory held by another run), 3 training
-    halted by a guard (diverged or non-finite steps).
+    files, an unwritable or full output directory, a run directory held by another run, a resume asking
+    for changes its checkpoint cannot take), 3 training halted by a guard (diverged or non-finite steps),
+    4 a plug-in failed (reward, group filter, generate function, environment, remote reward model; the
+    newest committed checkpoint is the resume point).
     """
     cfg = compose_or_explain(args)
     if cfg is None:
@@ -80,13 +82,18 @@ def run(args: argparse.Namespace) -> int:
     from miles_lite.data.gsm8k import DatasetError
     from miles_lite.dir_probe import OutputDirError
     from miles_lite.driver import train
+    from miles_lite.run_failure import EXIT_PLUGIN_FAILED, RunEndedByPlugin
     from miles_lite.run_lock import RunDirInUseError
+    from miles_lite.run_record import ResumeRefused
 
     try:
         summary = train(cfg, stop)
-    except (RunDirInUseError, OutputDirError) as err:
+    except (RunDirInUseError, OutputDirError, ResumeRefused) as err:
         print(f"miles-lite train: {err}", file=sys.stderr)
         return 2
+    except RunEndedByPlugin as err:
+        print(f"miles-lite train: {err}", file=sys.stderr)
+        return EXIT_PLUGIN_FAILED
     except DatasetError as err:  # raised before the run has a directory
         detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
         print(f"miles-lite train: data error: {detail} (check data.train_path / data.eval_path)", file=sys.stderr)

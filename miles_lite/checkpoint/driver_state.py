@@ -44,6 +44,8 @@ class DriverState:
         rng: `capture_driver_rng()` of the driver process.
         presample_keep: dataset indices the presample filter kept (None: no filter applied).
         extra: anything else a caller records (JSON-like values).
+        run_config: the resolved configuration the run trained with (`config.changes.config_tree`).
+        data_identity: what the data cursor indexes (`data.identity.data_identity`).
     """
 
     step: int
@@ -52,12 +54,24 @@ class DriverState:
     rng: dict[str, Any] = field(default_factory=capture_driver_rng)
     presample_keep: list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    run_config: dict[str, Any] | None = None
+    data_identity: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.step < 0:
             raise ValueError(f"DriverState.step={self.step} must be >= 0")
         if self.weight_version < 0:
             raise ValueError(f"DriverState.weight_version={self.weight_version} must be >= 0")
+
+    def manifest_meta(self) -> dict[str, Any]:
+        """What the checkpoint's manifest records of this state, readable without loading the checkpoint:
+        a resume compares the configuration and the data before any work."""
+        meta: dict[str, Any] = {"weight_version": self.weight_version}
+        if self.run_config is not None:
+            meta["run_config"] = self.run_config
+        if self.data_identity is not None:
+            meta["data_identity"] = self.data_identity
+        return meta
 
     def to_tree(self) -> dict[str, Any]:
         """A plain tree for the checkpoint's shared state (tensors stay tensors)."""

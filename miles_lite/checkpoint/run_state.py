@@ -57,7 +57,7 @@ class RankCheckpointer:
                                                        buffers=self.buffers)
         rank0 = self.saver.rank == 0
         assets = hf_assets(actor.hf_config, tokenizer_dir(self.cfg)) if rank0 else None
-        meta = {"weight_version": driver.weight_version} if rank0 and driver is not None else None
+        meta = driver.manifest_meta() if rank0 and driver is not None else None
         payload = checkpoint_payload(actor, driver.to_tree() if rank0 and driver is not None else None,
                                      assets=assets, meta=meta)
         return self.saver.save(step, payload)

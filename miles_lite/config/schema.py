@@ -190,7 +190,6 @@ class AlgoConfig:
     clip_high: float = bounded(0.28, ge=0)
     dual_clip_c: float | None = None
     kl_coef: float = bounded(0.0, ge=0)
-    # k1 | k2 | k3
     kl_estimator: str = one_of("k3", "k1", "k2")
     entropy_coef: float = bounded(0.0)
     # token_mean | seq_mean_token_mean | seq_mean_token_sum_norm
@@ -255,6 +254,8 @@ class CheckpointConfig:
     keep_every: int = 0
     # auto (newest complete checkpoint) | none | a checkpoint path
     resume: str = "auto"
+    # Resume on other training data than the checkpoint's (the prompt cursor restarts on it); false: refused.
+    allow_data_change: bool = False
 
 
 @dataclass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
 
+from miles_lite.plugins import PluginFailed
 from miles_lite.rewards import math as math_rewards
 from miles_lite.rewards import records as record_rewards
 from miles_lite.rewards.batch import RewardBatch, batch_from_records, call_style, checked_values
@@ -252,11 +253,24 @@ def score(
     :func:`score_batch`.
 
     Raises:
-        ValueError: unknown reward set or reward names, misaligned inputs, or a reward that did
+        ValueError: unknown reward set or reward names, misaligned inputs, or a built-in reward that did
             not return exactly one finite float (or None) per completion (the message names the reward).
+        PluginFailed: a plug-in reward (a function, a `RewardSet`'s own, the remote reward model) raised
+            or did not return one finite float (or None) per completion.
     """
     return score_batch(reward_set, RewardBatch(list(completions), list(answers), list(questions),
                                                [tuple(s) for s in steps]))
+
+
+def _reward_values(reward_set: RewardSet, name: str, batch: RewardBatch) -> list[float]:
+    """One reward's checked values; a plug-in reward (anything but the built-in ones) that raises or returns
+    unusable values raises `PluginFailed` naming it."""
+    try:
+        return reward_set.reward(name).values(name, batch)
+    except Exception as exc:
+        if name in BUILTIN_NAMES and name not in reward_set.functions:
+            raise
+        raise PluginFailed(f"reward {name!r}", exc) from exc
 
 
 def score_batch(reward_set: RewardSet | str, batch: RewardBatch) -> list[dict[str, float]]:
@@ -265,10 +279,13 @@ def score_batch(reward_set: RewardSet | str, batch: RewardBatch) -> list[dict[st
     Returns one dict per completion: each reward's raw value under its name (NaN where the reward does
     not apply: it returned None, or it scores another data source), plus ``total``, the weighted sum of
     the values that apply (0.0 when none does).
+
+    Raises:
+        PluginFailed: see :func:`score`.
     """
     reward_set = get_reward_set(reward_set)
     validate_reward_names(reward_set.names, reward_set.functions)
-    raw = {name: reward_set.reward(name).values(name, batch) for name in reward_set.names}
+    raw = {name: _reward_values(reward_set, name, batch) for name in reward_set.names}
     results = []
     for index in range(len(batch)):
         row = {name: raw[name][index] for name in reward_set.names}

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.plugins import PluginFailed
 from miles_lite.rollout.environment import ToolEnvironment, start_trajectory
 from miles_lite.rollout.fleet import EngineFleet, EngineLease
 from miles_lite.rollout.generate_plugin import GenerateFn, GenerateResult, Interrupted, SlotClient
@@ -101,6 +102,7 @@ class RolloutManager:
         self.generate_fn = generate_fn
         # Dynamic sampling keeps the groups this accepts (default: rewards that differ).
         self.group_filter = group_filter or (lambda group: not group.is_zero_signal)
+        self._filter_is_plugin = group_filter is not None
         self.default_sampling = sampling_from_config(rollout_cfg, stop_token_ids=stop_token_ids, seed=seed)
         self.state = ManagerState.IDLE
         self.last_stats = RolloutStats()
@@ -226,7 +228,7 @@ class RolloutManager:
                 scorer(groups)
             seen += len(groups)
             if more_prompts is not None:
-                signal = [g for g in groups if self.group_filter(g)]
+                signal = [g for g in groups if self._keep(g)]
                 stats.dropped_groups += len(groups) - len(signal)
                 kept.extend(signal)
             else:
@@ -242,6 +244,15 @@ class RolloutManager:
             if not batch:
                 break
         return kept[:max(target, 0)] if more_prompts is not None else kept
+
+    def _keep(self, group: Group) -> bool:
+        """The group filter's verdict; a plug-in filter that raises fails the rollout as `PluginFailed`."""
+        if not self._filter_is_plugin:
+            return self.group_filter(group)
+        try:
+            return bool(self.group_filter(group))
+        except Exception as exc:
+            raise PluginFailed("rollout.group_filter", exc) from exc
 
     async def _run_slots(self, groups: list[PendingGroup], stats: RolloutStats) -> None:
         tasks = {}
@@ -339,9 +350,14 @@ class RolloutManager:
         if slot.finish_reason != "stop" or slot.turns >= self.cfg.max_turns:
             return False
         assert self.decode is not None and self.encode is not None
-        if slot.env is None:
-            slot.env = start_trajectory(env, spec.record)
-        reply = slot.env.reply(self.decode(slot.response_ids[slot.turn_start:]), spec.question)
+        try:
+            if slot.env is None:
+                slot.env = start_trajectory(env, spec.record)
+            reply = slot.env.reply(self.decode(slot.response_ids[slot.turn_start:]), spec.question)
+            if reply is not None and not isinstance(reply, str):
+                raise TypeError(f"reply() returned {type(reply).__name__}, expected str or None")
+        except Exception as exc:
+            raise PluginFailed("rollout.environment", exc) from exc
         if reply is None:
             return False
         ids = self.encode(reply)
@@ -360,12 +376,16 @@ class RolloutManager:
             result = await self.generate_fn(client, group.spec, replace(group.sampling, seed=slot.seed))
         except Interrupted:
             return
-        if not isinstance(result, GenerateResult):
-            raise RolloutError(f"rollout.generate_fn returned {type(result).__name__}, expected a GenerateResult")
+        except RolloutError:
+            raise  # the engines failed the plug-in's requests past their retries: not the plug-in's fault
+        except Exception as exc:
+            raise PluginFailed("rollout.generate_fn", exc) from exc
         try:
+            if not isinstance(result, GenerateResult):
+                raise TypeError(f"returned {type(result).__name__}, expected a GenerateResult")
             result.check()
-        except ValueError as exc:
-            raise RolloutError(f"rollout.generate_fn: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise PluginFailed("rollout.generate_fn", exc) from exc
         slot.response_ids = list(result.response_ids)
         slot.logprobs = [float(v) for v in result.logprobs]
         slot.loss_mask = [int(v) for v in result.loss_mask]

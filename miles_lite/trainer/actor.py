@@ -433,9 +433,14 @@ class TrainerActor:
             raise KeyError(f"checkpoint lacks parameters {missing[:4]}")
         for name, p in params.items():
             p.copy_(state["model"][name])
+        # The optimizer's state (moments, steps) comes from the checkpoint; its hyperparameters (the LR bounds
+        # the schedule reads, betas, eps, weight decay) stay the configured ones, so a resume can change them.
+        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         with cpu_compat.device_mode():
             self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        for group, hyper in zip(self.optimizer.param_groups, configured, strict=True):
+            group.update(hyper)
+        self.scheduler.load_state_dict(state["scheduler"])  # built with override: the configured schedule
         restore_rank_rng(state["rng"])
         counters = state["counters"]
         self.steps_done = int(counters["steps_done"])

@@ -17,6 +17,7 @@ from miles_lite.answer_format import (
     parse_number,
     parse_solution_number,
 )
+from miles_lite.plugins import PluginFailed
 from miles_lite.rewards import (
     REWARD_NAMES,
     RewardSet,
@@ -335,13 +336,15 @@ def test_custom_reward_registration_and_weighted_total() -> None:
         (lambda completions, **_: [float("inf")] * len(completions), "expected a finite float"),
         (lambda completions, **_: ["1.0"] * len(completions), "expected a finite float"),
         (lambda completions, **_: None, "expected a list of 2 floats"),
+        (lambda completions, **_: 1 / 0, "ZeroDivisionError: division by zero"),
     ],
 )
 def test_bad_reward_output_raises_naming_the_reward(fn, message: str) -> None:
     register_reward("test_bad", fn)
     try:
-        with pytest.raises(ValueError, match=f"reward 'test_bad'.*{message}"):
+        with pytest.raises(PluginFailed, match=f"^reward 'test_bad' failed: .*{message}") as failed:
             score(RewardSet("bad", {"test_bad": 1.0}), ["a", "b"], [1.0, 2.0], ["q", "q"], [(), ()])
+        assert failed.value.plugin == "reward 'test_bad'" and failed.value.__cause__ is failed.value.error
     finally:
         unregister_reward("test_bad")
 
