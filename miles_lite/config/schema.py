@@ -86,6 +86,10 @@ class TinyModelShape:
     head_dim: int | None = None
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
+    # HF `rope_scaling` block, e.g. {rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4,
+    # original_max_position_embeddings: 128} or {rope_type: yarn, factor: 4, original_max_position_embeddings: 128}.
+    # Empty: plain RoPE.
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     qkv_bias: bool = True

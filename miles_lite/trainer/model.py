@@ -9,7 +9,8 @@ sequences (THD), so a micro-batch runs as a right-padded `[B, S]` batch under a 
 RoPE takes explicit positions through megatron's multimodal-RoPE path with a single section
 (`mrope_section=[rot_dim/2, 0, 0]` with identical t/h/w positions is exactly 1-D RoPE; the packed
 reference row of the tests needs positions restarting per sequence). On the TE (GPU) spec, packed
-rows use THD with `cu_seqlens` and plain RoPE restarts per sequence.
+rows use THD with `cu_seqlens` and plain RoPE restarts per sequence. Scaled RoPE (llama3, yarn) enters
+both paths through the rotary module's inverse frequencies (`rope.py`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from miles_lite.config.schema import TrainerConfig
+from miles_lite.trainer.rope import RopeScaling, install_inv_freq, rope_from_hf_config, softmax_scale
 
 ARCHS: tuple[str, ...] = ("qwen2", "llama", "qwen3")
 
@@ -46,33 +48,20 @@ class HFModelSpec:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
-    rope_theta: float
+    rope: RopeScaling
     rms_norm_eps: float
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
 
     @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
+
+    @property
     def heads_per_group(self) -> int:
         """Query heads sharing one KV head (GQA group size)."""
         return self.num_attention_heads // self.num_kv_heads
-
-
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
-    # transformers >= 5 nests RoPE settings in `rope_parameters`; older configs keep `rope_theta`.
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    for block in (params, scaling):
-        kind = block.get("rope_type", block.get("type", "default"))
-        if kind not in ("default", None):
-            raise ValueError(
-                f"config.json rope type {kind!r} is not supported (only plain RoPE); "
-                "use a checkpoint without rope_scaling"
-            )
-    theta = cfg.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        raise ValueError("config.json has neither rope_theta nor rope_parameters.rope_theta")
-    return float(theta)
 
 
 def spec_from_hf_config(config: Any) -> HFModelSpec:
@@ -114,7 +103,7 @@ def spec_from_hf_config(config: Any) -> HFModelSpec:
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        rope_theta=_rope_theta(cfg),
+        rope=rope_from_hf_config(cfg),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -229,6 +218,8 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig, runtime:
         gradient_accumulation_fusion=False,
         # Megatron's default ("full") is deprecated in favour of this equivalent and warns on every start.
         cuda_graph_scope=[],
+        # YaRN's attention factor (None for plain RoPE and llama3: megatron's 1/sqrt(head_dim)).
+        softmax_scale=softmax_scale(spec.rope, spec.head_dim),
     )
     if runtime.layer_spec == "local":
         # Explicit RoPE positions (see the module docstring).
@@ -279,6 +270,7 @@ def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_voc
         position_embedding_type=pos_type,
         rotary_base=spec.rope_theta,
     )
+    install_inv_freq(model, spec.rope, spec.head_dim)
     if runtime.device == "gpu":
         model = model.cuda()
     return model

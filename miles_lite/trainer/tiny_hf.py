@@ -43,6 +43,17 @@ def tiny_hf_config(arch: str, shape: TinyModelShape, vocab_size: int, init_std: 
     )
     if init_std is not None:
         common["initializer_range"] = init_std
+    if shape.rope_scaling:
+        from miles_lite.trainer.rope import rope_from_hf_config
+
+        scaling = dict(shape.rope_scaling)
+        # Early, with the field's config name: transformers would only warn or fail deep inside.
+        try:
+            rope_from_hf_config({"rope_theta": shape.rope_theta, "rope_scaling": scaling,
+                                 "max_position_embeddings": shape.max_position_embeddings})
+        except ValueError as exc:
+            raise ValueError(f"model.shape.rope_scaling: {exc}") from exc
+        common["rope_scaling"] = scaling
     if arch == "qwen2":
         if not shape.qkv_bias or shape.qk_norm:
             raise ValueError("model.arch=qwen2 has QKV bias and no QK-norm: set model.shape.qkv_bias=true, "

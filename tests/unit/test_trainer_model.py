@@ -39,7 +39,7 @@ def test_transformers_configs_of_each_arch() -> None:
     ("patch", "message"),
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"use_sliding_window": True}, "use_sliding_window"),
     ],
