@@ -20,6 +20,7 @@ from torch import Tensor
 
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.trainer import cpu_compat
+from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignment, scale_expert_grads
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
 from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, UpdateGuard
@@ -136,7 +137,10 @@ class TrainerActor:
         mine = split_for_data_parallel(lengths, self.par.dp_size)[self.par.dp_rank]
         plan = plan_micro_batches([lengths[i] for i in mine], self.cfg.trainer.micro_batch_tokens,
                                   padded=not self.runtime.packed_thd)
-        return [pack(batch.tokens, batch.prompt_lengths, [mine[j] for j in group]) for group in plan]
+        mbs = [pack(batch.tokens, batch.prompt_lengths, [mine[j] for j in group]) for group in plan]
+        if needs_alignment(self.par.ep_size, self.par.dp_size):
+            mbs = align_micro_batches(mbs, not self.runtime.packed_thd, None, self.policy.device)
+        return mbs
 
     def _gather_dp(self, local: Any) -> list[Any]:
         if self.par.dp_group is None:
@@ -185,6 +189,8 @@ class TrainerActor:
             handle.model.set_is_first_microbatch()
             for mb in self._micro_batches(batch):
                 lp, _ = response_logprobs(handle, mb, self.logprob_options, False, vocab)
+                if mb.filler:
+                    continue
                 for i, part in zip(mb.seq_indices, lp.split(list(mb.response_lengths)), strict=True):
                     local[i] = part.float().cpu().tolist()
         merged: dict[int, list[float]] = {}
@@ -305,9 +311,15 @@ class TrainerActor:
             self.optimizer.zero_grad()
             for mb in self._micro_batches(batch):
                 loss, stats, share = micro_loss(mb)
+                if mb.filler:
+                    # Expert parallelism: run the backward's collectives, add nothing.
+                    (loss * 0.0).backward()
+                    continue
                 # DDP averages gradients over DP ranks; the shares already sum to 1 over all ranks.
                 (loss * (share * self.par.dp_size)).backward()
                 parts.append((share, stats))
+            if self.policy.spec.is_moe:
+                scale_expert_grads(self.ddp, self.par.tp_size)
             self._finalize_grads([self.ddp])
             all_parts = [p for rank_parts in self._gather_dp(parts) for p in rank_parts]
             stats = reduce_stats(all_parts)
@@ -397,7 +409,8 @@ class TrainerActor:
         """
         self._require_ready()
         with cpu_compat.device_mode():
-            state = gather_hf_state(self.policy.model, self.layouts, self.par.tp_group)
+            state = gather_hf_state(self.policy.model, self.layouts, self.par.tp_group, self.par.ep_group,
+                                    self.policy.spec.num_experts)
         return state if self.par.rank == 0 else {}
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
