@@ -5,8 +5,10 @@ presampling and evaluation."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
@@ -18,6 +20,7 @@ from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher
 from miles_lite.rollout.generate_plugin import load_generate_fn
 from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.manager import RolloutManager
+from miles_lite.rollout.routing import RoutingLayout
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 
 
@@ -146,6 +149,15 @@ class Rollout:
             self.loop.stop()
 
 
+def _routing_layout(cfg: MilesConfig) -> RoutingLayout | None:
+    """The MoE routing layout of the served model when samples carry routing (always for MoE models: the
+    trainer reports `moe/router_agreement` with replay on or off)."""
+    config = Path(str(cfg.model.hf_path)) / "config.json"
+    if not cfg.model.hf_path or not config.is_file():
+        return None
+    return RoutingLayout.of_config(json.loads(config.read_text()))
+
+
 def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int | None = None,
                   start: Callable[[], Awaitable[EngineFleet]] | None = None) -> Rollout:
     """Start (or, with `rollout.engine_urls`, attach) the fleet of `model.hf_path` on a new event-loop thread,
@@ -172,5 +184,5 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
     group_filter = load_sync_fn(rollout.group_filter, "rollout.group_filter", 1) if rollout.group_filter else None
     manager = RolloutManager(fleet, rollout, ft, decode=encoder.decode, stop_token_ids=encoder.stop_token_ids,
                              seed=seed, encode=encoder.encode, environment=environment, generate_fn=generate_fn,
-                             group_filter=group_filter)
+                             group_filter=group_filter, routing=_routing_layout(cfg))
     return Rollout(loop, fleet, SyncRolloutManager(manager, loop))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from miles_lite.rollout.prompt_spec import PromptSpec
 from miles_lite.types import Generation, Sample, SamplingParams
@@ -85,8 +86,11 @@ class Slot:
     # Model turns finished so far, and where the current one starts in `response_ids`.
     turns: int = 0
     turn_start: int = 0
+    # The latest answer's routed expert ids (flat int32, MoE): they cover every position up to its last token.
+    routed: Any = None
 
     def append(self, gen: Generation) -> None:
+        self.routed = gen.routed_experts
         self.response_ids.extend(gen.output_ids)
         self.logprobs.extend(gen.output_logprobs)
         self.loss_mask.extend([1] * len(gen.output_ids))

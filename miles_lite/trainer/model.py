@@ -323,10 +323,7 @@ def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_voc
     if runtime.layer_spec == "te" and spec.is_moe:
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-        from miles_lite.trainer.moe_layer import use_tensor_parallel_moe_layer
-
         layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
-        use_tensor_parallel_moe_layer(layer_spec.layer_specs)
         pos_type = "rope"
     elif runtime.layer_spec == "te":
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
@@ -334,11 +331,8 @@ def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_voc
     else:
         dense = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
         if spec.is_moe:
-            from miles_lite.trainer.moe_layer import use_tensor_parallel_moe_layer
-
             moe = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
                                            qk_layernorm=spec.qk_norm, normalization="RMSNorm")
-            use_tensor_parallel_moe_layer([moe])
             layer_spec = _local_block_spec(config, [moe if m else dense for m in spec.moe_layers])
         else:
             layer_spec = _local_block_spec(config, dense)
@@ -356,6 +350,10 @@ def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_voc
         rotary_base=spec.rope_theta,
     )
     install_inv_freq(model, spec.rope, spec.head_dim)
+    if spec.is_moe:
+        from miles_lite.trainer.moe_layer import use_tensor_parallel_moe_layers
+
+        use_tensor_parallel_moe_layers(model)
     if runtime.device == "gpu":
         model = model.cuda()
     return model

@@ -29,9 +29,9 @@ class TensorParallelMoELayer(MoELayer):
             self.training = True
 
 
-def use_tensor_parallel_moe_layer(layer_specs: list[Any]) -> None:
-    """Swap megatron's MoELayer for `TensorParallelMoELayer` in these layer specs (in place)."""
-    for spec in layer_specs:
-        mlp = getattr(getattr(spec, "submodules", None), "mlp", None)
-        if mlp is not None and getattr(mlp, "module", None) is MoELayer:
-            mlp.module = TensorParallelMoELayer
+def use_tensor_parallel_moe_layers(model: torch.nn.Module) -> None:
+    """Make every MoELayer of a built model a `TensorParallelMoELayer` (in place; same state, same
+    submodules). After construction, so megatron's layer builder still recognises the MoE spec."""
+    for module in model.modules():
+        if type(module) is MoELayer:
+            module.__class__ = TensorParallelMoELayer
