@@ -145,8 +145,15 @@ def build_train_batch(groups: Sequence[Group], algo: AlgoConfig) -> tuple[TrainB
         rollout_logprobs=[list(samples[i].rollout_logprobs) for i in chosen],
         advantages=[float(result.advantages[i]) for i in chosen],
         loss_masks=_loss_masks([samples[i] for i in chosen]),
+        routed_experts=_routed([samples[i] for i in chosen]),
     )
     return batch, stats
+
+
+def _routed(samples: Sequence[Sample]) -> list[Any] | None:
+    """The samples' routed expert ids (MoE rollouts), None when no sample carries them."""
+    routed = [s.routed_experts for s in samples]
+    return routed if any(r is not None for r in routed) else None
 
 
 def _loss_masks(samples: Sequence[Sample]) -> list[list[int]] | None:
@@ -169,7 +176,8 @@ def distill_batch(groups: Sequence[Group]) -> TrainBatch | None:
     return TrainBatch(tokens=[s.prompt_ids + s.response_ids for s in samples],
                       prompt_lengths=[len(s.prompt_ids) for s in samples],
                       rollout_logprobs=[list(s.rollout_logprobs) for s in samples],
-                      advantages=[0.0] * len(samples), loss_masks=_loss_masks(samples))
+                      advantages=[0.0] * len(samples), loss_masks=_loss_masks(samples),
+                      routed_experts=_routed(samples))
 
 
 def rollout_stats(stats: Any) -> dict[str, object]:

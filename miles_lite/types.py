@@ -58,6 +58,8 @@ class Generation:
     weight_version: str
     engine_id: str = ""
     latency_s: float = 0.0
+    # `return_routed_experts` answers (MoE): SGLang's flat int32 expert ids of every position the engine ran.
+    routed_experts: Any = None
 
 
 @dataclass
@@ -79,6 +81,9 @@ class Sample:
     loss_mask: list[int] | None = None
     # Model turns in the response (1 for a single-turn rollout).
     turns: int = 1
+    # MoE models: the engine's expert ids of the generated tokens it ran, `[R - 1, MoE layers, top_k]` int8/int16
+    # numpy (rollout/routing.py), or None.
+    routed_experts: Any = None
 
     @property
     def reward(self) -> float:
@@ -145,9 +150,14 @@ class TrainBatch:
     # R_i ints each (1: the token is trained on, 0: an environment reply of a multi-turn rollout, left out
     # of the loss and of the mismatch metrics); None: every response token counts.
     loss_masks: list[list[int]] | None = None
+    # MoE rollout routing: per sequence, the engine's expert ids `[R_i - 1, MoE layers, top_k]` (int8 or
+    # int16 numpy) of the generated tokens it fed back (positions P_i .. P_i + R_i - 2), or None.
+    routed_experts: list[Any] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.tokens)
+        if self.routed_experts is not None and len(self.routed_experts) != n:
+            raise ValueError(f"TrainBatch.routed_experts has {len(self.routed_experts)} entries for {n} sequences")
         if self.loss_masks is not None:
             if len(self.loss_masks) != n:
                 raise ValueError(f"TrainBatch.loss_masks has {len(self.loss_masks)} entries for {n} sequences")
@@ -183,7 +193,8 @@ class TrainBatch:
         return TrainBatch(tokens=rows(self.tokens) or [], prompt_lengths=rows(self.prompt_lengths) or [],
                           rollout_logprobs=rows(self.rollout_logprobs) or [], advantages=rows(self.advantages) or [],
                           ref_logprobs=rows(self.ref_logprobs), teacher_logprobs=rows(self.teacher_logprobs),
-                          old_logprobs=rows(self.old_logprobs), loss_masks=rows(self.loss_masks))
+                          old_logprobs=rows(self.old_logprobs), loss_masks=rows(self.loss_masks),
+                          routed_experts=rows(self.routed_experts))
 
     @property
     def num_sequences(self) -> int:

@@ -37,10 +37,22 @@ class TinyModelShape:
     head_dim: int | None = None
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
+    # HF `rope_scaling` block, e.g. {rope_type: llama3, factor: 8, low_freq_factor: 1, high_freq_factor: 4,
+    # original_max_position_embeddings: 128} or {rope_type: yarn, factor: 4, original_max_position_embeddings: 128}.
+    # Empty: plain RoPE.
+    rope_scaling: dict[str, Any] = field(default_factory=dict)
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = True
     qkv_bias: bool = True
     qk_norm: bool = False
+    # Mixture of experts (arch qwen3_moe): routed experts, experts per token, each expert's FFN width;
+    # top-k probabilities renormalised; every `decoder_sparse_step`-th layer is MoE except `mlp_only_layers`.
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_ffn_hidden_size: int = 32
+    norm_topk_prob: bool = True
+    decoder_sparse_step: int = 1
+    mlp_only_layers: list[int] = field(default_factory=list)
     init_seed: int = 0
 
 
@@ -53,8 +65,8 @@ class ModelConfig:
     hf_path: str | None = None
     # Tokenizer directory. None: the model directory's tokenizer, or the offline BPE tokenizer.
     tokenizer_path: str | None = None
-    # Architecture used when building at random: qwen2 | llama | qwen3.
-    arch: str = one_of("qwen2", "llama", "qwen3")
+    # Architecture used when building at random: qwen2 | llama | qwen3 | qwen3_moe.
+    arch: str = one_of("qwen2", "llama", "qwen3", "qwen3_moe")
     # Vocabulary of the offline tokenizer (random models only).
     vocab_size: int = 512
     shape: TinyModelShape = field(default_factory=TinyModelShape)
@@ -67,6 +79,18 @@ class TrainerConfig:
     tp: int = 1
     dp: int = 1
     pp: int = 1
+    # Expert parallelism of MoE models: routed experts split over `ep` ranks (ep divides tp * dp; each
+    # expert stays whole on its rank, i.e. expert TP is 1).
+    ep: int = bounded(1, ge=1)
+    # MoE router losses: load-balancing aux loss and router z-loss coefficients (0: off).
+    moe_aux_loss_coef: float = bounded(0.0, ge=0)
+    moe_z_loss_coef: float = bounded(0.0, ge=0)
+    # MoE token dispatcher (megatron-core's moe_token_dispatcher_type): auto | alltoall | allgather.
+    # auto: alltoall on GPU, allgather on CPU (megatron's alltoall dispatcher needs CUDA streams).
+    moe_token_dispatcher: str = one_of("auto", "alltoall", "allgather")
+    # Rollout routing replay: response tokens go to the experts the rollout engine routed them to
+    # (gates from the trainer's own router logits over those experts); prompt tokens route themselves.
+    routing_replay: bool = False
     # fp32 | bf16 | fp8 (fp8 needs TransformerEngine on a GPU).
     precision: str = one_of("fp32", "bf16", "fp8")
     # TransformerEngine FP8 recipe: delayed | tensorwise | blockwise.

@@ -155,6 +155,9 @@ def _check_parallelism(cfg: MilesConfig, dims: ModelDims, problems: list[str]) -
                             "set only rollout.engine_tp")
     if cfg.trainer.pp != 1:
         problems.append("trainer.pp must be 1: pipeline parallelism is not supported yet; use trainer.tp/dp")
+    ep, ranks = cfg.trainer.ep, cfg.trainer.tp * cfg.trainer.dp
+    if ep > 1 and ranks % ep:
+        problems.append(f"trainer.ep={ep} must divide the trainer's tp * dp = {ranks} ranks")
 
 
 def _check_algo(cfg: MilesConfig, problems: list[str]) -> None:

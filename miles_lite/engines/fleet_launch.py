@@ -5,8 +5,10 @@ presampling and evaluation."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from miles_lite.api_key import ApiKey
@@ -20,6 +22,7 @@ from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher
 from miles_lite.rollout.generate_plugin import load_generate_fn
 from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.manager import RolloutManager
+from miles_lite.rollout.routing import RoutingLayout
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 
 
@@ -163,6 +166,15 @@ class Rollout:
                     self.own_key.close()
 
 
+def _routing_layout(cfg: MilesConfig) -> RoutingLayout | None:
+    """The MoE routing layout of the served model when samples carry routing (always for MoE models: the
+    trainer reports `moe/router_agreement` with replay on or off)."""
+    config = Path(str(cfg.model.hf_path)) / "config.json"
+    if not cfg.model.hf_path or not config.is_file():
+        return None
+    return RoutingLayout.of_config(json.loads(config.read_text()))
+
+
 def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int | None = None,
                   start: Callable[[], Awaitable[EngineFleet]] | None = None,
                   api_key: ApiKey | None = None) -> Rollout:
@@ -196,5 +208,5 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
     group_filter = load_sync_fn(rollout.group_filter, "rollout.group_filter", 1) if rollout.group_filter else None
     manager = RolloutManager(fleet, rollout, ft, decode=encoder.decode, stop_token_ids=encoder.stop_token_ids,
                              seed=seed, encode=encoder.encode, environment=environment, generate_fn=generate_fn,
-                             group_filter=group_filter)
+                             group_filter=group_filter, routing=_routing_layout(cfg))
     return Rollout(loop, fleet, SyncRolloutManager(manager, loop), own_key)

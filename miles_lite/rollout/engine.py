@@ -23,8 +23,10 @@ class RolloutEngine(Protocol):
     engine_id: str
     url: str
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> Generation:
-        """Sample one completion of `input_ids` (token ids in, token ids + per-token logprobs out)."""
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
+                       return_routed_experts: bool = False) -> Generation:
+        """Sample one completion of `input_ids` (token ids in, token ids + per-token logprobs out); with
+        `return_routed_experts` (MoE models), also the expert ids of every position the engine ran."""
 
     async def score(self, input_ids: list[int], prompt_len: int) -> list[float]:
         """Logprobs (nats) of tokens `input_ids[prompt_len:]` given their prefixes; no sampling.

@@ -24,11 +24,13 @@ and that id is the one sent at that position; its logprob is still required and 
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import time
 from typing import Any
 
 import aiohttp
+import numpy as np
 
 from miles_lite.api_key import authorization
 from miles_lite.rollout.engine import EngineError
@@ -112,10 +114,14 @@ class HttpEngine:
 
     # ---- generation ------------------------------------------------------------------------------------------
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> Generation:
-        """Sample one completion: token ids in, token ids + per-token logprobs (nats) + finish reason out."""
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None,
+                       return_routed_experts: bool = False) -> Generation:
+        """Sample one completion: token ids in, token ids + per-token logprobs (nats) + finish reason out
+        (with `return_routed_experts`, also SGLang's routed expert ids of every position run)."""
         payload: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": sampling.to_sglang(),
                                    "return_logprob": True}
+        if return_routed_experts:
+            payload["return_routed_experts"] = True
         if rid is not None:
             payload["rid"] = rid
         start = time.monotonic()
@@ -142,9 +148,15 @@ class HttpEngine:
                 raise EngineError(f"{self.engine_id} /generate: logprob entry {[lp, tok]} does not match token "
                                   f"{expected}")
             logprobs.append(float(lp))
+        routed = None
+        if meta.get("routed_experts") is not None:
+            try:
+                routed = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32)
+            except (TypeError, ValueError) as exc:
+                raise EngineError(f"{self.engine_id} /generate: routed_experts is not base64 int32 ids") from exc
         return Generation(output_ids=tuple(output_ids), output_logprobs=tuple(logprobs), finish_reason=reason,
                           weight_version=str(meta.get("weight_version", "")), engine_id=self.engine_id,
-                          latency_s=latency_s)
+                          latency_s=latency_s, routed_experts=routed)
 
     async def score(self, input_ids: list[int], prompt_len: int) -> list[float]:
         """Logprobs (nats) of `input_ids[prompt_len:]` given their prefixes (see the module docstring)."""

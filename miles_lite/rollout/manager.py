@@ -24,6 +24,7 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from typing import Any
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.plugins import PluginFailed
@@ -31,6 +32,7 @@ from miles_lite.rollout.environment import ToolEnvironment, start_trajectory
 from miles_lite.rollout.fleet import EngineFleet, EngineLease
 from miles_lite.rollout.generate_plugin import GenerateFn, GenerateResult, Interrupted, SlotClient
 from miles_lite.rollout.prompt_spec import PromptLike, PromptSpec, as_prompt_spec, sampling_from_config
+from miles_lite.rollout.routing import RoutingLayout
 from miles_lite.rollout.slots import (
     MIXED_SEPARATOR,
     ManagerState,
@@ -73,13 +75,16 @@ class RolloutManager:
         environment: ToolEnvironment | None = None,
         generate_fn: GenerateFn | None = None,
         group_filter: Callable[[Group], bool] | None = None,
+        routing: RoutingLayout | None = None,
     ) -> None:
         """`decode` turns response ids into text for rewards and the table (None: text stays "").
 
         `stop_token_ids` (e.g. the tokenizer's EOS) and `seed` go into the default sampling params.
         With a tool `environment` (multi-turn rollouts), `encode` tokenises its replies and `decode` reads
-        the model's turns; see `miles_lite.rollout.environment`.
+        the model's turns; see `miles_lite.rollout.environment`. With a MoE `routing` layout, requests ask for
+        the routed experts and samples carry them (`Sample.routed_experts`).
         """
+        self.routing = routing
         if environment is not None and generate_fn is not None:
             raise ValueError("rollout.environment and rollout.generate_fn exclude each other: a generate plug-in "
                              "runs its own turns")
@@ -308,7 +313,8 @@ class RolloutManager:
         started = time.monotonic()
         try:
             gen = await asyncio.wait_for(
-                lease.engine.generate(list(spec.prompt_ids) + slot.response_ids, params, rid=rid),
+                lease.engine.generate(list(spec.prompt_ids) + slot.response_ids, params, rid=rid,
+                                      **({"return_routed_experts": True} if self.routing is not None else {})),
                 self.cfg.request_timeout_s,
             )
             if len(gen.output_ids) != len(gen.output_logprobs):
@@ -410,6 +416,14 @@ class RolloutManager:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(lease.engine.abort(rid), self.ft.health_timeout_s)
 
+    def _routed(self, spec: PromptSpec, slot: Slot) -> Any:
+        if self.routing is None or slot.routed is None or not slot.response_ids:
+            return None
+        try:
+            return self.routing.sample_ids(slot.routed, len(spec.prompt_ids), len(slot.response_ids))
+        except ValueError as exc:
+            raise RolloutError(f"prompt {spec.prompt_index} sample {slot.sample_index}: {exc}") from exc
+
     def _to_group(self, pending: PendingGroup) -> Group:
         spec = pending.spec
         samples = []
@@ -425,6 +439,7 @@ class RolloutManager:
                 weight_version=joined(slot.versions),
                 loss_mask=list(slot.loss_mask) if 0 in slot.loss_mask else None,
                 turns=slot.turns if self.environment is not None else 1,
+                routed_experts=self._routed(spec, slot),
             ))
         return Group(prompt_index=spec.prompt_index, prompt_text=spec.prompt_text, question=spec.question,
                      answer=spec.answer, steps=spec.steps, samples=samples, record=spec.record)

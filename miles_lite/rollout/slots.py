@@ -88,8 +88,11 @@ class Slot:
     turn_start: int = 0
     # The trajectory's own environment, from the environment's `reset(record)` (multi-turn; None: not yet).
     env: Any = None
+    # The latest answer's routed expert ids (flat int32, MoE): they cover every position up to its last token.
+    routed: Any = None
 
     def append(self, gen: Generation) -> None:
+        self.routed = gen.routed_experts
         self.response_ids.extend(gen.output_ids)
         self.logprobs.extend(gen.output_logprobs)
         self.loss_mask.extend([1] * len(gen.output_ids))

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.trainer import cpu_compat
+from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignment, scale_expert_grads
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
 from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, UpdateGuard
@@ -31,6 +32,7 @@ from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batche
 from miles_lite.trainer.parallel import ParallelInfo, init_parallel, shutdown_parallel
 from miles_lite.trainer.rl_loss import BatchTotals, reduce_stats, rl_micro_loss, sft_micro_loss
 from miles_lite.trainer.rng import capture_rank_rng, restore_rank_rng
+from miles_lite.trainer.routing import ModelRouting, RoutingStats, check_routed
 from miles_lite.trainer.updates import combine_update_stats, minibatch_plan
 from miles_lite.types import TrainBatch
 
@@ -101,6 +103,13 @@ class TrainerActor:
                 # Host copy of the initial weights; swapped into the policy model when asked for.
                 self.reference = {n: p.detach().to("cpu", copy=True)
                                   for n, p in self.policy.model.named_parameters()}
+            self.routing: ModelRouting | None = None
+            if spec.is_moe:
+                self.routing = ModelRouting(self.policy.model, spec.moe_layer_ids, not spec.norm_topk_prob,
+                                            spec.num_experts, spec.moe_top_k)
+            elif trainer.routing_replay:
+                raise ValueError(f"trainer.routing_replay=true needs a mixture-of-experts model; {spec.arch} is "
+                                 "dense: set trainer.routing_replay=false")
             self.teacher: ModelHandle | None = None
             teacher_src = load_teacher_source(self.cfg)
             if teacher_src is not None:
@@ -123,7 +132,18 @@ class TrainerActor:
 
     # ---- batches --------------------------------------------------------------------------------
 
+    def _route(self, mb: PackedMicroBatch, batch: TrainBatch, replay: bool = True) -> None:
+        """Point the policy's MoE routers at `mb`: its real tokens and, with `trainer.routing_replay`, the
+        rollout's experts for its generated tokens (see routing.py)."""
+        if self.routing is not None:
+            self.routing.set_micro_batch(mb, batch.routed_experts, not self.runtime.packed_thd,
+                                         replay and self.cfg.trainer.routing_replay)
+
     def _check_tokens(self, batch: TrainBatch) -> None:
+        if batch.routed_experts is not None and self.routing is not None:
+            spec = self.policy.spec
+            check_routed(batch.routed_experts, batch.response_lengths, len(spec.moe_layer_ids), spec.moe_top_k,
+                         spec.num_experts)
         vocab = self.policy.spec.vocab_size
         for i, seq in enumerate(batch.tokens):
             if seq and (min(seq) < 0 or max(seq) >= vocab):
@@ -136,7 +156,10 @@ class TrainerActor:
         mine = split_for_data_parallel(lengths, self.par.dp_size)[self.par.dp_rank]
         plan = plan_micro_batches([lengths[i] for i in mine], self.cfg.trainer.micro_batch_tokens,
                                   padded=not self.runtime.packed_thd)
-        return [pack(batch.tokens, batch.prompt_lengths, [mine[j] for j in group]) for group in plan]
+        mbs = [pack(batch.tokens, batch.prompt_lengths, [mine[j] for j in group]) for group in plan]
+        if needs_alignment(self.par.ep_size, self.par.dp_size):
+            mbs = align_micro_batches(mbs, not self.runtime.packed_thd, None, self.policy.device)
+        return mbs
 
     def _gather_dp(self, local: Any) -> list[Any]:
         if self.par.dp_group is None:
@@ -184,7 +207,10 @@ class TrainerActor:
             # changed since the last call (optimizer step, weight load), so re-quantize them.
             handle.model.set_is_first_microbatch()
             for mb in self._micro_batches(batch):
+                self._route(mb, batch, replay=handle is self.policy)
                 lp, _ = response_logprobs(handle, mb, self.logprob_options, False, vocab)
+                if mb.filler:
+                    continue
                 for i, part in zip(mb.seq_indices, lp.split(list(mb.response_lengths)), strict=True):
                     local[i] = part.float().cpu().tolist()
         merged: dict[int, list[float]] = {}
@@ -297,6 +323,7 @@ class TrainerActor:
               advance_schedule: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         parts: list[tuple[float, dict[str, float]]] = []
+        routing_stats: RoutingStats | None = self.routing.new_stats() if self.routing is not None else None
         with cpu_compat.device_mode():
             self.policy.model.train()
             # Without this, TE's FP8 layers keep using the weights quantized at the first forward ever.
@@ -304,13 +331,26 @@ class TrainerActor:
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
             for mb in self._micro_batches(batch):
+                self._route(mb, batch)
                 loss, stats, share = micro_loss(mb)
+                if self.routing is not None and routing_stats is not None and not mb.filler:
+                    self.routing.accumulate(routing_stats)
+                if mb.filler:
+                    # Expert parallelism: run the backward's collectives, add nothing.
+                    (loss * 0.0).backward()
+                    continue
                 # DDP averages gradients over DP ranks; the shares already sum to 1 over all ranks.
                 (loss * (share * self.par.dp_size)).backward()
                 parts.append((share, stats))
+            if self.policy.spec.is_moe:
+                scale_expert_grads(self.ddp, self.par.tp_size)
             self._finalize_grads([self.ddp])
             all_parts = [p for rank_parts in self._gather_dp(parts) for p in rank_parts]
             stats = reduce_stats(all_parts)
+            if self.routing is not None and routing_stats is not None:
+                routing_stats.reduce()
+                stats.update(routing_stats.metrics(self.routing.layer_ids, self.routing.top_k))
+                self.routing.clear()
             if not self._all_finite(parts):
                 self._skip_nonfinite()
                 stats.update(skipped=1.0, grad_norm=float("nan"))
@@ -399,7 +439,8 @@ class TrainerActor:
         """
         self._require_ready()
         with cpu_compat.device_mode():
-            state = gather_hf_state(self.policy.model, self.layouts, self.par.tp_group)
+            state = gather_hf_state(self.policy.model, self.layouts, self.par.tp_group, self.par.ep_group,
+                                    self.policy.spec.num_experts)
         return state if self.par.rank == 0 else {}
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:

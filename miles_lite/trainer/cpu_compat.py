@@ -139,6 +139,20 @@ def use_torch_optimizer_kernels() -> None:
                 setattr(module, attr, impl)
 
 
+def use_torch_moe_kernels() -> None:
+    """On CPU, megatron's MoE router computes its logits with torch instead of TransformerEngine (idempotent).
+
+    Why: `moe_utils` calls `te_general_gemm` whenever it is not None, but it only binds the name when
+    TransformerEngine imports: without TE the router fails with NameError, and with TE (the GPU image)
+    the kernel needs CUDA tensors. None is the value megatron's own fallback branch tests for.
+    """
+    if not cpu_mode_needed():
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.te_general_gemm = None
+
+
 def install_rng_tracker(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int = 0) -> None:
     """Install the CPU RNG tracker seeded like `model_parallel_cuda_manual_seed`.
 

@@ -23,6 +23,8 @@ from miles_lite.trainer.layout import LayoutKind, ParamLayout, merge_shards
 from miles_lite.trainer.model import HFModelSpec
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# Routed experts: one MLP per local expert (local spec, SequentialMLP) or TE's grouped GEMM weights.
+_EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.weight|(linear_fc[12])\.weight(\d+))$")
 
 # Megatron per-layer suffix -> (kind, HF suffixes under model.layers.{i}.)
 _LAYER_MAP: dict[str, tuple[LayoutKind, tuple[str, ...]]] = {
@@ -39,6 +41,8 @@ _LAYER_MAP: dict[str, tuple[LayoutKind, tuple[str, ...]]] = {
     "mlp.linear_fc1.layer_norm_weight": (LayoutKind.REPLICATED, ("post_attention_layernorm.weight",)),
     "mlp.linear_fc1.weight": (LayoutKind.GATE_UP_FUSED, ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
     "mlp.linear_fc2.weight": (LayoutKind.ROW_PARALLEL, ("mlp.down_proj.weight",)),
+    # MoE router: every rank holds all experts' rows.
+    "mlp.router.weight": (LayoutKind.REPLICATED, ("mlp.gate.weight",)),
 }
 
 _TOP_MAP: dict[str, tuple[LayoutKind, tuple[str, ...]]] = {
@@ -62,16 +66,45 @@ def _hf_shape(hf_name: str, spec: HFModelSpec) -> tuple[int, ...]:
         "mlp.up_proj.weight": (spec.ffn_hidden_size, h), "mlp.down_proj.weight": (h, spec.ffn_hidden_size),
     }
     key = hf_name if hf_name in shapes else hf_name.split(".", 3)[-1]
+    expert = re.match(r"^mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$", key)
+    if expert:
+        f = spec.moe_ffn_hidden_size
+        return (h, f) if expert.group(1) == "down_proj" else (f, h)
+    if key == "mlp.gate.weight":
+        return (spec.num_experts, h)
     return shapes[key]
 
 
+def _expert_layout(name: str, layer: str, match: re.Match[str], local_shape: tuple[int, ...], spec: HFModelSpec,
+                   ep_rank: int, ep_size: int) -> ParamLayout:
+    """Layout of one routed expert's fc1/fc2: whole on its rank (expert TP 1); local expert j of EP rank r
+    is global expert r * num_experts / ep + j."""
+    local_idx = int(match.group(1) if match.group(1) is not None else match.group(4))
+    fc = match.group(2) or match.group(3)
+    expert = ep_rank * (spec.num_experts // ep_size) + local_idx
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}."
+    if fc == "linear_fc1":
+        kind, hf_names = LayoutKind.GATE_UP_FUSED, (prefix + "gate_proj.weight", prefix + "up_proj.weight")
+    else:
+        kind, hf_names = LayoutKind.REPLICATED, (prefix + "down_proj.weight",)
+    return ParamLayout(megatron_name=name, kind=kind, hf_names=hf_names,
+                       hf_shapes=tuple(_hf_shape(n, spec) for n in hf_names), full_shape=tuple(local_shape),
+                       local_shape=tuple(local_shape), partition_dim=0 if kind is LayoutKind.GATE_UP_FUSED else None,
+                       tp_rank=0, tp_size=1, expert=expert)
+
+
 def layout_for(
-    name: str, local_shape: tuple[int, ...], spec: HFModelSpec, tp_rank: int, tp_size: int, padded_vocab: int
+    name: str, local_shape: tuple[int, ...], spec: HFModelSpec, tp_rank: int, tp_size: int, padded_vocab: int,
+    ep_rank: int = 0, ep_size: int = 1,
 ) -> ParamLayout:
-    """The `ParamLayout` of Megatron parameter `name` (shard shape `local_shape`) on TP rank `tp_rank`."""
+    """The `ParamLayout` of Megatron parameter `name` (shard shape `local_shape`) on TP rank `tp_rank`
+    (and, for routed experts, EP rank `ep_rank`)."""
     match = _LAYER.match(name)
     if match:
         layer, suffix = match.groups()
+        expert = _EXPERT.match(suffix)
+        if expert:
+            return _expert_layout(name, layer, expert, local_shape, spec, ep_rank, ep_size)
         if suffix not in _LAYER_MAP:
             raise KeyError(f"no HF mapping for Megatron parameter {name!r}")
         kind, hf_suffixes = _LAYER_MAP[suffix]
@@ -98,11 +131,12 @@ def layout_for(
 
 
 def model_layouts(
-    model: torch.nn.Module, spec: HFModelSpec, tp_rank: int, tp_size: int, padded_vocab: int
+    model: torch.nn.Module, spec: HFModelSpec, tp_rank: int, tp_size: int, padded_vocab: int,
+    ep_rank: int = 0, ep_size: int = 1,
 ) -> dict[str, ParamLayout]:
     """`ParamLayout` of every parameter of an (unwrapped) `GPTModel`, keyed by Megatron name."""
     return {
-        name: layout_for(name, tuple(p.shape), spec, tp_rank, tp_size, padded_vocab)
+        name: layout_for(name, tuple(p.shape), spec, tp_rank, tp_size, padded_vocab, ep_rank, ep_size)
         for name, p in model.named_parameters()
     }
 
@@ -118,12 +152,17 @@ def mark_tensor_parallel(model: torch.nn.Module, layouts: Mapping[str, ParamLayo
 
     for name, param in model.named_parameters():
         layout = layouts[name]
-        if layout.partition_dim is None or getattr(param, "tensor_model_parallel", False):
+        dim = layout.partition_dim
+        if layout.expert is not None:
+            # Routed experts are split by expert-TP (size 1 here), and megatron marks them parallel as its
+            # initialisers would; unmarked, TP rank 1 would leave its experts out of the grad norm.
+            dim = 0 if layout.kind is LayoutKind.GATE_UP_FUSED else 1
+        if dim is None or getattr(param, "tensor_model_parallel", False):
             continue
         for attr in ("tensor_model_parallel", "partition_dim", "partition_stride"):
             if hasattr(param, attr):
                 delattr(param, attr)
-        set_tensor_model_parallel_attributes(param, is_parallel=True, dim=layout.partition_dim, stride=1)
+        set_tensor_model_parallel_attributes(param, is_parallel=True, dim=dim, stride=1)
 
 
 def read_hf_state(path: str | Path, names: Iterable[str] | None = None) -> dict[str, Tensor]:
@@ -184,19 +223,42 @@ def megatron_to_hf(per_rank: Iterable[Iterable[tuple[ParamLayout, Tensor]]]) -> 
     return out
 
 
+def expert_on_rank(layout: ParamLayout, ep_rank: int, ep_size: int, num_experts: int) -> ParamLayout:
+    """The layout the same Megatron expert parameter has on expert-parallel rank `ep_rank`."""
+    from dataclasses import replace
+
+    assert layout.expert is not None
+    per_rank = num_experts // ep_size
+    expert = ep_rank * per_rank + layout.expert % per_rank
+    names = tuple(re.sub(r"\.experts\.\d+\.", f".experts.{expert}.", n) for n in layout.hf_names)
+    return replace(layout, hf_names=names, expert=expert)
+
+
 @torch.no_grad()
 def gather_hf_state(
-    model: torch.nn.Module, layouts: Mapping[str, ParamLayout], tp_group: dist.ProcessGroup | None
+    model: torch.nn.Module, layouts: Mapping[str, ParamLayout], tp_group: dist.ProcessGroup | None,
+    ep_group: dist.ProcessGroup | None = None, num_experts: int = 0,
 ) -> dict[str, Tensor]:
-    """All-gather every parameter over the TP group and merge into full HF tensors (on CPU).
+    """All-gather every parameter over the TP group (routed experts over the EP group) and merge into
+    full HF tensors (on CPU).
 
-    Every TP rank receives the full state (tensors of the HF shapes, the parameters' dtype).
+    Every rank receives the full state (tensors of the HF shapes, the parameters' dtype).
     """
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
+    ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
     out: dict[str, Tensor] = {}
     for name, param in model.named_parameters():
         layout = layouts[name]
         local = param.detach()
+        if layout.expert is not None:
+            if ep_size == 1:
+                out.update(merge_shards([layout], [local.cpu()]))
+                continue
+            shards = [torch.empty_like(local) for _ in range(ep_size)]
+            dist.all_gather(shards, local.contiguous(), group=ep_group)
+            for r, shard in enumerate(shards):
+                out.update(merge_shards([expert_on_rank(layout, r, ep_size, num_experts)], [shard.cpu()]))
+            continue
         if layout.kind is LayoutKind.REPLICATED or tp_size == 1:
             shards = [local]
             lays = [layout]

@@ -11,6 +11,9 @@ contiguous slice along one dimension (an `HFPiece`). The layouts:
   `vocab_size` are padding with no HF counterpart.
 - `column_parallel` / `row_parallel`: a plain slice along dim 0 / dim 1.
 - `replicated`: every rank holds the whole tensor (norm weights).
+
+A routed expert's fc1/fc2 (MoE) is `gate_up_fused` / `replicated` at tp_size 1: expert tensor
+parallelism is 1, expert parallelism places whole experts (`ParamLayout.expert`).
 """
 
 from __future__ import annotations
@@ -57,6 +60,9 @@ class ParamLayout:
         tp_rank / tp_size: this shard's tensor-parallel coordinates.
         num_heads / num_kv_heads / head_dim: set for `qkv_fused` (model-wide counts).
         vocab_size / padded_vocab_size: set for `vocab_padded` (real / padded rows).
+        expert: the global index of a routed expert's weight (None elsewhere). Experts are whole on
+            their expert-parallel rank (tp_rank 0 of tp_size 1), and the Megatron name holds the local
+            index, so the same name means another expert on another EP rank.
     """
 
     megatron_name: str
@@ -73,6 +79,7 @@ class ParamLayout:
     head_dim: int | None = None
     vocab_size: int | None = None
     padded_vocab_size: int | None = None
+    expert: int | None = None
 
     def __post_init__(self) -> None:
         if len(self.hf_names) != len(self.hf_shapes):

@@ -21,7 +21,7 @@ from miles_lite.trainer.model import (
     spec_from_hf_config,
 )
 from miles_lite.trainer.parallel import ParallelInfo
-from miles_lite.trainer.tiny_hf import build_tiny_hf_model
+from miles_lite.trainer.tiny_hf import build_tiny_hf_model, checkpoint_state
 
 
 def _from_dir(path: str, field: str) -> tuple[HFModelSpec, dict[str, Tensor], dict[str, Any]]:
@@ -40,7 +40,7 @@ def load_policy_source(cfg: MilesConfig) -> tuple[HFModelSpec, dict[str, Tensor]
         return _from_dir(cfg.model.hf_path, "model.hf_path")
     model = build_tiny_hf_model(cfg.model.arch, cfg.model.shape, cfg.model.vocab_size, cfg.model.shape.init_seed)
     config = model.config.to_dict()
-    return spec_from_hf_config(config), dict(model.state_dict()), config
+    return spec_from_hf_config(config), checkpoint_state(model), config
 
 
 def load_teacher_source(cfg: MilesConfig) -> tuple[HFModelSpec, dict[str, Tensor]] | None:
@@ -55,10 +55,15 @@ def build_handle(
     spec: HFModelSpec, hf_state: dict[str, Tensor], trainer: TrainerConfig, runtime: Runtime, par: ParallelInfo
 ) -> tuple[ModelHandle, dict[str, ParamLayout]]:
     """Build this rank's `GPTModel` shard for `spec`, load `hf_state` into it, and describe its layout."""
+    if spec.is_moe and spec.num_experts % par.ep_size:
+        raise ValueError(f"trainer.ep={par.ep_size} must divide the model's num_experts={spec.num_experts}")
+    if not spec.is_moe and par.ep_size > 1:
+        raise ValueError(f"trainer.ep={par.ep_size} needs a mixture-of-experts model; {spec.arch} is dense: "
+                         "set trainer.ep=1")
     config = build_transformer_config(spec, trainer, runtime)
     padded = padded_vocab_size(spec.vocab_size, par.tp_size, trainer.vocab_divisor)
     model = build_gpt_model(spec, config, runtime, padded)
-    layouts = model_layouts(model, spec, par.tp_rank, par.tp_size, padded)
+    layouts = model_layouts(model, spec, par.tp_rank, par.tp_size, padded, par.ep_rank, par.ep_size)
     mark_tensor_parallel(model, layouts)
     load_hf_into_model(model, hf_state, layouts)
     handle = ModelHandle(model=model, spec=spec, runtime=runtime, padded_vocab=padded, tp_rank=par.tp_rank,

@@ -9,7 +9,8 @@ sequences (THD), so a micro-batch runs as a right-padded `[B, S]` batch under a 
 RoPE takes explicit positions through megatron's multimodal-RoPE path with a single section
 (`mrope_section=[rot_dim/2, 0, 0]` with identical t/h/w positions is exactly 1-D RoPE; the packed
 reference row of the tests needs positions restarting per sequence). On the TE (GPU) spec, packed
-rows use THD with `cu_seqlens` and plain RoPE restarts per sequence.
+rows use THD with `cu_seqlens` and plain RoPE restarts per sequence. Scaled RoPE (llama3, yarn) enters
+both paths through the rotary module's inverse frequencies (`rope.py`).
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from miles_lite.config.schema import TrainerConfig
+from miles_lite.trainer.rope import RopeScaling, install_inv_freq, rope_from_hf_config, softmax_scale
 
-ARCHS: tuple[str, ...] = ("qwen2", "llama", "qwen3")
+ARCHS: tuple[str, ...] = ("qwen2", "llama", "qwen3", "qwen3_moe")
 
 
 @dataclass(frozen=True)
@@ -46,33 +48,35 @@ class HFModelSpec:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
-    rope_theta: float
+    rope: RopeScaling
     rms_norm_eps: float
     tie_word_embeddings: bool
     qkv_bias: bool
     qk_norm: bool
+    # Mixture of experts (0 experts: dense). `moe_layers[i]` is True where layer i routes to experts.
+    num_experts: int = 0
+    moe_top_k: int = 0
+    moe_ffn_hidden_size: int = 0
+    norm_topk_prob: bool = False
+    moe_layers: tuple[bool, ...] = ()
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0 and any(self.moe_layers)
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        """Indices of the MoE layers (the order of routed-expert ids per token)."""
+        return tuple(i for i, moe in enumerate(self.moe_layers) if moe)
+
+    @property
+    def rope_theta(self) -> float:
+        return self.rope.theta
 
     @property
     def heads_per_group(self) -> int:
         """Query heads sharing one KV head (GQA group size)."""
         return self.num_attention_heads // self.num_kv_heads
-
-
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
-    # transformers >= 5 nests RoPE settings in `rope_parameters`; older configs keep `rope_theta`.
-    params = cfg.get("rope_parameters") or {}
-    scaling = cfg.get("rope_scaling") or {}
-    for block in (params, scaling):
-        kind = block.get("rope_type", block.get("type", "default"))
-        if kind not in ("default", None):
-            raise ValueError(
-                f"config.json rope type {kind!r} is not supported (only plain RoPE); "
-                "use a checkpoint without rope_scaling"
-            )
-    theta = cfg.get("rope_theta", params.get("rope_theta"))
-    if theta is None:
-        raise ValueError("config.json has neither rope_theta nor rope_parameters.rope_theta")
-    return float(theta)
 
 
 def spec_from_hf_config(config: Any) -> HFModelSpec:
@@ -97,6 +101,7 @@ def spec_from_hf_config(config: Any) -> HFModelSpec:
         raise ValueError("config.json mlp_bias=true is not supported (Megatron is built with add_bias_linear=False)")
     heads = int(cfg["num_attention_heads"])
     hidden = int(cfg["hidden_size"])
+    num_layers = int(cfg["num_hidden_layers"])
     if model_type == "qwen2":
         qkv_bias = True
     else:
@@ -109,17 +114,37 @@ def spec_from_hf_config(config: Any) -> HFModelSpec:
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=hidden,
         ffn_hidden_size=int(cfg["intermediate_size"]),
-        num_layers=int(cfg["num_hidden_layers"]),
+        num_layers=num_layers,
         num_attention_heads=heads,
         num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-        rope_theta=_rope_theta(cfg),
+        rope=rope_from_hf_config(cfg),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        **(_moe_fields(cfg, num_layers) if model_type == "qwen3_moe" else {}),
     )
+
+
+def _moe_fields(cfg: Mapping[str, Any], num_layers: int) -> dict[str, Any]:
+    """HFModelSpec's MoE fields of a Qwen3-MoE config (layer i is MoE as in transformers' Qwen3MoeDecoderLayer)."""
+    # transformers >= 5 writes `num_local_experts` (num_experts is its alias); released checkpoints `num_experts`.
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    top_k = int(cfg.get("num_experts_per_tok") or 0)
+    step = int(cfg["decoder_sparse_step"] if cfg.get("decoder_sparse_step") is not None else 1)
+    dense = {int(i) for i in cfg.get("mlp_only_layers") or ()}
+    if experts > 0 and not 0 < top_k <= experts:
+        raise ValueError(f"config.json num_experts_per_tok={top_k} must be in [1, num_experts={experts}]")
+    if step < 1:
+        raise ValueError(f"config.json decoder_sparse_step={step} must be >= 1")
+    if cfg.get("shared_expert_intermediate_size"):
+        raise ValueError("config.json shared_expert_intermediate_size is set: shared experts (Qwen2-MoE) are "
+                         "not supported; Qwen3-MoE has none")
+    layers = tuple(experts > 0 and i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    return dict(num_experts=experts, moe_top_k=top_k, moe_ffn_hidden_size=int(cfg["moe_intermediate_size"]),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)), moe_layers=layers)
 
 
 @dataclass(frozen=True)
@@ -229,13 +254,48 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig, runtime:
         gradient_accumulation_fusion=False,
         # Megatron's default ("full") is deprecated in favour of this equivalent and warns on every start.
         cuda_graph_scope=[],
+        # YaRN's attention factor (None for plain RoPE and llama3: megatron's 1/sqrt(head_dim)).
+        softmax_scale=softmax_scale(spec.rope, spec.head_dim),
     )
+    fields.update(_moe_config(spec, trainer, runtime))
     if runtime.layer_spec == "local":
         # Explicit RoPE positions (see the module docstring).
         fields["mrope_section"] = [spec.head_dim // 2, 0, 0]
     fields.update(_fp8_fields(runtime))
     fields.update(_passthrough(trainer.transformer))
     return TransformerConfig(**fields)
+
+
+def _moe_config(spec: HFModelSpec, trainer: TrainerConfig, runtime: Runtime) -> dict[str, Any]:
+    """TransformerConfig MoE fields: Qwen3-MoE's softmax top-k router on megatron's MoE layer."""
+    if not spec.is_moe:
+        return {}
+    cpu = runtime.device == "cpu"
+    dispatcher = trainer.moe_token_dispatcher
+    if dispatcher == "auto":
+        dispatcher = "allgather" if cpu else "alltoall"
+    if cpu and dispatcher == "alltoall":
+        raise ValueError("trainer.moe_token_dispatcher=alltoall needs CUDA streams; use allgather (or auto) on CPU")
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_router_topk=spec.moe_top_k,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_layer_freq=[1 if moe else 0 for moe in spec.moe_layers],
+        moe_router_score_function="softmax",
+        # norm_topk_prob: softmax over the k selected logits equals transformers' softmax-topk-renormalise;
+        # without it the gates are the full softmax's top-k values (megatron's pre-softmax).
+        moe_router_pre_softmax=not spec.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if trainer.moe_aux_loss_coef > 0 else "none",
+        moe_aux_loss_coeff=trainer.moe_aux_loss_coef,
+        moe_z_loss_coeff=trainer.moe_z_loss_coef or None,
+        moe_token_dispatcher_type=dispatcher,
+        expert_model_parallel_size=trainer.ep,
+        expert_tensor_parallel_size=1,
+        # TransformerEngine's grouped GEMM on GPU; one plain MLP per expert (SequentialMLP) on CPU.
+        moe_grouped_gemm=not cpu,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
 
 
 def _local_block_spec(config: Any, layer_spec: Any) -> Any:
@@ -248,8 +308,8 @@ def _local_block_spec(config: Any, layer_spec: Any) -> Any:
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    return TransformerBlockSubmodules(layer_specs=[layer_spec] * get_num_layers_to_build(config),
-                                      layer_norm=WrappedTorchNorm)
+    specs = layer_spec if isinstance(layer_spec, list) else [layer_spec] * get_num_layers_to_build(config)
+    return TransformerBlockSubmodules(layer_specs=specs, layer_norm=WrappedTorchNorm)
 
 
 def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_vocab: int) -> torch.nn.Module:
@@ -260,12 +320,22 @@ def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_voc
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    if runtime.layer_spec == "te":
+    if runtime.layer_spec == "te" and spec.is_moe:
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        layer_spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
+        pos_type = "rope"
+    elif runtime.layer_spec == "te":
         layer_spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=spec.qk_norm)
         pos_type = "rope"
     else:
-        layer_spec = _local_block_spec(config, get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm,
-                                                                        normalization="RMSNorm"))
+        dense = get_gpt_layer_local_spec(qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+        if spec.is_moe:
+            moe = get_gpt_layer_local_spec(num_experts=spec.num_experts, moe_grouped_gemm=False,
+                                           qk_layernorm=spec.qk_norm, normalization="RMSNorm")
+            layer_spec = _local_block_spec(config, [moe if m else dense for m in spec.moe_layers])
+        else:
+            layer_spec = _local_block_spec(config, dense)
         pos_type = "mrope"
     model = GPTModel(
         config=config,
@@ -279,6 +349,11 @@ def build_gpt_model(spec: HFModelSpec, config: Any, runtime: Runtime, padded_voc
         position_embedding_type=pos_type,
         rotary_base=spec.rope_theta,
     )
+    install_inv_freq(model, spec.rope, spec.head_dim)
+    if spec.is_moe:
+        from miles_lite.trainer.moe_layer import use_tensor_parallel_moe_layers
+
+        use_tensor_parallel_moe_layers(model)
     if runtime.device == "gpu":
         model = model.cuda()
     return model

@@ -78,6 +78,9 @@ class PackedMicroBatch:
         position_ids: `[1, T]` int64 positions, restarting at 0 for each sequence.
         cu_seqlens: `[n + 1]` int32 cumulative sequence starts (THD layout).
         lengths / prompt_lengths: per packed sequence, tokens and prompt tokens.
+        pad_rows / pad_width: extra all-padding rows, and a least width, of the padded layout (expert
+            parallelism needs one shape on every rank of a forward: `expert_parallel.align_micro_batches`).
+        filler: a stand-in run only so that collectives match across ranks; its results are dropped.
     """
 
     seq_indices: tuple[int, ...]
@@ -86,6 +89,9 @@ class PackedMicroBatch:
     cu_seqlens: Tensor
     lengths: tuple[int, ...]
     prompt_lengths: tuple[int, ...]
+    pad_rows: int = 0
+    pad_width: int = 0
+    filler: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -104,6 +110,11 @@ class PackedMicroBatch:
         causal = torch.ones(self.num_tokens, self.num_tokens, dtype=torch.bool).tril()
         return ~(same & causal)[None, None]
 
+    @property
+    def padded_shape(self) -> tuple[int, int]:
+        """`[B, S]` of `padded_layout`."""
+        return len(self.lengths) + self.pad_rows, max(max(self.lengths), self.pad_width)
+
     def padded_layout(self) -> tuple[Tensor, Tensor, Tensor]:
         """The sequences as a right-padded batch.
 
@@ -112,12 +123,12 @@ class PackedMicroBatch:
             as padding, positions `0..S-1` in every row, and True at the real tokens. Row-major
             `valid` order is the packed order: `x[valid]` of a `[B, S, ...]` tensor is `[T, ...]`.
         """
-        width = max(self.lengths)
-        lens = torch.tensor(self.lengths)
+        width = max(max(self.lengths), self.pad_width)
+        lens = torch.tensor(list(self.lengths) + [0] * self.pad_rows)
         valid = torch.arange(width)[None, :] < lens[:, None]
-        tokens = torch.zeros((len(self.lengths), width), dtype=torch.long)
+        tokens = torch.zeros((len(lens), width), dtype=torch.long)
         tokens[valid] = self.tokens[0]
-        positions = torch.arange(width).expand(len(self.lengths), -1)
+        positions = torch.arange(width).expand(len(lens), -1)
         return tokens, positions, valid
 
     def response_positions(self) -> tuple[Tensor, Tensor]:

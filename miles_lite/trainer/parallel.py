@@ -26,6 +26,13 @@ class ParallelInfo:
     dp_size: int
     tp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
+    # Expert parallelism (MoE): routed experts split over `ep_size` ranks; the expert-data-parallel
+    # replicas of one expert shard are `edp_size` ranks. Groups are None when that dimension is 1.
+    ep_rank: int = 0
+    ep_size: int = 1
+    ep_group: dist.ProcessGroup | None = None
+    edp_rank: int = 0
+    edp_size: int = 1
     # True when init_parallel created the default process group (and so shutdown should destroy it).
     owns_process_group: bool = False
 
@@ -57,6 +64,9 @@ def init_parallel(
             f"world_size={world_size} must equal trainer.tp * trainer.dp = {trainer.tp} * {trainer.dp}; "
             "launch tp * dp trainer ranks or change trainer.tp/trainer.dp"
         )
+    if world_size % trainer.ep:
+        raise ValueError(f"trainer.ep={trainer.ep} must divide the trainer's tp * dp = {world_size} ranks "
+                         "(experts are placed on expert-parallel ranks within them)")
     if device == "gpu":
         local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
         torch.cuda.set_device(local)
@@ -83,8 +93,10 @@ def init_parallel(
     if ps.model_parallel_is_initialized():
         # A second actor in the same process (e.g. after close() of the first) rebuilds the groups.
         ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=trainer.tp, pipeline_model_parallel_size=1)
+    ps.initialize_model_parallel(tensor_model_parallel_size=trainer.tp, pipeline_model_parallel_size=1,
+                                 expert_model_parallel_size=trainer.ep, expert_tensor_parallel_size=1)
     cpu_compat.patch_cuda_queries()
+    cpu_compat.use_torch_moe_kernels()
     tp_rank = ps.get_tensor_model_parallel_rank()
     cpu_compat.seed_model_parallel(trainer.seed, tp_rank)
     return ParallelInfo(
@@ -96,6 +108,11 @@ def init_parallel(
         dp_size=ps.get_data_parallel_world_size(),
         tp_group=ps.get_tensor_model_parallel_group() if trainer.tp > 1 else None,
         dp_group=ps.get_data_parallel_group() if trainer.dp > 1 else None,
+        ep_rank=ps.get_expert_model_parallel_rank(),
+        ep_size=trainer.ep,
+        ep_group=ps.get_expert_model_parallel_group() if trainer.ep > 1 else None,
+        edp_rank=ps.get_expert_data_parallel_rank(),
+        edp_size=ps.get_expert_data_parallel_world_size(),
         owns_process_group=owns,
     )
 

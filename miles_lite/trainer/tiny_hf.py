@@ -1,4 +1,4 @@
-"""Tiny randomly initialised HF models (Qwen2, Llama, Qwen3) of a `TinyModelShape`.
+"""Tiny randomly initialised HF models (Qwen2, Llama, Qwen3, Qwen3-MoE) of a `TinyModelShape`.
 
 The embedded default run and the tests start from these: the trainer converts them like any
 real checkpoint, so a laptop run exercises exactly the code path of a Qwen2.5-0.5B run.
@@ -6,10 +6,12 @@ real checkpoint, so a laptop run exercises exactly the code path of a Qwen2.5-0.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from miles_lite.config.schema import TinyModelShape
 
@@ -26,7 +28,7 @@ def tiny_hf_config(arch: str, shape: TinyModelShape, vocab_size: int, init_std: 
 
     Raises ValueError when `shape` asks for something `arch` cannot express (the field and the fix).
     """
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common: dict[str, Any] = dict(
         vocab_size=vocab_size,
@@ -43,6 +45,17 @@ def tiny_hf_config(arch: str, shape: TinyModelShape, vocab_size: int, init_std: 
     )
     if init_std is not None:
         common["initializer_range"] = init_std
+    if shape.rope_scaling:
+        from miles_lite.trainer.rope import rope_from_hf_config
+
+        scaling = dict(shape.rope_scaling)
+        # Early, with the field's config name: transformers would only warn or fail deep inside.
+        try:
+            rope_from_hf_config({"rope_theta": shape.rope_theta, "rope_scaling": scaling,
+                                 "max_position_embeddings": shape.max_position_embeddings})
+        except ValueError as exc:
+            raise ValueError(f"model.shape.rope_scaling: {exc}") from exc
+        common["rope_scaling"] = scaling
     if arch == "qwen2":
         if not shape.qkv_bias or shape.qk_norm:
             raise ValueError("model.arch=qwen2 has QKV bias and no QK-norm: set model.shape.qkv_bias=true, "
@@ -64,7 +77,24 @@ def tiny_hf_config(arch: str, shape: TinyModelShape, vocab_size: int, init_std: 
             raise ValueError("model.arch=qwen3 always has QK-norm: set model.shape.qk_norm=true")
         head_dim = shape.head_dim or shape.hidden_size // shape.num_attention_heads
         return Qwen3Config(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False)
-    raise ValueError(f"model.arch={arch!r} is not one of qwen2, llama, qwen3")
+    if arch == "qwen3_moe":
+        if not shape.qk_norm:
+            raise ValueError("model.arch=qwen3_moe always has QK-norm: set model.shape.qk_norm=true")
+        if shape.num_experts < 1 or not 1 <= shape.num_experts_per_tok <= shape.num_experts:
+            raise ValueError(f"model.arch=qwen3_moe needs model.shape.num_experts >= 1 (got {shape.num_experts}) "
+                             f"and 1 <= model.shape.num_experts_per_tok <= num_experts "
+                             f"(got {shape.num_experts_per_tok})")
+        bad = [i for i in shape.mlp_only_layers if not 0 <= i < shape.num_layers]
+        if bad:
+            raise ValueError(f"model.shape.mlp_only_layers={list(shape.mlp_only_layers)} names layers outside "
+                             f"[0, {shape.num_layers})")
+        head_dim = shape.head_dim or shape.hidden_size // shape.num_attention_heads
+        return Qwen3MoeConfig(**common, head_dim=head_dim, attention_bias=False, use_sliding_window=False,
+                              num_experts=shape.num_experts, num_experts_per_tok=shape.num_experts_per_tok,
+                              moe_intermediate_size=shape.moe_ffn_hidden_size, norm_topk_prob=shape.norm_topk_prob,
+                              decoder_sparse_step=shape.decoder_sparse_step,
+                              mlp_only_layers=list(shape.mlp_only_layers))
+    raise ValueError(f"model.arch={arch!r} is not one of qwen2, llama, qwen3, qwen3_moe")
 
 
 def build_tiny_hf_model(
@@ -97,4 +127,30 @@ def make_tiny_hf_model(
     model = build_tiny_hf_model(arch, shape, vocab_size, seed, init_std)
     out = Path(out_dir)
     model.save_pretrained(str(out), safe_serialization=True)
+    return out
+
+
+_FUSED_EXPERTS = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
+
+
+def checkpoint_state(model: Any) -> dict[str, Tensor]:
+    """The model's tensors under the names and shapes its safetensors checkpoint holds.
+
+    transformers keeps a Qwen3-MoE layer's experts as two stacked tensors in memory (`experts.gate_up_proj`
+    [E, 2F, H], `experts.down_proj` [E, H, F]) but saves and loads one `experts.{e}.{gate,up,down}_proj.weight`
+    per expert; the trainer reads the checkpoint names.
+    """
+    out: dict[str, Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        match = _FUSED_EXPERTS.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, kind = match.groups()
+        for e in range(tensor.shape[0]):
+            if kind == "down_proj":
+                out[f"{prefix}.{e}.down_proj.weight"] = tensor[e]
+            else:
+                gate, up = tensor[e].chunk(2, dim=0)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate, up
     return out

@@ -47,6 +47,10 @@ def make_test_checkpoint(arch: str, out_dir: Path, vocab_size: int = 500, seed: 
         "qwen2": dict(qkv_bias=True, tie_word_embeddings=True),
         "llama": dict(qkv_bias=False, tie_word_embeddings=False),
         "qwen3": dict(qkv_bias=False, qk_norm=True, head_dim=32, tie_word_embeddings=False),
+        # 8 experts, top-2, layer 0 dense: both layer kinds, every expert reached by some token.
+        "qwen3_moe": dict(qkv_bias=False, qk_norm=True, head_dim=16, tie_word_embeddings=False, num_layers=3,
+                          ffn_hidden_size=96, num_experts=8, num_experts_per_tok=2, moe_ffn_hidden_size=32,
+                          norm_topk_prob=True, mlp_only_layers=[0]),
     }
     shape = TinyModelShape(**{**defaults[arch], **shape_kw})
     model = build_tiny_hf_model(arch, shape, vocab_size, seed, init_std=0.08)

@@ -39,7 +39,7 @@ def test_transformers_configs_of_each_arch() -> None:
     ("patch", "message"),
     [
         ({"model_type": "gpt2"}, "model_type"),
-        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope type 'yarn'"),
+        ({"rope_scaling": {"rope_type": "longrope", "factor": 4.0}}, "rope type 'longrope'"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"use_sliding_window": True}, "use_sliding_window"),
     ],
@@ -104,3 +104,65 @@ def test_fp8_off_clears_the_field_and_restores_it_even_on_error() -> None:
     with pytest.raises(RuntimeError), fp8_off(config):
         raise RuntimeError("forward failed")
     assert config.fp8 == "hybrid"
+
+
+QWEN3_30B_A3B = {
+    "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768,
+    "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+    "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "vocab_size": 151936, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "max_position_embeddings": 40960, "hidden_act": "silu", "rope_scaling": None,
+    "router_aux_loss_coef": 0.001, "attention_bias": False,
+}
+
+
+def test_qwen3_moe_config_json() -> None:
+    spec = spec_from_hf_config(QWEN3_30B_A3B)
+    assert (spec.num_experts, spec.moe_top_k, spec.moe_ffn_hidden_size) == (128, 8, 768)
+    assert spec.is_moe and spec.norm_topk_prob and spec.qk_norm and spec.moe_layer_ids == tuple(range(48))
+    sparse = spec_from_hf_config({**QWEN3_30B_A3B, "num_hidden_layers": 6, "decoder_sparse_step": 2,
+                                  "mlp_only_layers": [3]})
+    assert sparse.moe_layers == (False, True, False, False, False, True)
+
+
+def test_tiny_qwen3_moe_config_round_trips_through_transformers() -> None:
+    shape = TinyModelShape(qkv_bias=False, qk_norm=True, num_layers=3, num_experts=8, num_experts_per_tok=2,
+                           moe_ffn_hidden_size=32, mlp_only_layers=[0], norm_topk_prob=False)
+    spec = spec_from_hf_config(tiny_hf_config("qwen3_moe", shape, 128).to_dict())
+    assert spec.moe_layers == (False, True, True) and not spec.norm_topk_prob
+    assert (spec.num_experts, spec.moe_top_k, spec.moe_ffn_hidden_size) == (8, 2, 32)
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ({"num_experts_per_tok": 129}, "num_experts_per_tok"),
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+    ({"shared_expert_intermediate_size": 512}, "shared_expert_intermediate_size"),
+])
+def test_bad_moe_configs_name_the_field(patch: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        spec_from_hf_config({**QWEN3_30B_A3B, **patch})
+
+
+def test_tiny_moe_shape_must_fit_the_arch() -> None:
+    with pytest.raises(ValueError, match="model.shape.num_experts"):
+        tiny_hf_config("qwen3_moe", TinyModelShape(qkv_bias=False, qk_norm=True), 64)
+    with pytest.raises(ValueError, match="model.shape.mlp_only_layers"):
+        tiny_hf_config("qwen3_moe", TinyModelShape(qkv_bias=False, qk_norm=True, num_experts=4, mlp_only_layers=[7]),
+                       64)
+
+
+def test_checkpoint_state_matches_what_transformers_saves(tmp_path) -> None:
+    import torch
+    from safetensors.torch import load_file
+
+    from miles_lite.trainer.tiny_hf import build_tiny_hf_model, checkpoint_state
+
+    shape = TinyModelShape(qkv_bias=False, qk_norm=True, num_experts=4, num_experts_per_tok=2, moe_ffn_hidden_size=8,
+                           hidden_size=32, ffn_hidden_size=48, tie_word_embeddings=False)
+    model = build_tiny_hf_model("qwen3_moe", shape, 64, seed=0)
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    mine = checkpoint_state(model)
+    assert set(mine) == set(saved)
+    assert all(torch.equal(mine[k], saved[k]) for k in saved)

@@ -19,8 +19,11 @@ import os
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from safetensors import safe_open
+
+from miles_lite.engines.reference.routing import RoutingCapture
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -50,6 +53,8 @@ class PrefillResult:
     next_logits: torch.Tensor
     # Per row: None, or SGLang's `input_token_logprobs` values for tokens[start:] (first entry None).
     input_logprobs: list[list[float | None] | None]
+    # MoE models: per row, the routed expert ids of its tokens `[len, num_hidden_layers, top_k]` int32.
+    routed: list[np.ndarray] | None = None
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -97,6 +102,8 @@ class ReferenceModel:
         self.vocab_size = int(self.config.vocab_size)
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.eos_token_ids = self._eos_ids()
+        # Mixture-of-experts models: which experts each forward routed every token to.
+        self.routing = RoutingCapture.attach(self.model, self.config)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
@@ -156,7 +163,11 @@ class ReferenceModel:
                 targets = torch.tensor(s[start + 1:], dtype=torch.long)
                 values += logp.gather(-1, targets[:, None])[:, 0].tolist()
             input_lps.append(values)
-        return PrefillResult(KVBatch(kv, mask), next_logits, input_lps)
+        routed = None
+        if self.routing is not None:
+            ids = self.routing.take(len(seqs), width)
+            routed = [ids[i, width - len(s):] for i, s in enumerate(seqs)]
+        return PrefillResult(KVBatch(kv, mask), next_logits, input_lps, routed)
 
     @torch.no_grad()
     def decode(self, batch: KVBatch, tokens: list[int]) -> tuple[KVBatch, torch.Tensor]:
@@ -167,6 +178,7 @@ class ReferenceModel:
         positions = batch.seq_lens[:, None]
         mask = torch.cat([batch.mask, torch.ones(batch.size, 1, dtype=torch.long)], dim=1)
         hidden, kv = self._run(ids, mask, positions, batch.kv)
+        self.last_decode_routed = self.routing.take(batch.size, 1)[:, 0] if self.routing is not None else None
         return KVBatch(kv, mask), self._logits(hidden[:, -1])
 
     @staticmethod
@@ -202,9 +214,21 @@ class ReferenceModel:
 
     # ---- weights ---------------------------------------------------------------------------------------------
 
-    def _targets(self) -> dict[str, torch.Tensor]:
+    def named_targets(self) -> dict[str, torch.Tensor]:
+        """Every loadable tensor by HF checkpoint name (per-expert names are views into the stacked experts)."""
         # state_dict lists tied weights under both names (same storage), so either HF name loads.
-        return dict(self.model.state_dict(keep_vars=True))
+        targets = dict(self.model.state_dict(keep_vars=True))
+        # transformers holds a MoE layer's experts stacked (`experts.gate_up_proj` [E, 2F, H], `experts.down_proj`
+        # [E, H, F]); checkpoints and weight pushes name each expert's tensors: views into the stacks.
+        for name in [n for n in targets if n.endswith(".experts.gate_up_proj")]:
+            prefix, stacked = name[: -len("gate_up_proj")], targets[name].data
+            down = targets[prefix + "down_proj"].data
+            half = stacked.shape[1] // 2
+            for e in range(stacked.shape[0]):
+                targets[f"{prefix}{e}.gate_proj.weight"] = stacked[e, :half]
+                targets[f"{prefix}{e}.up_proj.weight"] = stacked[e, half:]
+                targets[f"{prefix}{e}.down_proj.weight"] = down[e]
+        return targets
 
     @torch.no_grad()
     def load_named_tensors(self, named: Iterable[tuple[str, torch.Tensor]]) -> int:
@@ -213,7 +237,7 @@ class ReferenceModel:
         Returns the number of tensors loaded. Raises ValueError naming unknown parameters or shape mismatches.
         """
         named = list(named)
-        targets = self._targets()
+        targets = self.named_targets()
         unknown = [n for n, _ in named if n not in targets]
         if unknown:
             raise ValueError(f"unknown parameter names {unknown[:5]} (the model has e.g. {sorted(targets)[:3]})")
@@ -227,7 +251,7 @@ class ReferenceModel:
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows (dim 0) of a parameter as float32 nested lists, as SGLang returns."""
-        targets = self._targets()
+        targets = self.named_targets()
         if name not in targets:
             raise ValueError(f"unknown parameter name {name!r}")
         # Slice before converting: a full embedding table to a Python list takes seconds.

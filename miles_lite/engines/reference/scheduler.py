@@ -21,9 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from miles_lite.engines.reference.model import KVBatch, ReferenceModel
+from miles_lite.engines.reference.routing import encode_routed
 from miles_lite.engines.reference.sampling import RequestSampling, make_generator, sample_next
 
 
@@ -60,6 +62,9 @@ class GenRequest:
     input_logprobs: list[float | None] | None = None
     created: float = field(default_factory=time.monotonic)
     generator: torch.Generator | None = None
+    # SGLang's `return_routed_experts` (MoE models): the expert ids of every position the model ran.
+    return_routed_experts: bool = False
+    routed: list[np.ndarray] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.generator = make_generator(self.sampling.sampling_seed)
@@ -248,6 +253,8 @@ class Scheduler:
         for i, req in enumerate(reqs):
             if result.input_logprobs[i] is not None:
                 req.input_logprobs = result.input_logprobs[i]
+            if req.return_routed_experts and result.routed is not None:
+                req.routed = [result.routed[i]]  # every position so far (a resumed request runs them again)
             if req.state is not ReqState.RUNNING:
                 continue  # aborted during the step
             if req.sampling.max_new_tokens == 0:
@@ -266,14 +273,17 @@ class Scheduler:
         batch, logits = self.model.decode(batch, [r.output_ids[-1] for r in reqs])
         tokens, logprobs = sample_next(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
                                        [self._banned(r) for r in reqs], self._original_logprob)
-        return batch, tokens, logprobs
+        return batch, tokens, logprobs, self.model.last_decode_routed
 
     async def _decode(self) -> None:
         reqs, batch = list(self._running), self._batch
-        new_batch, tokens, logprobs = await self.run_on_model(self._decode_compute, reqs, batch)
+        new_batch, tokens, logprobs, routed = await self.run_on_model(self._decode_compute, reqs, batch)
         if reqs != self._running:
             return  # a retract pause dropped the batch while the step ran: discard this step's tokens
         self._batch = new_batch
+        for i, req in enumerate(reqs):
+            if req.return_routed_experts and routed is not None:
+                req.routed.append(routed[i][None])
         for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
             if req.state is ReqState.RUNNING:
                 self._accept(req, tok, lp)
@@ -328,4 +338,7 @@ class Scheduler:
                 tail = req.input_ids[req.logprob_start_len:]
                 inputs = [[lp, t, None] for lp, t in zip(req.input_logprobs, tail, strict=True)]
             meta["input_token_logprobs"] = inputs
+        if req.return_routed_experts and req.routed:
+            fed = len(req.input_ids) + len(req.output_ids) - 1  # the last sampled token never ran
+            meta["routed_experts"] = encode_routed(np.concatenate(req.routed)[:fed])
         return {"output_ids": list(req.output_ids), "meta_info": meta}

@@ -191,9 +191,12 @@ class ReferenceServer:
         start = -1 if start is None else int(start)
         if start >= len(input_ids):
             raise ValueError(f"logprob_start_len={start} must be < len(input_ids)={len(input_ids)}")
+        routed = bool(item.get("return_routed_experts") or False)
+        if routed and self.model.routing is None:
+            raise ValueError("return_routed_experts=true needs a mixture-of-experts model; this one is dense")
         return GenRequest(rid=str(item.get("rid") or uuid.uuid4().hex), input_ids=input_ids, sampling=sampling,
                           return_logprob=bool(item.get("return_logprob") or False), logprob_start_len=start,
-                          future=asyncio.get_running_loop().create_future())
+                          future=asyncio.get_running_loop().create_future(), return_routed_experts=routed)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """200 once a one-token greedy generation of [0] succeeds (runs even while paused)."""
@@ -386,7 +389,7 @@ def _split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
             return value[i] if isinstance(value, list) else value
         return value[i] if isinstance(value, list) and len(value) == n else value
 
-    keys = ("sampling_params", "rid", "return_logprob", "logprob_start_len")
+    keys = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "return_routed_experts")
     return [{"input_ids": ids[i], **{k: pick(k, i) for k in keys}} for i in range(n)]
 
 

@@ -34,7 +34,14 @@ def engine_specs(model: ReferenceModel) -> list[ParamSpec]:
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // heads)
     dtype = str(next(model.model.parameters()).dtype).removeprefix("torch.")
     specs = []
-    for name, param in model.model.named_parameters():
+    targets = model.named_targets()
+    names = [n for n, _ in model.model.named_parameters() if not n.endswith((".experts.gate_up_proj",
+                                                                              ".experts.down_proj"))]
+    # MoE: one expert's gate/up/down under the checkpoint's names (views into transformers' stacked
+    # experts), sharded per expert as SGLang's tensor-parallel MoE shards them.
+    names += [n for n in targets if ".mlp.experts." in n and n.endswith("_proj.weight")]
+    for name in names:
+        param = targets[name]
         parts = name.split(".")
         module = parts[-2] if len(parts) >= 2 else ""
         shape = tuple(param.shape)
@@ -73,8 +80,9 @@ class ShardedWeights:
         self.engine = EngineSpec("reference", tp, vocab_pad_to=1)
         self.specs = engine_specs(model)
         self.by_name = {s.name: s for s in self.specs}
-        targets = model.model.state_dict()
-        self.stores: list[Store] = make_stores(self.specs, {s.name: targets[s.name] for s in self.specs}, self.engine)
+        targets = model.named_targets()
+        self.stores: list[Store] = make_stores(self.specs, {s.name: targets[s.name].detach() for s in self.specs},
+                                               self.engine)
 
     def _spec(self, name: str) -> ParamSpec:
         # Tied weights are one parameter listed under both names; either name updates it.
