@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from miles_lite.config.colocation import engine_rollout
 from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.launcher import EngineLauncher
@@ -160,7 +161,7 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
             # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
             fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls)))
         else:
-            fleet = loop.run(start_fleet(rollout, ft, str(cfg.model.hf_path), log_dir))
+            fleet = loop.run(start_fleet(engine_rollout(cfg), ft, str(cfg.model.hf_path), log_dir))
     except BaseException:
         loop.stop()
         raise
