@@ -279,7 +279,9 @@ class ReferenceServer:
             count = await self.scheduler.run_on_model(fn, *args)
         except (ValueError, FileNotFoundError, RuntimeError) as exc:
             return False, f"Failed to update weights: {exc}"
-        return True, self._apply_version(body, f"Succeeded to update model weights ({count} tensors).")
+        message = self._apply_version(body, f"Succeeded to update model weights ({count} tensors).")
+        log.info("%s", message)
+        return True, message
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _body(request)
