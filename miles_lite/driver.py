@@ -116,6 +116,7 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
     with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg)) as io:
         system.report_fleet_events(io.log)
         handoff = Handoff(system)
+        handoff.for_training()  # a resume loads the trainer's whole state; a fresh run's warm-up trains
         first_step = continue_from(io.resume(system), system, data, io, handoff)
         summary = RunSummary(str(run_dir), first_step, 0.0)
         if first_step == 0 and not prepare_rl(system, data, train_problems, held_out, io, stop, summary, handoff):
@@ -161,7 +162,6 @@ def prepare_rl(system: System, data: PromptSource, train_problems: list, held_ou
     """Warm-up, first push, evaluation and presample filter; False when a stop signal cut them short."""
     if stop.requested:
         return False
-    handoff.for_training()  # colocated hand-off: the engines sleep through the warm-up
     if not run_warmup(system, train_problems, io, lambda: stop.requested, data):
         return False
     io.report_sync(*handoff.push())

@@ -5,7 +5,8 @@ Who holds the device is a state machine:
     both ──for_generation──> engines ──for_training──> trainer ──push──> engines
       └──────────────────────for_training─────────────────────┘
 
-- `both`: the start (engines loaded, trainer built), and after a resume;
+- `both`: both roles loaded (colocated resident runs); a hand-off run starts in `engines`, the trainer's
+  state offloaded before the engines started (`System.start`), so they start into the room;
 - `for_generation`: the trainer offloads `trainer.offload.*` to host memory (`time/offload_seconds`);
 - `for_training`: the engines release weights, KV cache and CUDA graphs (`time/engine_sleep_seconds`),
   then the trainer onloads (`time/onload_seconds`);
@@ -45,7 +46,8 @@ class Handoff:
         self.enabled = hands_off(system.cfg)
         self.colocated = system.cfg.cluster.placement == "colocated"
         self.parts = system.cfg.trainer.offload.parts()
-        self.holder = Holder.BOTH
+        # The engines started while the trainer's state waited in host memory (`System.start`).
+        self.holder = Holder.ENGINES if self.enabled and system.offloaded_at_start else Holder.BOTH
         self._seconds: dict[str, float] = {}
         self._memory: dict[str, float] = {}
 

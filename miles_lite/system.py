@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.cluster.role import TrainerRole
+from miles_lite.config.colocation import hands_off
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import remote_reward_spec
 from miles_lite.data.encoding import PromptEncoder
@@ -68,6 +69,8 @@ class System:
         self.last_refresh: SyncReport | None = None
         # Step of the newest checkpoint this process saved (None: none yet).
         self.last_checkpoint_step: int | None = None
+        # Trainer parts offloaded before the engines started (colocated hand-off: they start into the room).
+        self.offloaded_at_start: tuple[str, ...] = ()
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -78,6 +81,9 @@ class System:
         system = cls(cfg, run_dir, tokenizer)
         try:
             system.trainer = start_trainer(cfg)
+            if hands_off(cfg):
+                system.offloaded_at_start = cfg.trainer.offload.parts()
+                system.trainer.offload(system.offloaded_at_start)
             system._rollout = system._start_rollout()
             system._start_sync()
         except BaseException:
