@@ -41,6 +41,7 @@ from miles_lite.data.source import PromptSource
 from miles_lite.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.eval_sets import SetResult, evaluate_set
 from miles_lite.evaluation import EvalResult, evaluate
+from miles_lite.handoff import Handoff
 from miles_lite.plugins import PluginFailed
 from miles_lite.rewards import score_groups
 from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rl_distill_coef, rollout_stats, tool_stats
@@ -149,13 +150,15 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
          held_out: list, summary: RunSummary, start: float, eval_sets: list[EvalSet] | None) -> None:
     cfg = system.cfg
     system.report_fleet_events(io.log)
-    first_step = continue_from(io.resume(system, plan.checkpoint), system, data, io, plan.data_changed)
+    handoff = Handoff(system)
+    handoff.for_training()  # a resume loads the trainer's whole state; a fresh run's warm-up trains
+    first_step = continue_from(io.resume(system, plan.checkpoint), system, data, io, handoff, plan.data_changed)
     summary.steps_done = first_step
     if (line := plan.line()) is not None:
         io.log(line)
     try:
         ready = first_step > 0 or prepare_rl(system, data, train_problems, held_out, io, stop, summary,
-                                               eval_sets)
+                                               handoff, eval_sets)
     except PluginFailed as failure:
         failure.where = "before the first RL step (warm-up, evaluation, presample)"
         raise
@@ -172,7 +175,7 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
                                relay=system.relay, **refill_hooks(system, data))
     try:
         for step in range(first_step, cfg.experiment.steps):
-            rl_step(system, data, io, rollouts, step, held_out, eval_sets)
+            rl_step(system, data, io, rollouts, step, held_out, eval_sets, handoff)
             summary.steps_done = step + 1
             if stop.requested:
                 summary.stopped_by_signal = True
@@ -189,7 +192,10 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
         untrained = rollouts.close()
         if untrained is not None:  # the next step's prompts go back to the stream
             data.load_state_dict(untrained)
+    handoff.for_training()  # the checkpoint reads the trainer's whole state
     io.save_checkpoint(system, data, summary.steps_done, final=True)
+    if handoff.enabled and (held_out or eval_sets) and summary.stopped_reason is None:
+        io.report_sync(*handoff.push())  # the engines sleep since the checkpoint: wake them with the weights
     if held_out and summary.stopped_reason is None:
         try:
             summary.after = io.report_eval("after RL", eval_now(system, held_out))
@@ -207,11 +213,14 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
 
 
 def prepare_rl(system: System, data: PromptSource, train_problems: list, held_out: list, io: RunIO,
-               stop: StopRequest, summary: RunSummary, eval_sets: list[EvalSet] | None = None) -> bool:
+               stop: StopRequest, summary: RunSummary, handoff: Handoff,
+               eval_sets: list[EvalSet] | None = None) -> bool:
     """Warm-up, first push, evaluation and presample filter; False when a stop signal cut them short."""
-    if stop.requested or not run_warmup(system, train_problems, io, lambda: stop.requested, data):
+    if stop.requested:
         return False
-    io.report_sync(*system.push_weights())
+    if not run_warmup(system, train_problems, io, lambda: stop.requested, data):
+        return False
+    io.report_sync(*handoff.push())
     if held_out and not stop.requested:  # experiment.eval_size=0 skips evaluation
         summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
     if eval_sets and not stop.requested:
@@ -231,7 +240,7 @@ def checkpoints_under(cfg: MilesConfig, run_dir: Path) -> MilesConfig:
 
 
 def continue_from(driver: DriverState | None, system: System, data: PromptSource, io: RunIO,
-                  new_data: bool = False) -> int:
+                  handoff: Handoff, new_data: bool = False) -> int:
     """The step to start from: 0 for a fresh run, else the restored one, with the data cursor, the driver's
     RNG streams and the weight version put back and the restored weights pushed to the engines (they
     started from the initial model). `new_data` (`checkpoint.allow_data_change` on other data): the cursor
@@ -242,7 +251,7 @@ def continue_from(driver: DriverState | None, system: System, data: PromptSource
         data.load_state_dict(driver.data)
     restore_driver_rng(driver.rng)
     system.version = driver.weight_version
-    io.report_sync(*system.push_weights())
+    io.report_sync(*handoff.push())
     return driver.step
 
 
@@ -290,7 +299,8 @@ def eval_due(cfg: MilesConfig, step: int) -> bool:
 
 
 def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int,
-            held_out: list | None = None, eval_sets: list[EvalSet] | None = None) -> None:
+            held_out: list | None = None, eval_sets: list[EvalSet] | None = None,
+            handoff: Handoff | None = None) -> None:
     """One RL step; with `rollout.async_steps=N` the next N steps' generation overlaps its training.
 
     When `eval_due`, the held-out problems are evaluated (greedy) on the weights of the steps done so
@@ -301,6 +311,9 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
     """
     cfg = system.cfg
     timer = io.timer()
+    handoff = handoff or Handoff(system)
+    with timer.phase("sync"):
+        handoff.for_generation()
     with timer.phase("generate"):
         if not rollouts.busy:
             start_rollouts(system, data, rollouts)
@@ -321,6 +334,9 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         groups = rollout.groups if cfg.rollout.dynamic_sampling else score_groups(system.reward_set, rollout.groups)
     fresh, stale_stats = drop_stale(groups, system.version, cfg.rollout.max_staleness)
     batch, algo_stats = build_train_batch(fresh, cfg.algo)
+    handoff.measure("generate")
+    with timer.phase("sync"):
+        handoff.for_training()
     train_stats: dict[str, float] = {}
     if batch is not None:
         with timer.phase("train"):
@@ -328,13 +344,16 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
     with timer.phase("checkpoint"):
         in_flight = rollouts.tag
         io.maybe_save_checkpoint(system, CursorAt(in_flight) if in_flight is not None else data, step + 1)
+    handoff.measure("train")
     with timer.phase("sync"):
         rollouts.pause()
-        sync_report, sync_seconds = system.push_weights()
+        sync_report, sync_seconds = handoff.push()
         rollouts.resume()
+    handoff.measure("sync")
     io.report_sync(sync_report, sync_seconds)
     tools = tool_stats(groups) if cfg.rollout.environment else {}
     stats: dict[str, Any] = {**reward_stats(groups), **tools, **algo_stats, **train_stats, **timer.stats(),
+                             **handoff.stats(),
                              **rollout_stats(rollout.stats), **stale_stats, **eval_stats,
                              "rollout/pauses": float(rollout.pauses),
                              "rollout/groups_short": float(max(0, cfg.rollout.prompts_per_step - len(groups))),

@@ -15,6 +15,7 @@ from typing import Any
 
 from miles_lite.api_key import ApiKey
 from miles_lite.cluster.role import TrainerRole
+from miles_lite.config.colocation import hands_off
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import remote_reward_spec
 from miles_lite.data.encoding import PromptEncoder
@@ -71,6 +72,8 @@ class System:
         self.last_refresh: SyncReport | None = None
         # Step of the newest checkpoint this process saved (None: none yet).
         self.last_checkpoint_step: int | None = None
+        # Trainer parts offloaded before the engines started (colocated hand-off: they start into the room).
+        self.offloaded_at_start: tuple[str, ...] = ()
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -86,6 +89,9 @@ class System:
             raise
         try:
             system.trainer = start_trainer(cfg)
+            if hands_off(cfg):
+                system.offloaded_at_start = cfg.trainer.offload.parts()
+                system.trainer.offload(system.offloaded_at_start)
             system._rollout = system._start_rollout()
             system._start_sync()
         except BaseException:

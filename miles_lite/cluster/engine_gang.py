@@ -27,6 +27,7 @@ from typing import Any
 
 from miles_lite.cluster.engine_actor import EngineLocation, EngineServer
 from miles_lite.cluster.gang import reserve, rollout_gang
+from miles_lite.config.colocation import engine_rollout
 from miles_lite.config.schema import MilesConfig
 from miles_lite.engines.fleet_launch import populate
 from miles_lite.rollout.engine import EngineError
@@ -121,7 +122,7 @@ class RolloutGang:
 
         if self.state is not GangState.RESERVED:
             raise RuntimeError(f"the rollout gang is {self.state.value}; no engine can be launched")
-        rollout = self.cfg.rollout
+        rollout = engine_rollout(self.cfg)
         env = {str(k): str(v) for k, v in rollout.engine_env.items()}
         actor = ray.remote(EngineServer).options(**self._actor_options(slot)).remote(
             rollout, str(self.cfg.model.hf_path), self.log_dir, slot, incarnation, env, self.owns_group, self.api_key)

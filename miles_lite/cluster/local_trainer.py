@@ -64,6 +64,15 @@ class LocalTrainer:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.rank.export_hf_state_dict()
 
+    def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        return self.rank.offload(parts)
+
+    def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        return self.rank.onload(parts)
+
+    def memory_stats(self) -> dict[str, float]:
+        return self.rank.memory_stats()
+
     def state_dicts(self) -> list[dict[str, Any]]:
         """Checkpoint state of every rank (one here)."""
         return [self.rank.state_dict()]

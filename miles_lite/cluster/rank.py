@@ -86,6 +86,15 @@ class TrainerRank:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.actor.export_hf_state_dict()
 
+    def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        return self.actor.offload(parts)
+
+    def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        return self.actor.onload(parts)
+
+    def memory_stats(self) -> dict[str, float]:
+        return self.actor.memory_stats()
+
     def state_dict(self) -> dict[str, Any]:
         return self.actor.state_dict_for_checkpoint()
 

@@ -315,6 +315,18 @@ class RayTrainerGroup:
         """Full HF tensors gathered over TP (on CPU), from global rank 0."""
         return self._all("export_hf_state_dict")
 
+    def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        """Move `parts` of every rank's state to host memory; rank 0's bytes and seconds."""
+        return self._all("offload", tuple(parts))
+
+    def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        """Bring offloaded `parts` back on every rank; rank 0's bytes and seconds."""
+        return self._all("onload", tuple(parts))
+
+    def memory_stats(self) -> dict[str, float]:
+        """Rank 0's trainer memory (see `TrainerActor.memory_stats`)."""
+        return self._all("memory_stats")
+
     def save_checkpoint(self, step: int, driver: DriverState, final: bool = False) -> SaveStats:
         """Every rank writes its own shards (rank 0 also the driver state and commits); rank 0's `SaveStats`."""
         self._require_ready()

@@ -41,5 +41,14 @@ class TrainerRole(WeightSource, Protocol):
     def restore_checkpoint(self, path: str) -> DriverState | None:
         """Load checkpoint `path` on every rank (resharding to this TP/DP); the driver state it holds."""
 
+    def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        """Move `parts` (params, grads, optimizer) of every rank's state to host memory; rank 0's bytes and seconds."""
+
+    def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        """Bring offloaded `parts` back to every rank's device; rank 0's bytes and seconds."""
+
+    def memory_stats(self) -> dict[str, float]:
+        """Rank 0's trainer state in compute memory (and on a GPU its peak since the last call, device use)."""
+
     def close(self) -> None:
         """Leave the weight group, finish checkpoints, release the ranks (idempotent)."""

@@ -4,9 +4,8 @@ Hydra merges the YAML files of `conf/` into these dataclasses, so a wrong type o
 fails at composition with the field's dotted name. Cross-field rules (TP divides heads, group
 sizes, known reward names) live in `validate.py`.
 
-SGLang server arguments (`rollout.sglang_args`) and Megatron `TransformerConfig` fields
-(`trainer.transformer`) pass through as mappings: any field those libraries accept can be set
-without this file naming it.
+SGLang server arguments (`rollout.sglang_args`) and Megatron `TransformerConfig` fields (`trainer.transformer`)
+pass through as mappings: any field those libraries accept can be set without this file naming it.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_lite.config.fields import Range, bounded, choices, one_of, ranges  # noqa: F401 (re-exported)
+from miles_lite.config.offload import OffloadConfig
 from miles_lite.config.task_schema import (  # noqa: F401 (re-exported)
     DataConfig,
     EvalSetConfig,
@@ -118,8 +118,8 @@ class TrainerConfig:
     logprob_recompute: bool = False
     # auto | compiled | eager: fuse the memory-bound softmax passes with torch.compile (auto: on CUDA).
     logprob_kernel: str = one_of("auto", "compiled", "eager")
-    # Megatron's distributed optimizer: refused at start until checkpoints can map its flat shards.
-    use_distributed_optimizer: bool = False
+    use_distributed_optimizer: bool = False  # refused at start until checkpoints can map its flat shards
+    offload: OffloadConfig = field(default_factory=OffloadConfig)  # colocated handoff: see config/offload.py
     # LR schedule length in optimizer steps (cosine/linear decay); None: experiment.steps.
     lr_decay_steps: int | None = bounded(None, ge=1)
     # The vocabulary is padded to a multiple of tp * vocab_divisor rows (padding never enters a softmax).
@@ -318,9 +318,9 @@ class ClusterConfig:
 
     # local (processes on this machine) | ray
     mode: str = one_of("local", "ray")
-    # disaggregated (separate devices per role) | colocated (shared devices; both roles stay resident, so
-    # rollout.sglang_args.mem_fraction_static must leave the trainer room)
-    placement: str = one_of("disaggregated", "colocated")
+    placement: str = one_of("disaggregated", "colocated")  # separate devices per role | shared devices
+    # placement=colocated: handoff (engines sleep while training, trainer.offload.* while generating) | resident
+    colocated_memory: str = one_of("handoff", "resident")
     ray_address: str | None = None
     trainer_gpus_per_rank: float = bounded(0.0, ge=0)
     engine_gpus: float = bounded(0.0, ge=0)

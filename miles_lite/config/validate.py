@@ -320,9 +320,10 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append("trainer.use_distributed_optimizer=true: checkpoints do not support Megatron's distributed "
                         "optimizer yet; set trainer.use_distributed_optimizer=false (with trainer.dp=1 it saves no "
                         "memory anyway)")
+    from miles_lite.config.colocation import handoff_problems
     from miles_lite.config.weight_sync_choice import weight_sync_problems
 
-    problems += weight_sync_problems(cfg)
+    problems += weight_sync_problems(cfg) + handoff_problems(cfg)
 
 
 def validate(cfg: MilesConfig) -> ModelDims | None:

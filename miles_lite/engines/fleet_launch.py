@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.api_key import ApiKey
+from miles_lite.config.colocation import engine_rollout
 from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
 from miles_lite.config.validate import model_dims
 from miles_lite.data.encoding import PromptEncoder
@@ -194,7 +195,7 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
             fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls),
                                           vocab_size=model_dims(cfg).vocab_size, api_key=key.value))
         else:
-            fleet = loop.run(start_fleet(rollout, ft, str(cfg.model.hf_path), log_dir, api_key=key))
+            fleet = loop.run(start_fleet(engine_rollout(cfg), ft, str(cfg.model.hf_path), log_dir, api_key=key))
     except BaseException:
         loop.stop()
         if own_key is not None:

@@ -63,7 +63,7 @@ ROLES = ("trainer", "rollout", "driver")
 PHASES = ("generate", "eval", "reward", "logprobs", "train", "sync", "checkpoint")
 # Held-out evaluation shares (`experiment.eval_every`), as `EvalResult` names them.
 EVAL_MEASURES = ("exact", "exact_format", "right_number_in_solution", "right_number_anywhere")
-ENGINE_STATES = ("starting", "healthy", "dead", "replacing", "stale")
+ENGINE_STATES = ("starting", "healthy", "dead", "replacing", "stale", "sleeping")
 TRANSPORTS = ("distributed", "ipc", "ipc_handles", "disk")
 IS_KINDS = ("raw", "applied")
 

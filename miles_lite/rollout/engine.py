@@ -7,9 +7,14 @@ differ only in how their server process is launched (`miles_lite/engines/`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 from miles_lite.types import Generation, SamplingParams
+
+# What an engine can release and resume (SGLang's memory-saver tags, `srt/constants.py`): model weights,
+# the KV cache, and captured CUDA graphs. An engine serves requests only with none of them released.
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 
 
 class EngineError(RuntimeError):
@@ -78,6 +83,17 @@ class RolloutEngine(Protocol):
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` values of a parameter (for checksums)."""
+
+    async def release_memory(self, tags: Sequence[str]) -> None:
+        """Free the memory of `tags` (a subset of `MEMORY_TAGS`; `/release_memory_occupation`).
+
+        Only with no request in flight; until every released tag is resumed the engine refuses to
+        generate. Released weights may be pushed to only after `resume_memory(["weights"])`.
+        """
+
+    async def resume_memory(self, tags: Sequence[str]) -> None:
+        """Allocate the memory of released `tags` again (`/resume_memory_occupation`); weights come back
+        with the values they had (or receive a push next)."""
 
     async def close(self) -> None:
         """Release the client's connections (does not stop the server)."""

@@ -2,6 +2,10 @@
 
     starting -> healthy -> dead -> replacing -> stale -> healthy
         \\-> dead            replacing -> dead     stale -> dead
+               healthy <-> sleeping -> dead
+
+A sleeping engine has released memory (`EngineRecord.released`: weights, KV cache, CUDA graphs) while
+the trainer uses the device; it serves nothing and is not health-checked until it is woken.
 """
 
 from __future__ import annotations
@@ -21,11 +25,13 @@ class EngineState(enum.Enum):
     DEAD = "dead"
     REPLACING = "replacing"
     STALE = "stale"
+    SLEEPING = "sleeping"
 
 
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
     EngineState.STARTING: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
-    EngineState.HEALTHY: frozenset({EngineState.DEAD}),
+    EngineState.HEALTHY: frozenset({EngineState.DEAD, EngineState.SLEEPING}),
+    EngineState.SLEEPING: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
     EngineState.DEAD: frozenset({EngineState.REPLACING}),
     EngineState.REPLACING: frozenset({EngineState.STALE, EngineState.DEAD}),
     EngineState.STALE: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
@@ -122,6 +128,8 @@ class EngineRecord:
     requests_served: int = 0
     # Requests the engine runs at once (from its server info); None = unknown.
     capacity: int | None = None
+    # Memory tags the engine has released (sleeping while any is); see `rollout.engine.MEMORY_TAGS`.
+    released: frozenset[str] = frozenset()
     last_error: str = ""
     extra: dict[str, object] = field(default_factory=dict)
 

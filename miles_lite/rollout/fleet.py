@@ -47,28 +47,23 @@ from miles_lite.rollout.engine_state import (
     Transition,
     console_line,
 )
+from miles_lite.rollout.fleet_memory import FleetMemory
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "TRANSITIONS",
-    "EngineFleet",
-    "EngineHandle",
-    "EngineLease",
-    "EngineRecord",
-    "EngineState",
-    "FleetExhausted",
-    "IllegalTransition",
-    "Launcher",
-    "Transition",
-]
+__all__ = ["TRANSITIONS", "EngineFleet", "EngineHandle", "EngineLease", "EngineRecord", "EngineState", "FleetAsleep",
+           "FleetExhausted", "IllegalTransition", "Launcher", "Transition"]
 
 
 class FleetExhausted(RuntimeError):
     """No engine is healthy and none can become healthy in time."""
 
 
-class EngineFleet:
+class FleetAsleep(FleetExhausted):
+    """A request while every engine sleeps (memory released for the trainer): only a wake lets it run."""
+
+
+class EngineFleet(FleetMemory):
     """The engines serving rollouts, with health checks and automatic replacement.
 
     Use from one asyncio event loop: `add_engine`/`launch`, `start_health_checks()`, then the
@@ -251,7 +246,8 @@ class EngineFleet:
 
     def can_recover(self) -> bool:
         """Whether an engine is healthy or may become so (starting/replacing/stale, dead with restarts left)."""
-        pending = {EngineState.HEALTHY, EngineState.STARTING, EngineState.REPLACING, EngineState.STALE}
+        pending = {EngineState.HEALTHY, EngineState.STARTING, EngineState.REPLACING, EngineState.STALE,
+                   EngineState.SLEEPING}
         if any(r.state in pending for r in self.records):
             return True
         dead = any(r.state is EngineState.DEAD for r in self.records)
@@ -299,6 +295,10 @@ class EngineFleet:
                 if rec is not None:
                     rec.inflight += 1
                     return EngineLease(rec, rec.incarnation)
+                if self.asleep():
+                    raise FleetAsleep(f"every rollout engine is asleep (memory released: "
+                                      f"{[(r.engine_id, sorted(r.released)) for r in self.sleeping()]}); wake the "
+                                      "fleet (EngineFleet.wake) before generating")
                 if not self.can_recover():
                     raise FleetExhausted(
                         f"no healthy rollout engine and none can recover "

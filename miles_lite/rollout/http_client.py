@@ -27,13 +27,14 @@ import asyncio
 import base64
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import aiohttp
 import numpy as np
 
 from miles_lite.api_key import authorization
-from miles_lite.rollout.engine import EngineError
+from miles_lite.rollout.engine import MEMORY_TAGS, EngineError
 from miles_lite.types import Generation, SamplingParams
 
 _FINISH_TYPES = ("stop", "length", "abort")
@@ -68,6 +69,9 @@ class HttpEngine:
         self.control_timeout_s = control_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+        # Memory tags this client released on the engine: SGLang itself would take a request while its
+        # KV cache is released (and fail it badly), so generation is refused here first.
+        self.released: set[str] = set()
 
     def __repr__(self) -> str:
         return f"HttpEngine({self.engine_id!r}, {self.url!r})"
@@ -124,9 +128,15 @@ class HttpEngine:
             payload["return_routed_experts"] = True
         if rid is not None:
             payload["rid"] = rid
+        self._refuse_while_released("/generate")
         start = time.monotonic()
         data = await self._request("POST", "/generate", payload, self.request_timeout_s)
         return self._parse_generation(data, time.monotonic() - start)
+
+    def _refuse_while_released(self, path: str) -> None:
+        if self.released:
+            raise EngineError(f"{self.engine_id} {path}: refused, the engine's memory is released "
+                              f"({', '.join(t for t in MEMORY_TAGS if t in self.released)}); resume_memory first")
 
     def _parse_generation(self, data: Any, latency_s: float) -> Generation:
         try:
@@ -164,6 +174,7 @@ class HttpEngine:
             raise ValueError(f"prompt_len must be in [1, len(input_ids)={len(input_ids)}), got {prompt_len}")
         payload = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": prompt_len - 1,
                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        self._refuse_while_released("score")
         data = await self._request("POST", "/generate", payload, self.request_timeout_s)
         try:
             entries = data["meta_info"]["input_token_logprobs"]
@@ -185,7 +196,9 @@ class HttpEngine:
     # ---- health and control ----------------------------------------------------------------------------------
 
     async def health(self, timeout_s: float) -> bool:
-        """True if `/health_generate` answers 200 within `timeout_s`."""
+        """True if `/health_generate` answers 200 within `timeout_s` (False at once while memory is released)."""
+        if self.released:
+            return False
         try:
             await self._request("GET", "/health_generate", None, timeout_s, expect_json=False)
         except EngineError:
@@ -233,6 +246,26 @@ class HttpEngine:
         """`/update_weight_version` (SGLang aborts running requests unless told otherwise)."""
         await self._post_checked("/update_weight_version", {"new_version": new_version,
                                                             "abort_all_requests": abort_all_requests})
+
+    # ---- memory (sleep / wake) -------------------------------------------------------------------------------
+
+    async def release_memory(self, tags: Sequence[str]) -> None:
+        """`/release_memory_occupation` of `tags` (SGLang started with `--enable-memory-saver`)."""
+        await self._memory_call("/release_memory_occupation", tags)
+        self.released |= set(tags)
+
+    async def resume_memory(self, tags: Sequence[str]) -> None:
+        """`/resume_memory_occupation` of `tags` (each released before)."""
+        await self._memory_call("/resume_memory_occupation", tags)
+        self.released -= set(tags)
+
+    async def _memory_call(self, path: str, tags: Sequence[str]) -> None:
+        tags = list(tags)
+        unknown = [t for t in tags if t not in MEMORY_TAGS]
+        if not tags or unknown:
+            raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {tags}")
+        # SGLang answers 200 with no body; a refusal (e.g. requests in flight) is a non-200 answer.
+        await self._request("POST", path, {"tags": tags}, self.request_timeout_s, expect_json=False)
 
     # ---- weights ---------------------------------------------------------------------------------------------
 

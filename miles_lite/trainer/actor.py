@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignment, scale_expert_grads
@@ -27,6 +28,7 @@ from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, Upda
 from miles_lite.trainer.hf_convert import gather_hf_state
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
+from miles_lite.trainer.offload import TrainerOffload, optimizer_tensors
 from miles_lite.trainer.optim import build_optimizer, build_scheduler, current_lr, set_lr, wrap_ddp
 from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batches, split_for_data_parallel
 from miles_lite.trainer.parallel import ParallelInfo, init_parallel, shutdown_parallel
@@ -98,6 +100,8 @@ class TrainerActor:
             self.optimizer = build_optimizer(self.ddp, trainer, self.runtime)
             self.scheduler = build_scheduler(self.optimizer, trainer, total_steps or self.cfg.experiment.steps)
             self.guard = UpdateGuard(self.optimizer, trainer.max_update_ratio) if trainer.max_update_ratio > 0 else None
+            self.offloader = TrainerOffload({"params": self._param_tensors, "grads": self._grad_tensors,
+                                             "optimizer": self._optimizer_tensors})
             self.reference: dict[str, Tensor] | None = None
             if trainer.keep_reference or self.cfg.algo.kl_coef > 0:
                 # Host copy of the initial weights; swapped into the policy model when asked for.
@@ -129,6 +133,43 @@ class TrainerActor:
             return
         shutdown_parallel(self.par)
         self.state = ActorState.CLOSED
+
+    # ---- offload (colocated roles) --------------------------------------------------------------
+
+    def _param_tensors(self) -> list[Tensor | None]:
+        buffers = getattr(self.ddp, "buffers", [])
+        return [*self.policy.model.parameters(), *(getattr(b, "param_data", None) for b in buffers)]
+
+    def _grad_tensors(self) -> list[Tensor | None]:
+        buffers = [*getattr(self.ddp, "buffers", []), *getattr(self.ddp, "expert_parallel_buffers", [])]
+        return [*(b.grad_data for b in buffers), *(p.grad for p in self.policy.model.parameters())]
+
+    def _optimizer_tensors(self) -> list[Tensor]:
+        return optimizer_tensors(self.optimizer, self.policy.model.parameters(), self.guard)
+
+    def offload(self, parts: tuple[str, ...] = OFFLOAD_PARTS) -> dict[str, float]:
+        """Move `parts` of the trainer's state to host memory (see `trainer/offload.py`); bytes and seconds."""
+        self._require_ready()
+        stats = self.offloader.offload(parts)
+        return {**{f"{p}_bytes": float(b) for p, b in stats.bytes.items()}, "seconds": stats.seconds}
+
+    def onload(self, parts: tuple[str, ...] = OFFLOAD_PARTS) -> dict[str, float]:
+        """Bring offloaded `parts` back to the device; bytes and seconds."""
+        self._require_ready()
+        stats = self.offloader.onload(parts)
+        return {**{f"{p}_bytes": float(b) for p, b in stats.bytes.items()}, "seconds": stats.seconds}
+
+    def memory_stats(self, reset_peak: bool = True) -> dict[str, float]:
+        """Bytes of trainer state resident in compute memory; on a GPU also this process's peak allocation since
+        the last reset and the device memory in use (every process: the engines too)."""
+        out = {"trainer_state_bytes": float(self.offloader.resident_bytes())}
+        if self.policy.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.policy.device)
+            out.update(trainer_peak_bytes=float(torch.cuda.max_memory_allocated(self.policy.device)),
+                       device_used_bytes=float(total - free))
+            if reset_peak:
+                torch.cuda.reset_peak_memory_stats(self.policy.device)
+        return out
 
     # ---- batches --------------------------------------------------------------------------------
 
@@ -186,6 +227,7 @@ class TrainerActor:
             One list of R_i floats per sequence, identical on every rank.
         """
         self._require_ready()
+        self.offloader.require_resident(("params",), "computing log-probs")
         if model not in MODELS:
             raise ValueError(f"model={model!r} is not one of {', '.join(MODELS)}")
         self._check_tokens(batch)
@@ -322,6 +364,7 @@ class TrainerActor:
     def _step(self, batch: TrainBatch, micro_loss: MicroLoss, lr: float | None,
               advance_schedule: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
+        self.offloader.require_resident(OFFLOAD_PARTS, "an optimizer step")
         parts: list[tuple[float, dict[str, float]]] = []
         routing_stats: RoutingStats | None = self.routing.new_stats() if self.routing is not None else None
         with cpu_compat.device_mode():
@@ -429,6 +472,7 @@ class TrainerActor:
         Tensors are the live parameters (detached): consume them before the next step.
         """
         self._require_ready()
+        self.offloader.require_resident(("params",), "reading the weights")
         for name, param in self.policy.model.named_parameters():
             yield name, param.detach(), self.layouts[name]
 
@@ -438,6 +482,7 @@ class TrainerActor:
         Every rank must call it (it all-gathers). With tied embeddings there is no `lm_head.weight`.
         """
         self._require_ready()
+        self.offloader.require_resident(("params",), "exporting the weights")
         with cpu_compat.device_mode():
             state = gather_hf_state(self.policy.model, self.layouts, self.par.tp_group, self.par.ep_group,
                                     self.policy.spec.num_experts)
@@ -449,6 +494,7 @@ class TrainerActor:
         Tensors are live references (the checkpointer snapshots them to host memory).
         """
         self._require_ready()
+        self.offloader.require_resident(OFFLOAD_PARTS, "a checkpoint")
         return {
             "model": {n: p.detach() for n, p in self.policy.model.named_parameters()},
             "optimizer": self.optimizer.state_dict(),
@@ -464,6 +510,7 @@ class TrainerActor:
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
         """Restore what `state_dict_for_checkpoint` returned on a rank with the same TP/DP coordinates."""
         self._require_ready()
+        self.offloader.require_resident(OFFLOAD_PARTS, "restoring a checkpoint")
         mine = {"tp_rank": self.par.tp_rank, "tp_size": self.par.tp_size}
         saved = {k: state["parallel"][k] for k in mine}
         if saved != mine:

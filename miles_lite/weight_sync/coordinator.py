@@ -12,7 +12,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -63,8 +63,13 @@ class WeightSyncCoordinator:
 
     def push(self, fleet: Sequence[FleetEngine], named_shards: ShardSource, version: str,
              new_tensors: Mapping[str, torch.Tensor] | None = None,
-             old_tensors: Mapping[str, torch.Tensor] | None = None) -> SyncReport:
-        """Push `named_shards` as `version` to every engine of `fleet`; raises `WeightSyncError` naming engines."""
+             old_tensors: Mapping[str, torch.Tensor] | None = None,
+             after_load: Callable[[], None] | None = None) -> SyncReport:
+        """Push `named_shards` as `version` to every engine of `fleet`; raises `WeightSyncError` naming engines.
+
+        `after_load`: called once the engines hold the new version, before they continue and are verified
+        (sleeping engines resume their KV cache there: they were woken with their weights only).
+        """
         version = str(version)
         with self._lock:
             ids = tuple(f.engine_id for f in fleet)
@@ -85,6 +90,8 @@ class WeightSyncCoordinator:
                 wrong = {eid: v for eid, v in versions.items() if str(v) != version}
                 if wrong:
                     raise WeightSyncError(f"after pushing version {version}, engines report {wrong}")
+                if after_load is not None:
+                    after_load()
             except BaseException:
                 self.state = SyncState.FAILED
                 self._resume_quietly(fleet)

@@ -7,8 +7,10 @@ changed on that loop, never from the pushing thread.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
+from miles_lite.rollout.engine import MEMORY_TAGS
 from miles_lite.rollout.engine_state import EngineRecord, EngineState
 from miles_lite.rollout.fleet import EngineFleet
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
@@ -29,6 +31,8 @@ class FleetPusher:
         self.loop = loop
         self.engine_tp = engine_tp
         self.vocab_pad = VOCAB_PAD[backend]
+        # Seconds the last push spent waking sleeping engines (weights before it, the rest after the load).
+        self.wake_seconds = 0.0
 
     def push(self, shards: ShardSource, version: str, *, stale_only: bool = False) -> SyncReport:
         """Push `shards` as `version` to the healthy and stale engines (`stale_only`: to the stale ones,
@@ -38,10 +42,27 @@ class FleetPusher:
         then health-checked at once, the dead ones go to the fleet for replacement, and the push is
         made again to the others (once); with none left, the report names no engine. A failure on live
         engines (a dropped update, a probe mismatch) is raised.
+
+        Sleeping engines (colocated roles) are pushed to in order: their weights are resumed first, the
+        push loads them, and their KV cache (and CUDA graphs) are resumed before they continue and are
+        verified (`wake_seconds`).
         """
         fleet = self.fleet
+        self.wake_seconds = 0.0
+        targets = ((EngineState.STALE,) if stale_only
+                   else (EngineState.HEALTHY, EngineState.STALE, EngineState.SLEEPING))
 
-        targets = (EngineState.STALE,) if stale_only else (EngineState.HEALTHY, EngineState.STALE)
+        async def wake(tags: Sequence[str]) -> None:
+            start = time.perf_counter()
+            await fleet.wake(tags, [r for r in fleet.records if r.state is EngineState.SLEEPING])
+            self.wake_seconds += time.perf_counter() - start
+
+        def wake_rest() -> None:
+            self.loop.run(wake([t for t in MEMORY_TAGS if t != "weights"]))
+
+        if not stale_only and fleet.sleeping():
+            # A sleeping engine that cannot resume is declared dead there and is not a target below.
+            self.loop.run(wake(["weights"]))
 
         async def begin() -> list[EngineRecord]:
             if stale_only and version != fleet.current_version:
@@ -63,7 +84,7 @@ class FleetPusher:
             raise WeightSyncError("no stale engine left to push to (it died or was synced meanwhile)")
         try:
             try:
-                report = self.sync.push(self.targets(records), shards, version)
+                report = self.sync.push(self.targets(records), shards, version, after_load=wake_rest)
             except WeightSyncError:
                 dead = self.loop.run(fleet.confirm_dead(records))
                 records = [r for r in records if all(r is not d for d in dead)]
@@ -74,7 +95,7 @@ class FleetPusher:
                     # rollout starved of engines gets it pushed (`on_starved`) while the trainer holds it.
                     self.loop.run(finish([]))
                     return SyncReport(PushReport(version, self.sync.transport.name, ()), None, 0.0)
-                report = self.sync.push(self.targets(records), shards, version)
+                report = self.sync.push(self.targets(records), shards, version, after_load=wake_rest)
         except BaseException:
             self.loop.run(finish([]))
             raise

@@ -126,7 +126,9 @@ class PushVerifier:
             key, scores = self._verified.get(f.engine_id, (None, None))
             if key == self._serving_key(f) and scores is not None:
                 self._before[f.engine_id] = scores
-            else:
+            elif not getattr(f.engine, "released", None):
+                # An engine asleep (memory released) cannot score: without earlier scores only the comparison
+                # with the trainer after the push applies to it.
                 to_score.append(f)
         if to_score:
             self._before.update(self.loop.gather(self._submit_scores(to_score)))

@@ -46,10 +46,12 @@ def shipped_sglang_args() -> dict[str, Any]:
 
 
 # SGLang flags for a token-in/token-out server on one GPU (no tokenizer in the tiny model directory), over the
-# shipped defaults.
+# shipped defaults. The memory saver with a host copy of the weights: sleep/wake keeps them without a push in
+# between.
 SGLANG_TEST_ARGS: dict[str, Any] = {**shipped_sglang_args(), "skip_tokenizer_init": True, "mem_fraction_static": 0.3,
                                     "attention_backend": "triton", "sampling_backend": "pytorch",
-                                    "disable_cuda_graph": True, "dtype": "float32"}
+                                    "disable_cuda_graph": True, "dtype": "float32", "enable_memory_saver": True,
+                                    "enable_weights_cpu_backup": True}
 # Largest |engine logprob - HF float32 logprob| accepted, per kind (SGLang's GPU kernels differ in rounding).
 LOGPROB_TOL = {"reference": 1e-4, "sglang": 2e-3}
 
@@ -284,6 +286,34 @@ class EngineContract:
         assert max(abs(x - y) for x, y in zip(after.output_logprobs, before.output_logprobs, strict=True)) < 1e-5
         expected = hf_logprobs(b_dir, PROMPT + list(during.output_ids), len(PROMPT))
         assert max(abs(x - y) for x, y in zip(during.output_logprobs, expected, strict=True)) < tolerance(engine)
+
+    def test_sleep_refuses_generation_and_wake_restores_the_probe_logprobs(self, engine: LaunchedEngine) -> None:
+        from miles_lite.rollout.engine import MEMORY_TAGS, EngineError
+
+        tokens = PROMPT + [7, 8, 9, 10, 300]
+
+        async def scenario() -> tuple[list[float], list[float], list[str]]:
+            before = await engine.client.score(tokens, len(PROMPT))
+            refusals = []
+            await engine.client.release_memory(list(MEMORY_TAGS))
+            try:
+                for call in (engine.client.generate(PROMPT, GREEDY), engine.client.score(tokens, len(PROMPT))):
+                    with pytest.raises(EngineError, match="memory is released") as refused:
+                        await call
+                    refusals.append(str(refused.value))
+                await engine.client.resume_memory(["weights"])
+                with pytest.raises(EngineError, match="memory is released.*kv_cache"):
+                    await engine.client.generate(PROMPT, GREEDY)
+            finally:
+                await engine.client.resume_memory([t for t in MEMORY_TAGS if t in engine.client.released])
+            after = await engine.client.score(tokens, len(PROMPT))
+            return before, after, refusals
+
+        before, after, refusals = run(scenario())
+        assert after == before, "the probe log-probs changed across sleep and wake"
+        assert len(refusals) == 2
+        assert run(engine.client.health(timeout_s=30.0))
+        assert run(engine.client.generate(PROMPT, GREEDY)).finish_reason == "length"
 
     def test_update_from_missing_dir_raises(self, engine: LaunchedEngine, tmp_path: Any) -> None:
         from miles_lite.rollout.engine import EngineError

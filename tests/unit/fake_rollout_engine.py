@@ -31,9 +31,14 @@ class FakeEngine:
         self.closed = False
         self._abort_all = 0
         self._abort_rids: set[str] = set()
+        # Memory tags released (sleeping while any is), and every control call in order (for ordering tests).
+        self.released: set[str] = set()
+        self.log: list[str] = []
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> Generation:
         self.calls.append((rid, list(input_ids), sampling))
+        if self.released:
+            raise EngineError(f"{self.url}/generate answered 503: memory released {sorted(self.released)}")
         if self.mode == "dead":
             raise ConnectionRefusedError(f"{self.url}: connection refused")
         if self.mode == "error":
@@ -102,7 +107,25 @@ class FakeEngine:
 
     async def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None,
                                          weight_version: str, flush_cache: bool = True) -> None:
+        if "weights" in self.released:
+            raise EngineError(f"{self.url}: weights are released")
+        self.log.append("update_weights")
         self.version = weight_version
+
+    async def release_memory(self, tags: list[str]) -> None:
+        if self.mode == "dead":
+            raise EngineError(f"{self.url}: connection refused")
+        self.log.append(f"release {','.join(tags)}")
+        self.released |= set(tags)
+
+    async def resume_memory(self, tags: list[str]) -> None:
+        if self.mode == "dead":
+            raise EngineError(f"{self.url}: connection refused")
+        missing = set(tags) - self.released
+        if missing:
+            raise EngineError(f"{self.url}: {sorted(missing)} not released")
+        self.log.append(f"resume {','.join(tags)}")
+        self.released -= set(tags)
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return []

@@ -1,6 +1,6 @@
 """The package's shape, read from the source: imports point one way and files stay readable.
 
-Layers, top to bottom: the entry points (`driver`, `system`, the CLIs) -> the roles and engines
+Layers, top to bottom: the entry points (`driver`, `handoff`, `system`, the CLIs) -> the roles and engines
 (trainer, cluster, rollout client, weight_sync, checkpoint, observability, engines) -> the libraries
 (types, answer format, ports, config, data, rewards, algo). Every `import` counts, also those inside
 functions: a lazy import is still a dependency.
@@ -20,7 +20,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "miles_lite"
 REPO = PACKAGE.parent
 MAX_LINES = 500
 
-ENTRY_POINTS = {"driver", "system", "cli", "train_cli", "eval_cli", "presample_cli"}
+ENTRY_POINTS = {"driver", "handoff", "system", "cli", "train_cli", "eval_cli", "presample_cli"}
 LIBRARIES = {"types", "answer_format", "api_key", "ports", "plugins", "config", "data", "rewards", "algo"}
 ENGINES = {"engines"}
 

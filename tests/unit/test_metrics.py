@@ -136,7 +136,7 @@ def test_events() -> None:
     reg.checkpoint_committed(2.0, 4096, step=7)
     got = samples(reg)
     assert {s: got[key("miles_lite_engines", state=s)] for s in ENGINE_STATES} == {
-        "starting": 0, "healthy": 3, "dead": 1, "replacing": 0, "stale": 0}
+        "starting": 0, "healthy": 3, "dead": 1, "replacing": 0, "stale": 0, "sleeping": 0}
     assert got[key("miles_lite_engine_restarts_total")] == 1
     assert got[key("miles_lite_weight_sync_seconds", transport="disk")] == 0.5
     assert got[key("miles_lite_weight_sync_bytes_total", transport="disk")] == 1500

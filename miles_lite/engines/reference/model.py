@@ -249,6 +249,19 @@ class ReferenceModel:
             targets[name].data.copy_(tensor.to(targets[name].dtype))
         return len(named)
 
+    def release_weights(self) -> None:
+        """Free every parameter's storage (the shapes are kept for `allocate_weights`)."""
+        self._released_shapes = {}
+        for name, param in self.model.named_parameters():  # tied weights are one parameter, listed once
+            self._released_shapes[name] = tuple(param.shape)
+            param.data = torch.empty(0, dtype=param.dtype)
+
+    def allocate_weights(self) -> None:
+        """Give every parameter freed by `release_weights` uninitialised storage of its shape again."""
+        for name, param in self.model.named_parameters():
+            param.data = torch.empty(self._released_shapes[name], dtype=param.dtype)
+        self._released_shapes = {}
+
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows (dim 0) of a parameter as float32 nested lists, as SGLang returns."""
         targets = self.named_targets()

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from miles_lite.api_key import bearer_matches
+from miles_lite.engines.reference.memory import EngineMemory, MemoryRequestError, requested_tags
 from miles_lite.engines.reference.model import ReferenceModel, deserialize_named_tensors, read_safetensors
 from miles_lite.engines.reference.ranks import EngineRanks
 from miles_lite.engines.reference.sampling import RequestSampling
@@ -101,6 +102,7 @@ class ReferenceServer:
         # A rank's reply waits for the collective it is in, which gives up after the group timeout.
         self.ranks = EngineRanks(self.weights.specs, self.weights.engine, opts.group_timeout_s + 60.0,
                                  self.weights.stores)
+        self.memory = EngineMemory()
         self._generate_count = 0
         self._hang = asyncio.Event()  # set only at shutdown: what a hung engine waits on
         self.app = web.Application(client_max_size=1 << 30, middlewares=[self._authenticate])
@@ -121,6 +123,8 @@ class ReferenceServer:
             ("POST", "/update_weights_from_distributed", self.update_weights_from_distributed),
             ("POST", "/destroy_weights_update_group", self.destroy_weights_update_group),
             ("*", "/get_weights_by_name", self.get_weights_by_name),
+            ("*", "/release_memory_occupation", self.release_memory_occupation),
+            ("*", "/resume_memory_occupation", self.resume_memory_occupation),
         ]
         for method, path, handler in routes:
             self.app.router.add_route(method, path, handler)
@@ -166,6 +170,9 @@ class ReferenceServer:
             reqs = [self._make_request(item) for item in batch]
         except (ValueError, TypeError) as exc:
             return _error(str(exc))
+        refusal = self.memory.serving_refusal()
+        if refusal is not None:
+            return _error(refusal, status=503)
         self._generate_count += 1
         failure = await self._injected_failure()
         if failure is not None:
@@ -203,6 +210,9 @@ class ReferenceServer:
         failure = await self._injected_failure()
         if failure is not None:
             return web.Response(status=503)
+        refusal = self.memory.serving_refusal()
+        if refusal is not None:
+            return web.Response(text=refusal, status=503)
         probe = GenRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[0],
                            sampling=RequestSampling(max_new_tokens=1, temperature=0.0), return_logprob=False,
                            logprob_start_len=-1, future=asyncio.get_running_loop().create_future(), probe=True)
@@ -246,7 +256,8 @@ class ReferenceServer:
             "model_path": self.opts.model_path, "tp_size": self.opts.tp, "dp_size": 1,
             "weight_version": self.weight_version,
             "max_running_requests": self.opts.max_batch_size, "dtype": self.opts.dtype,
-            "internal_states": [{"paused": self.scheduler.paused, **self.scheduler.load()}],
+            "internal_states": [{"paused": self.scheduler.paused, "memory_released": sorted(self.memory.released),
+                                 **self.scheduler.load()}],
             "version": "miles-lite-reference",
         })
 
@@ -259,6 +270,8 @@ class ReferenceServer:
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await _body(request)
+        if (refusal := self.memory.weights_refusal()) is not None:
+            return _error(refusal)
         try:
             values = await self.scheduler.run_on_model(self.model.get_weights_by_name, str(body.get("name")),
                                                        int(body.get("truncate_size", 100)))
@@ -275,6 +288,8 @@ class ReferenceServer:
         return message
 
     async def _load(self, body: dict[str, Any], fn: Any, *args: Any) -> tuple[bool, str]:
+        if (refusal := self.memory.weights_refusal()) is not None:
+            return False, f"Failed to update weights: {refusal}"
         if body.get("abort_all_requests"):
             self.scheduler.abort(None)
         if self.opts.drop_weight_updates:
@@ -284,7 +299,9 @@ class ReferenceServer:
             count = await self.scheduler.run_on_model(fn, *args)
         except (ValueError, FileNotFoundError, RuntimeError) as exc:
             return False, f"Failed to update weights: {exc}"
-        return True, self._apply_version(body, f"Succeeded to update model weights ({count} tensors).")
+        message = self._apply_version(body, f"Succeeded to update model weights ({count} tensors).")
+        log.info("%s", message)
+        return True, message
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await _body(request)
@@ -297,6 +314,8 @@ class ReferenceServer:
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await _body(request)
+        if (refusal := self.memory.weights_refusal()) is not None:
+            return _result(False, f"Failed to update weights: {refusal}", num_paused_requests=0)
         if body.get("load_format") not in (None, "auto", "safetensors"):
             return _result(False, f"load_format {body['load_format']!r} is not supported; use None",
                            num_paused_requests=0)
@@ -311,6 +330,8 @@ class ReferenceServer:
         slices entry r. A load_format listed in `custom_weight_loader`: rank r calls that function on its own
         parameters with entry r decoded, as SGLang's TP workers do."""
         body = await _body(request)
+        if (refusal := self.memory.weights_refusal()) is not None:
+            return _result(False, f"Failed to update weights: {refusal}")
         payloads = body.get("serialized_named_tensors") or []
         if len(payloads) != self.opts.tp:
             return _result(False, f"serialized_named_tensors needs {self.opts.tp} entries (one per TP rank), "
@@ -354,6 +375,8 @@ class ReferenceServer:
         """Every TP rank receives the broadcast full tensors and keeps its slices, as SGLang's loaders do."""
         body = await _body(request)
         name = str(body.get("group_name", "weight_update_group"))
+        if (refusal := self.memory.weights_refusal()) is not None:
+            return _result(False, f"Failed to receive parameters: {refusal}")
         load_format = body.get("load_format")
         if load_format is not None:
             return _result(False, f"load_format {load_format!r} is not supported; use None (one broadcast per tensor)")
@@ -364,6 +387,37 @@ class ReferenceServer:
             return _result(False, f"Failed to receive parameters: {exc}")
         ok, msg = await self._load(body, self.weights.load_rank_shards, per_rank)
         return _result(ok, msg)
+
+    # ---- memory (sleep / wake) --------------------------------------------------------------------------------
+
+    async def release_memory_occupation(self, request: web.Request) -> web.Response:
+        """Release `tags` (all when absent): refused while requests are in flight or a tag is released."""
+        body = await _body(request)
+        try:
+            tags = requested_tags(body.get("tags"))
+            load = self.scheduler.load()
+            self.memory.check_release(tags, load["num_reqs"] + load["num_waiting_reqs"])
+        except MemoryRequestError as exc:
+            return _error(str(exc))
+        if "weights" in tags:
+            await self.scheduler.run_on_model(self.weights.release)
+        self.memory.released.update(tags)
+        log.info("released memory %s", tags)
+        return web.Response(status=200)
+
+    async def resume_memory_occupation(self, request: web.Request) -> web.Response:
+        """Resume released `tags` (all when absent); the weights come back from the rank stores."""
+        body = await _body(request)
+        try:
+            tags = requested_tags(body.get("tags"))
+            self.memory.check_resume(tags)
+        except MemoryRequestError as exc:
+            return _error(str(exc))
+        if "weights" in tags:
+            await self.scheduler.run_on_model(self.weights.resume)
+        self.memory.released.difference_update(tags)
+        log.info("resumed memory %s", tags)
+        return web.Response(status=200)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
         body = await _body(request)

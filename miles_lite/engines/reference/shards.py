@@ -102,6 +102,15 @@ class ShardedWeights:
         full = assemble(self.specs, self.stores, self.engine, dict.fromkeys(names))
         return self.model.load_named_tensors(list(full.items()))
 
+    def release(self) -> None:
+        """Free the model the engine computes with; the rank stores stay (they are what a resume restores)."""
+        self.model.release_weights()
+
+    def resume(self) -> int:
+        """Re-allocate the model released by `release` and fill it from the rank stores; tensors loaded."""
+        self.model.allocate_weights()
+        return self._commit([s.name for s in self.specs])
+
     def load_rank_shards(self, per_rank: Sequence[Shards]) -> int:
         """Place each rank's received local shards (`per_rank[r]`) into its store, then update the model."""
         if len(per_rank) != self.engine.tp:

@@ -1,0 +1,25 @@
+"""`trainer.offload.*`: what the trainer hands to host memory while colocated engines generate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class OffloadConfig:
+    """What the trainer moves to (pinned) host memory while the engines generate, with
+    `cluster.placement=colocated` and `cluster.colocated_memory=handoff`; each part comes back before training."""
+
+    # The model's parameters (after the weight push and its verification, which read them on the device).
+    params: bool = True
+    # Megatron DDP's contiguous gradient buffers.
+    grads: bool = True
+    # The optimizer: fp32 main parameters (bf16 training), Adam moments, the divergence guard's snapshot.
+    optimizer: bool = True
+
+    def parts(self) -> tuple[str, ...]:
+        """The parts switched on, in `OFFLOAD_PARTS` order."""
+        return tuple(p for p in OFFLOAD_PARTS if getattr(self, p))
+
+
+OFFLOAD_PARTS = ("params", "grads", "optimizer")

@@ -1,0 +1,189 @@
+"""Trainer state to host memory and back, while colocated engines use the device.
+
+Three parts, each switched by `trainer.offload.<part>`:
+
+- `params`: the model's parameters (and Megatron DDP's contiguous parameter buffers, when it keeps them);
+- `grads`: Megatron DDP's contiguous gradient buffers (`param.main_grad` views into them) and any `.grad`;
+- `optimizer`: the torch optimizers' main parameters that are not model parameters (fp32 copies of bf16
+  weights), every tensor of their state (Adam moments), and the divergence guard's snapshot buffers.
+
+What moves is each tensor's *storage*: its bytes are copied to a host buffer (pinned when CUDA is there, so
+the copies run at full PCIe speed) and the storage is resized to zero, which frees the device memory while
+every tensor and view over it (parameters held by the optimizer, `main_grad` views, Megatron's bucket views)
+stays the same Python object; onloading resizes the storage back and copies the bytes in, so the state
+round-trips bit for bit. On a CPU build the same path runs: the storages are freed and restored in host
+memory (there is no device memory to give to an engine, but the bookkeeping and the exactness are the same).
+
+Each part is RESIDENT or OFFLOADED; offloading an offloaded part or onloading a resident one is a no-op, so
+the driver may ask for "everything resident" without tracking what was moved.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from miles_lite.config.offload import OFFLOAD_PARTS
+
+
+class PartState(enum.Enum):
+    RESIDENT = "resident"
+    OFFLOADED = "offloaded"
+
+
+@dataclass
+class _Moved:
+    """One storage while it is offloaded: the storage object itself and its bytes on the host."""
+
+    storage: torch.UntypedStorage
+    host: Tensor
+    device: torch.device
+
+
+@dataclass
+class MoveStats:
+    """What one offload or onload moved: bytes per part and wall seconds."""
+
+    bytes: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def _storages(tensors: Iterable[Tensor | None]) -> dict[int, tuple[torch.UntypedStorage, torch.device]]:
+    """The distinct non-empty storages under `tensors`, keyed by their data pointer."""
+    out: dict[int, tuple[torch.UntypedStorage, torch.device]] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() > 0:
+            out.setdefault(storage.data_ptr(), (storage, t.device))
+    return out
+
+
+class TrainerOffload:
+    """Moves the trainer's parts to host memory and back.
+
+    `collectors[part]()` returns that part's tensors now (optimizer state appears after the first step, so
+    they are asked at every offload). A storage listed by an earlier part in `OFFLOAD_PARTS` belongs to that
+    part only: with fp32 training the optimizer's main parameters are the model's parameters.
+    """
+
+    def __init__(self, collectors: dict[str, Callable[[], Sequence[Tensor | None]]]) -> None:
+        unknown = set(collectors) - set(OFFLOAD_PARTS)
+        if unknown:
+            raise ValueError(f"unknown trainer parts {sorted(unknown)}; known: {OFFLOAD_PARTS}")
+        self.collectors = collectors
+        self.states = dict.fromkeys(OFFLOAD_PARTS, PartState.RESIDENT)
+        self._moved: dict[str, list[_Moved]] = {p: [] for p in OFFLOAD_PARTS}
+        self.pin = torch.cuda.is_available()
+
+    def offloaded(self) -> frozenset[str]:
+        return frozenset(p for p, s in self.states.items() if s is PartState.OFFLOADED)
+
+    def require_resident(self, parts: Sequence[str], what: str) -> None:
+        """Raise naming the offloaded `parts` that `what` needs on the device."""
+        away = [p for p in parts if self.states[p] is PartState.OFFLOADED]
+        if away:
+            raise RuntimeError(f"{what} needs the trainer's {', '.join(away)} on the device, and they are offloaded "
+                               "to host memory; onload them first")
+
+    def _claimed_elsewhere(self, part: str) -> set[int]:
+        """Storages of the parts before `part` (resident or not): never moved twice under two names."""
+        keys: set[int] = set()
+        for other in OFFLOAD_PARTS[:OFFLOAD_PARTS.index(part)]:
+            if other in self.collectors:
+                keys |= set(_storages(self.collectors[other]()))
+        return keys
+
+    @torch.no_grad()
+    def offload(self, parts: Sequence[str]) -> MoveStats:
+        """Move `parts` (those resident) to host memory, freeing their device storage."""
+        start = time.perf_counter()
+        stats = MoveStats()
+        for part in _checked(parts):
+            if self.states[part] is PartState.OFFLOADED or part not in self.collectors:
+                continue
+            skip = self._claimed_elsewhere(part)
+            moved, nbytes = [], 0
+            for key, (storage, device) in _storages(self.collectors[part]()).items():
+                if key in skip:
+                    continue
+                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.pin and device.type == "cuda")
+                host.untyped_storage().copy_(storage, non_blocking=True)
+                moved.append(_Moved(storage, host, device))
+                nbytes += storage.nbytes()
+            _synchronize(moved)  # the copies must land before the device storage goes
+            for m in moved:
+                m.storage.resize_(0)
+            self._moved[part] = moved
+            self.states[part] = PartState.OFFLOADED
+            stats.bytes[part] = nbytes
+        if any(m.device.type == "cuda" for ms in self._moved.values() for m in ms):
+            torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where the engines can take them
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    @torch.no_grad()
+    def onload(self, parts: Sequence[str] = OFFLOAD_PARTS) -> MoveStats:
+        """Bring `parts` (those offloaded) back into their storages, bit for bit."""
+        start = time.perf_counter()
+        stats = MoveStats()
+        for part in _checked(parts):
+            if self.states[part] is PartState.RESIDENT:
+                continue
+            moved, nbytes = self._moved[part], 0
+            for m in moved:
+                m.storage.resize_(m.host.numel())
+                m.storage.copy_(m.host.untyped_storage(), non_blocking=True)
+                nbytes += m.host.numel()
+            _synchronize(moved)
+            self._moved[part] = []
+            self.states[part] = PartState.RESIDENT
+            stats.bytes[part] = nbytes
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def resident_bytes(self) -> int:
+        """Bytes of the trainer's parts held in compute memory now (what an engine cannot use)."""
+        seen: dict[int, int] = {}
+        for part, collect in self.collectors.items():
+            if self.states[part] is PartState.RESIDENT:
+                seen.update({k: s.nbytes() for k, (s, _) in _storages(collect()).items()})
+        return sum(seen.values())
+
+
+def _checked(parts: Sequence[str]) -> list[str]:
+    unknown = [p for p in parts if p not in OFFLOAD_PARTS]
+    if unknown:
+        raise ValueError(f"unknown trainer parts {unknown}; known: {OFFLOAD_PARTS}")
+    return list(dict.fromkeys(parts))
+
+
+def _synchronize(moved: Sequence[_Moved]) -> None:
+    if any(m.device.type == "cuda" for m in moved):
+        torch.cuda.synchronize()
+
+
+def optimizer_tensors(optimizer: object, model_params: Iterable[Tensor], guard: object | None) -> list[Tensor]:
+    """The optimizer part of a Megatron optimizer (a `ChainedOptimizer` or one leaf): main parameters that are
+    not model parameters, their state tensors, and the divergence guard's snapshot (`guard`, if any)."""
+    model = {id(p) for p in model_params}
+    out: list[Tensor] = []
+    for leaf in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        inner = getattr(leaf, "optimizer", None)
+        if inner is None:
+            continue
+        for group in inner.param_groups:
+            out += [p for p in group["params"] if id(p) not in model]
+        for state in inner.state.values():
+            out += [v for v in state.values() if isinstance(v, Tensor)]
+    if guard is not None:
+        out += list(getattr(guard, "_saved_params", []))
+        for _, saved in getattr(guard, "_state", []):
+            out += [v for v in saved.values() if isinstance(v, Tensor)]
+    return out

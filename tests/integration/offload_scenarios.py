@@ -1,0 +1,60 @@
+"""Trainer offload scenarios, run in a spawned rank by `test_trainer_offload.py`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from trainer_harness import make_test_checkpoint
+from trainer_scenarios import make_batch, make_config
+
+from miles_lite.config.offload import OFFLOAD_PARTS
+
+VOCAB = 500
+
+
+def _state(actor: Any) -> dict[str, torch.Tensor]:
+    """Copies of everything offload moves: parameters, gradient buffers, optimizer tensors."""
+    out = {f"param/{n}": p.detach().clone() for n, p in actor.policy.model.named_parameters()}
+    out.update({f"grad/{i}": t.detach().clone() for i, t in enumerate(actor._grad_tensors()) if t is not None})
+    out.update({f"opt/{i}": t.detach().clone() for i, t in enumerate(actor._optimizer_tensors())})
+    return out
+
+
+def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bool) -> dict[str, Any]:
+    from miles_lite.trainer.actor import TrainerActor
+
+    actor = TrainerActor(make_config(path, precision=precision), rank, world_size)
+    batch = make_batch(VOCAB)
+    out: dict[str, Any] = {"stats": [actor.train_step(batch)]}
+    if round_trip:
+        before = _state(actor)
+        moved = actor.offload(OFFLOAD_PARTS)
+        out["moved"] = moved
+        out["freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.policy.model.parameters())
+        out["grads_freed"] = all(t.untyped_storage().nbytes() == 0 for t in actor._grad_tensors() if t is not None)
+        out["resident_while_offloaded"] = actor.memory_stats()["trainer_state_bytes"]
+        try:
+            actor.compute_logprobs(batch)
+            out["refused"] = None
+        except RuntimeError as exc:
+            out["refused"] = str(exc)
+        out["again"] = actor.offload(OFFLOAD_PARTS)  # a no-op: everything is offloaded already
+        out["onloaded"] = actor.onload(OFFLOAD_PARTS)
+        after = _state(actor)
+        out["round_trip_exact"] = before.keys() == after.keys() and all(
+            torch.equal(before[k], after[k]) for k in before)
+        out["tensors"] = len(before)
+    out["stats"].append(actor.train_step(batch))
+    out["params"] = {n: p.detach().clone() for n, p in actor.policy.model.named_parameters()}
+    out["logprobs"] = actor.compute_logprobs(batch)
+    actor.close()
+    return out
+
+
+def scenario_offload(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    path = str(make_test_checkpoint("qwen2", Path(root) / "qwen2", vocab_size=VOCAB))
+    return {precision: {"offloaded": _steps(path, rank, world_size, precision, True),
+                        "resident": _steps(path, rank, world_size, precision, False)}
+            for precision in ("fp32", "bf16")}

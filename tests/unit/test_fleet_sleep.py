@@ -1,0 +1,163 @@
+"""The fleet's sleeping state: sleep/wake transitions, health checks, refused generation, push ordering."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Sequence
+
+import pytest
+from fake_rollout_engine import FakeEngine
+
+from miles_lite.config.schema import FaultToleranceConfig
+from miles_lite.rollout.engine import EngineError
+from miles_lite.rollout.fleet import TRANSITIONS, EngineFleet, EngineHandle, EngineState, FleetAsleep
+from miles_lite.weight_sync.coordinator import WeightSyncCoordinator
+from miles_lite.weight_sync.fleet_push import FleetPusher
+from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, PushReport, TransportState
+
+S = EngineState
+ALL = ["weights", "kv_cache", "cuda_graph"]
+
+
+def _ft() -> FaultToleranceConfig:
+    return FaultToleranceConfig(health_interval_s=0.05, health_timeout_s=0.2, failure_threshold=1,
+                                max_engine_restarts=2, request_retries=3)
+
+
+async def _fleet(*engines: FakeEngine, launcher=None) -> EngineFleet:
+    fleet = EngineFleet(_ft(), launcher)
+    for engine in engines:
+        await fleet.add_engine(EngineHandle(engine))
+    return fleet
+
+
+def test_sleeping_is_in_the_transition_table():
+    assert TRANSITIONS[S.HEALTHY] == {S.DEAD, S.SLEEPING}
+    assert TRANSITIONS[S.SLEEPING] == {S.HEALTHY, S.DEAD}
+    assert S.SLEEPING not in TRANSITIONS[S.STALE] and S.SLEEPING not in TRANSITIONS[S.STARTING]
+
+
+def test_sleep_refuses_generation_and_wake_in_two_parts_serves_again():
+    async def main() -> None:
+        a, b = FakeEngine("a"), FakeEngine("b")
+        fleet = await _fleet(a, b)
+        slept = await fleet.sleep()
+        assert [r.engine_id for r in slept] == ["a", "b"] and a.released == set(ALL)
+        assert fleet.stats()["engines_sleeping"] == 2.0
+        with pytest.raises(FleetAsleep, match=r"every rollout engine is asleep.*wake the fleet"):
+            await fleet.acquire(timeout_s=5.0)
+        # Weights first: still sleeping (the KV cache is released), still refused.
+        assert [r.engine_id for r in await fleet.wake(["weights"])] == ["a", "b"]
+        assert fleet.state_of("a") is S.SLEEPING and fleet.records[0].released == {"kv_cache", "cuda_graph"}
+        with pytest.raises(FleetAsleep):
+            await fleet.acquire(timeout_s=5.0)
+        await fleet.wake()
+        assert [fleet.state_of(x) for x in "ab"] == [S.HEALTHY, S.HEALTHY] and not a.released
+        lease = await fleet.acquire(timeout_s=1.0)
+        await fleet.release(lease, ok=True)
+        assert a.log == ["release weights,kv_cache,cuda_graph", "resume weights", "resume kv_cache,cuda_graph"]
+        moves = [(t.engine_id, t.old, t.new) for t in fleet.transitions if S.SLEEPING in (t.old, t.new)]
+        assert moves == [("a", S.HEALTHY, S.SLEEPING), ("b", S.HEALTHY, S.SLEEPING),
+                         ("a", S.SLEEPING, S.HEALTHY), ("b", S.SLEEPING, S.HEALTHY)]
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_sleep_is_refused_with_requests_in_flight():
+    async def main() -> None:
+        fleet = await _fleet(FakeEngine("a"))
+        lease = await fleet.acquire(timeout_s=1.0)
+        with pytest.raises(ValueError, match=r"requests in flight \{'a': 1\}"):
+            await fleet.sleep()
+        assert fleet.state_of("a") is S.HEALTHY
+        await fleet.release(lease, ok=True)
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_health_checks_do_not_declare_a_sleeping_engine_dead():
+    async def main() -> None:
+        a = FakeEngine("a")
+        fleet = await _fleet(a)
+        await fleet.sleep()
+        a.healthy = False  # what /health_generate of an engine without its memory answers
+        for _ in range(3):
+            await fleet.check_health()
+        assert fleet.state_of("a") is S.SLEEPING and fleet.failed_health_checks == 0
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_an_engine_that_cannot_resume_is_declared_dead_and_replaced():
+    async def main() -> None:
+        launched: list[FakeEngine] = []
+
+        async def launcher(index: int, incarnation: int) -> EngineHandle:
+            launched.append(FakeEngine(f"e{index}.{incarnation}"))
+            return EngineHandle(launched[-1])
+
+        a = FakeEngine("a")
+        fleet = await _fleet(a, launcher=launcher)
+        await fleet.sleep(["weights"])
+        a.mode = "dead"
+        assert await fleet.wake() == []
+        assert await fleet.wait_for(lambda: fleet.records[0].state is S.HEALTHY, 5.0)
+        assert [t.new for t in fleet.transitions][-4:] == [S.DEAD, S.REPLACING, S.STALE, S.HEALTHY]
+        assert launched and fleet.records[0].engine is launched[0]
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+class _TensorTransport:
+    """Loads a version into each engine with `update_weights_from_tensor` (what a real transport does)."""
+
+    name = "fake"
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+        self.state = TransportState.NEW
+        self.fleet: Sequence[FleetEngine] = ()
+
+    def connect(self, fleet: Sequence[FleetEngine]) -> None:
+        self.fleet, self.state = fleet, TransportState.CONNECTED
+
+    def push(self, named_shards: object, version: str) -> PushReport:
+        self.loop.gather({f.engine_id: self.loop.submit(f.engine.update_weights_from_tensor([], None, version))
+                          for f in self.fleet})
+        return PushReport(version, self.name, tuple(f.engine_id for f in self.fleet))
+
+    def close(self) -> None:
+        self.state = TransportState.CLOSED
+
+
+def test_a_push_to_sleeping_engines_resumes_weights_then_pushes_then_resumes_the_kv_cache():
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        engines = EngineLoop(loop, timeout_s=10.0)
+        a, b = FakeEngine("a"), FakeEngine("b")
+        fleet = engines.run(_fleet(a, b))
+        engines.run(fleet.sleep())
+        pusher = FleetPusher(WeightSyncCoordinator(_TensorTransport(engines), engines), fleet, engines, 1, "reference")
+        report = pusher.push({}, "1")
+        assert report.push.engines == ("a", "b")
+        for engine in (a, b):
+            assert engine.log == ["release weights,kv_cache,cuda_graph", "resume weights", "update_weights",
+                                  "resume kv_cache,cuda_graph"]
+        assert [r.state for r in fleet.records] == [S.HEALTHY, S.HEALTHY] and fleet.current_version == "1"
+        assert pusher.wake_seconds > 0.0
+        # An engine asleep with its weights released refuses a load: the order is what makes the push work.
+        engines.run(fleet.sleep())
+        with pytest.raises(EngineError, match="weights are released"):
+            engines.run(a.update_weights_from_tensor([], None, "2"))
+        engines.run(fleet.close())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)
+        loop.close()
