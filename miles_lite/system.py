@@ -18,6 +18,7 @@ from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import remote_reward_spec
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.fleet_launch import Rollout, build_rollout
+from miles_lite.engines.lora_serving import with_lora_serving
 from miles_lite.model_assets import prepare_model
 from miles_lite.rewards.setup import build_reward_set
 from miles_lite.rollout.fleet import EngineFleet
@@ -75,6 +76,7 @@ class System:
     def start(cls, cfg: MilesConfig, run_dir: Path) -> System:
         """Prepare the model, then start the trainer, the engines and the weight-sync group."""
         cfg, tokenizer = prepare_model(cfg, run_dir)
+        cfg = with_lora_serving(cfg)
         system = cls(cfg, run_dir, tokenizer)
         try:
             system.trainer = start_trainer(cfg)
@@ -167,8 +169,15 @@ class System:
         assert self.pusher is not None and self.trainer is not None
         start = time.perf_counter()
         self.version += 1
-        report = self.pusher.push(self.trainer.weight_shards, str(self.version))
+        report = self.pusher.push(self._push_source(), str(self.version))
         return report, time.perf_counter() - start
+
+    def _push_source(self) -> Any:
+        """What a push carries: the trainer's adapters (LoRA, `weight_sync.lora=adapter`), else its weight shards."""
+        from miles_lite.weight_sync.factory import adapter_push
+
+        assert self.trainer is not None
+        return self.trainer.adapter_tensors if adapter_push(self.cfg) else self.trainer.weight_shards
 
     def refresh_stale(self) -> SyncReport | None:
         """Push the current version to the stale engines when no engine is healthy (the relay calls this
@@ -189,7 +198,7 @@ class System:
             return None
         start = time.perf_counter()
         try:
-            report = self.pusher.push(self.trainer.weight_shards, version, stale_only=True)
+            report = self.pusher.push(self._push_source(), version, stale_only=True)
         except WeightSyncError as exc:
             logger.warning("push of version %s to the stale engines failed: %s", version, exc)
             return None

@@ -64,6 +64,9 @@ class LocalTrainer:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.rank.export_hf_state_dict()
 
+    def adapter_tensors(self) -> list[dict[str, torch.Tensor]]:
+        return [self.rank.adapter_state()]
+
     def state_dicts(self) -> list[dict[str, Any]]:
         """Checkpoint state of every rank (one here)."""
         return [self.rank.state_dict()]

@@ -86,6 +86,9 @@ class TrainerRank:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.actor.export_hf_state_dict()
 
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return self.actor.adapter_state()
+
     def state_dict(self) -> dict[str, Any]:
         return self.actor.state_dict_for_checkpoint()
 

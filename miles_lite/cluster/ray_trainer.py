@@ -315,6 +315,10 @@ class RayTrainerGroup:
         """Full HF tensors gathered over TP (on CPU), from global rank 0."""
         return self._all("export_hf_state_dict")
 
+    def adapter_tensors(self) -> list[dict[str, torch.Tensor]]:
+        """LoRA: the full adapter tensors under their PEFT names (gathered over TP), from global rank 0."""
+        return [self._all("adapter_state")]
+
     def save_checkpoint(self, step: int, driver: DriverState, final: bool = False) -> SaveStats:
         """Every rank writes its own shards (rank 0 also the driver state and commits); rank 0's `SaveStats`."""
         self._require_ready()

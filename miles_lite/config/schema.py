@@ -11,67 +11,11 @@ without this file naming it.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Range:
-    """Allowed values of a numeric field: finite, within the bounds that are set."""
-
-    ge: float | None = None
-    gt: float | None = None
-    le: float | None = None
-    lt: float | None = None
-
-    def contains(self, value: float) -> bool:
-        return (math.isfinite(value) and (self.ge is None or value >= self.ge) and (self.gt is None or value > self.gt)
-                and (self.le is None or value <= self.le) and (self.lt is None or value < self.lt))
-
-    def describe(self, kind: str = "a finite number") -> str:
-        bounds = [f"{op} {b:g}" for op, b in ((">=", self.ge), (">", self.gt), ("<=", self.le), ("<", self.lt))
-                  if b is not None]
-        return f"{kind} " + " and ".join(bounds) if bounds else kind
-
-
-def bounded(default: float | None, *, ge: float | None = None, gt: float | None = None, le: float | None = None,
-            lt: float | None = None) -> Any:
-    """A numeric field whose allowed range lives in its metadata, where validation reads it (`ranges`);
-    None (where the type allows it) is not range-checked."""
-    return field(default=default, metadata={"range": Range(ge, gt, le, lt)})
-
-
-def _metadata(cfg: object, key: str, prefix: str = "") -> dict[str, Any]:
-    """Dotted field name -> `metadata[key]`, for every field of `cfg` and its sub-configs that has it."""
-    found: dict[str, Any] = {}
-    for f in fields(cfg):  # type: ignore[arg-type]
-        dotted = f"{prefix}{f.name}"
-        if key in f.metadata:
-            found[dotted] = f.metadata[key]
-        value = getattr(cfg, f.name)
-        if is_dataclass(value) and not isinstance(value, type):
-            found.update(_metadata(value, key, dotted + "."))
-    return found
-
-
-def ranges(cfg: object) -> dict[str, Range]:
-    """Dotted field name -> allowed range, for every `bounded` field of `cfg` and its sub-configs."""
-    return _metadata(cfg, "range")
-
-
-def one_of(default: str, *others: str) -> Any:
-    """A string field allowed to hold `default` or one of `others`.
-
-    The allowed values live in the field's metadata, where validation reads them (`choices`):
-    OmegaConf 2.3 structured configs accept neither `Literal` annotations nor enums keyed by value.
-    """
-    return field(default=default, metadata={"choices": (default, *others)})
-
-
-def choices(cfg: object) -> dict[str, tuple[str, ...]]:
-    """Dotted field name -> allowed values, for every `one_of` field of `cfg` and its sub-configs."""
-    return _metadata(cfg, "choices")
+# The field helpers live in fields.py; validation and tests import `ranges` / `choices` from here too.
+from miles_lite.config.fields import Range, bounded, choices, one_of, ranges  # noqa: F401
 
 
 @dataclass
@@ -107,6 +51,24 @@ class ModelConfig:
     # Vocabulary of the offline tokenizer (random models only).
     vocab_size: int = 512
     shape: TinyModelShape = field(default_factory=TinyModelShape)
+
+
+# PEFT module names a LoRA adapter may target (mapped onto megatron-core's fused layers by the trainer).
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters trained on a frozen base (rank 0: full fine-tuning)."""
+
+    # Adapter rank r; 0 trains every weight instead.
+    rank: int = bounded(0, ge=0)
+    # Scale of the adapter's output is alpha / rank (PEFT's lora_alpha).
+    alpha: float = bounded(32.0, gt=0)
+    # Dropout on the adapter's input while training (PEFT's lora_dropout).
+    dropout: float = bounded(0.0, ge=0, lt=1)
+    # PEFT names of the adapted projections (a subset of LORA_TARGETS).
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
 
 
 @dataclass
@@ -166,6 +128,8 @@ class TrainerConfig:
     # torch intra-op threads of each trainer rank on CPU (0: torch's default, one per core). On a
     # machine shared with the rollout engines, 1 avoids OpenMP threads spinning against them.
     threads: int = bounded(0, ge=0)
+    # LoRA: adapters on the attention and MLP projections, the base frozen (`lora.rank` > 0 turns it on).
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def world_size(self) -> int:
@@ -368,6 +332,10 @@ class WeightSyncConfig:
     # GPUs, gloo otherwise) | nccl | gloo. See config/weight_sync_choice.py.
     backend: str = one_of("auto", "nccl", "gloo")
     init_timeout_s: float = bounded(120.0, gt=0)
+    # With trainer.lora.rank > 0: adapter (push only the adapter tensors as a PEFT adapter directory under
+    # `disk_dir` (default <run>/adapters), loaded by each engine under a new name per version) | merged
+    # (base + adapter weights through `transport`, as a full fine-tune pushes them).
+    lora: str = one_of("adapter", "merged")
 
 
 @dataclass

@@ -294,6 +294,21 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
     problems += weight_sync_problems(cfg)
 
 
+def _check_lora(cfg: MilesConfig, problems: list[str]) -> None:
+    from miles_lite.config.schema import LORA_TARGETS
+
+    lora = cfg.trainer.lora
+    if lora.rank == 0:
+        return
+    targets = list(lora.targets)
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if unknown or not targets or len(set(targets)) != len(targets):
+        what = f"unknown {unknown}" if unknown else "empty or repeated"
+        problems.append(f"trainer.lora.targets={targets}: {what}; list distinct names from {list(LORA_TARGETS)}")
+    if cfg.trainer.transformer.get("sequence_parallel"):
+        problems.append("trainer.lora with trainer.transformer.sequence_parallel=true is not supported; drop one")
+
+
 def validate(cfg: MilesConfig) -> ModelDims | None:
     """Check every cross-field rule of `cfg`; raise `ConfigError` listing all problems at once.
 
@@ -310,6 +325,7 @@ def validate(cfg: MilesConfig) -> ModelDims | None:
     _check_rewards(cfg, problems)
     _check_rollout(cfg, problems)
     _check_paths_and_devices(cfg, problems)
+    _check_lora(cfg, problems)
     if problems:
         raise ConfigError(problems)
     return dims

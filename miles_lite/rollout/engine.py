@@ -77,5 +77,11 @@ class RolloutEngine(Protocol):
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` values of a parameter (for checksums)."""
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a PEFT adapter directory under a name requests can pick (`lora_name` below)."""
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Drop a loaded adapter."""
+
     async def close(self) -> None:
         """Release the client's connections (does not stop the server)."""

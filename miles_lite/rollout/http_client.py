@@ -44,6 +44,8 @@ class HttpEngine:
         self.control_timeout_s = control_timeout_s
         self._session: aiohttp.ClientSession | None = None
         self._session_loop: asyncio.AbstractEventLoop | None = None
+        # The LoRA adapter every generate/score request names (SGLang's per-request `lora_path`); None: the base.
+        self.lora_name: str | None = None
 
     def __repr__(self) -> str:
         return f"HttpEngine({self.engine_id!r}, {self.url!r})"
@@ -84,7 +86,7 @@ class HttpEngine:
         """POST a weight/control call; SGLang answers {"success": bool, "message": str}."""
         data = await self._request("POST", path, payload, timeout_s or self.control_timeout_s)
         if not isinstance(data, dict) or data.get("success") is not True:
-            message = data.get("message") if isinstance(data, dict) else data
+            message = (data.get("message") or data.get("error_message")) if isinstance(data, dict) else data
             raise EngineError(f"{self.engine_id} {path} failed: {message}")
         return data
 
@@ -96,6 +98,8 @@ class HttpEngine:
                                    "return_logprob": True}
         if rid is not None:
             payload["rid"] = rid
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
         start = time.monotonic()
         data = await self._request("POST", "/generate", payload, self.request_timeout_s)
         return self._parse_generation(data, time.monotonic() - start)
@@ -130,6 +134,8 @@ class HttpEngine:
             raise ValueError(f"prompt_len must be in [1, len(input_ids)={len(input_ids)}), got {prompt_len}")
         payload = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": prompt_len - 1,
                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
         data = await self._request("POST", "/generate", payload, self.request_timeout_s)
         try:
             entries = data["meta_info"]["input_token_logprobs"]
@@ -251,6 +257,16 @@ class HttpEngine:
             "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
             "weight_version": weight_version, "flush_cache": flush_cache,
         }, self.request_timeout_s)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """`/load_lora_adapter`: load the PEFT directory `lora_path` as adapter `lora_name` (engines started with
+        `--enable-lora`); returns the answer (`loaded_adapters`: every adapter the engine holds)."""
+        return await self._post_checked("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path},
+                                        self.request_timeout_s)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """`/unload_lora_adapter`: drop adapter `lora_name`."""
+        return await self._post_checked("/unload_lora_adapter", {"lora_name": lora_name})
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of a parameter (`/get_weights_by_name`)."""

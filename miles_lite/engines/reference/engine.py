@@ -39,6 +39,8 @@ REFERENCE_ARGS: dict[str, tuple[str, str]] = {
     "group_timeout_s": ("--group-timeout-s", "value"),
     "tp": ("--tp", "value"),
     "custom_weight_loader": ("--custom-weight-loader", "list"),
+    "enable_lora": ("--enable-lora", "bool"),
+    "max_lora_rank": ("--max-lora-rank", "value"),
 }
 
 
@@ -68,6 +70,9 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
                         help="tensor-parallel size: ranks in the weight-update group (rollout.engine_tp)")
     parser.add_argument("--custom-weight-loader", nargs="*", default=[],
                         help="module.function paths a /update_weights_from_tensor load_format may name (as SGLang's)")
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters: /load_lora_adapter, /unload_lora_adapter, lora_path per request")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -114,7 +119,8 @@ async def serve(args: argparse.Namespace) -> None:
         weight_version=args.weight_version, drop_weight_updates=args.drop_weight_updates,
         fail_mode=args.fail_mode, fail_after=args.fail_after,
         return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s, tp=args.tp,
-        custom_weight_loader=tuple(args.custom_weight_loader),
+        custom_weight_loader=tuple(args.custom_weight_loader), enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
     ))
     # Shutdown aborts every request first, so handlers finish quickly; 5 s bounds stragglers.
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 from safetensors import safe_open
 
+from miles_lite.engines.reference.lora import LoraAdapters
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -97,6 +99,8 @@ class ReferenceModel:
         self.vocab_size = int(self.config.vocab_size)
         self.max_positions = int(getattr(self.config, "max_position_embeddings", 1 << 30))
         self.eos_token_ids = self._eos_ids()
+        # LoRA adapters by name, applied per batch row (`lora.rows`) on top of the untouched base weights.
+        self.lora = LoraAdapters(self.model)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()
