@@ -21,7 +21,7 @@ REPO = PACKAGE.parent
 MAX_LINES = 500
 
 ENTRY_POINTS = {"driver", "system", "cli", "train_cli", "eval_cli", "presample_cli"}
-LIBRARIES = {"types", "answer_format", "ports", "plugins", "config", "data", "rewards", "algo"}
+LIBRARIES = {"types", "answer_format", "lora_format", "ports", "plugins", "config", "data", "rewards", "algo"}
 ENGINES = {"engines"}
 
 
