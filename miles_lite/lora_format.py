@@ -47,6 +47,8 @@ class LoraSpec:
         if unknown or not self.targets:
             raise ValueError(f"LoRA targets {list(self.targets)}: {unknown or 'none given'}; "
                              f"choose from {list(TARGETS)}")
+        # One order for every spec of the same targets (PEFT lists them as a set).
+        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in self.targets))
 
     @property
     def scale(self) -> float:

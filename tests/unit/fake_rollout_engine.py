@@ -110,6 +110,9 @@ class FakeEngine:
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return []
 
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
+        self.version = new_version
+
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
         self.adapters[lora_name] = lora_path
         return {"success": True, "loaded_adapters": dict(self.adapters)}
