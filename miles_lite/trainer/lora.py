@@ -91,6 +91,8 @@ class LoraAdapters(nn.Module):
         model.requires_grad_(False)
         self.layers = nn.ModuleList()
         self._hooks: list[Any] = []
+        self._base_names = {f"decoder.layers.{i}.{path}.weight": (i, path) for i in range(len(model.decoder.layers))
+                            for path, targets in FUSED.items() if any(t in lora.targets for t in targets)}
         for i, layer in enumerate(model.decoder.layers):
             pairs = nn.ModuleDict()
             for target in lora.targets:
@@ -210,13 +212,12 @@ class LoraAdapters(nn.Module):
 
     def base_names(self) -> dict[str, tuple[int, str]]:
         """Megatron weight name of every adapted base layer -> (layer, fused module path)."""
-        return {f"decoder.layers.{i}.{path}.weight": (i, path) for i in range(len(self.layers))
-                for path, targets in FUSED.items() if any(t in self.lora.targets for t in targets)}
+        return dict(self._base_names)
 
     @torch.no_grad()
     def merged(self, name: str, base: Tensor) -> Tensor:
         """Base shard `name` plus its adapters' `scale * B @ A` (a new tensor; `base` itself when not adapted)."""
-        where = self.base_names().get(name)
+        where = self._base_names.get(name)
         if where is None:
             return base
         delta = self.merged_delta(*where)
