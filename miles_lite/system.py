@@ -20,6 +20,7 @@ from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import remote_reward_spec
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.fleet_launch import Rollout, build_rollout
+from miles_lite.engines.lora_serving import with_lora_serving
 from miles_lite.model_assets import prepare_model
 from miles_lite.rewards.setup import build_reward_set
 from miles_lite.rollout.fleet import EngineFleet
@@ -83,6 +84,7 @@ class System:
         api_key = ApiKey.for_run(cfg.cluster.api_key_file)  # a bad key file fails before anything starts
         try:
             cfg, tokenizer = prepare_model(cfg, run_dir)
+            cfg = with_lora_serving(cfg)
             system = cls(cfg, run_dir, tokenizer, api_key)
         except BaseException:
             api_key.close()
@@ -185,8 +187,15 @@ class System:
         assert self.pusher is not None and self.trainer is not None
         start = time.perf_counter()
         self.version += 1
-        report = self.pusher.push(self.trainer.weight_shards, str(self.version))
+        report = self.pusher.push(self._push_source(), str(self.version))
         return report, time.perf_counter() - start
+
+    def _push_source(self) -> Any:
+        """What a push carries: the trainer's adapters (LoRA, `weight_sync.lora=adapter`), else its weight shards."""
+        from miles_lite.weight_sync.factory import adapter_push
+
+        assert self.trainer is not None
+        return self.trainer.adapter_tensors if adapter_push(self.cfg) else self.trainer.weight_shards
 
     def refresh_stale(self) -> SyncReport | None:
         """Push the current version to the stale engines when no engine is healthy (the relay calls this
@@ -207,7 +216,7 @@ class System:
             return None
         start = time.perf_counter()
         try:
-            report = self.pusher.push(self.trainer.weight_shards, version, stale_only=True)
+            report = self.pusher.push(self._push_source(), version, stale_only=True)
         except WeightSyncError as exc:
             logger.warning("push of version %s to the stale engines failed: %s", version, exc)
             return None

@@ -2,11 +2,15 @@
 
     miles-lite convert --to-hf CKPT OUT      CKPT: a checkpoint (step_N) or a root (its newest complete one)
     miles-lite convert --from-hf HF_DIR OUT  an initial checkpoint (step 0, weights only) under root OUT
+    miles-lite convert --to-hf CKPT OUT --adapter   a LoRA checkpoint's adapters as a PEFT adapter directory
 
 --to-hf writes `model.safetensors` (TP-merged: checkpoints store full HF-named tensors), the
 `config.json` and tokenizer files stored with the checkpoint, loadable by
 `transformers.AutoModelForCausalLM.from_pretrained(OUT)`. --from-hf writes a checkpoint that
 `checkpoint.resume=OUT` loads into a trainer of any TP (weights only; fresh optimizer).
+A LoRA checkpoint (`trainer.lora.rank` > 0) converts to its base with the adapters merged in, or with
+`--adapter` to `adapter_config.json` + `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained`
+loads onto the base.
 """
 
 from __future__ import annotations
@@ -29,14 +33,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--to-hf", nargs=2, metavar=("CKPT", "OUT"), help="checkpoint -> HF safetensors directory")
     mode.add_argument("--from-hf", nargs=2, metavar=("HF_DIR", "OUT"), help="HF directory -> initial checkpoint")
+    parser.add_argument("--adapter", action="store_true",
+                        help="with --to-hf on a LoRA checkpoint: a PEFT adapter directory, not the merged model")
     parser.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint's files")
 
 
-def to_hf(ckpt: str | Path, out: str | Path, verify: bool = True) -> Path:
-    """Write checkpoint `ckpt` as an HF directory `out`; returns `out`.
+def to_hf(ckpt: str | Path, out: str | Path, verify: bool = True, adapter: bool = False) -> Path:
+    """Write checkpoint `ckpt` as an HF directory `out` (`adapter`: a LoRA checkpoint's PEFT adapter
+    directory); returns `out`.
 
     Raises FileNotFoundError when `ckpt` holds no complete checkpoint or lacks its HF config.
     """
+    from miles_lite.checkpoint import lora_convert
     from miles_lite.trainer.hf_convert import save_hf_checkpoint
 
     path = Path(ckpt)
@@ -46,6 +54,13 @@ def to_hf(ckpt: str | Path, out: str | Path, verify: bool = True) -> Path:
             raise FileNotFoundError(f"CKPT={ckpt}: no complete checkpoint there (no {MANIFEST}, no step_N inside)")
         path = found
     reader = CheckpointReader(path, verify=verify)
+    lora = lora_convert.lora_info(reader)
+    if adapter and lora is None:
+        raise ValueError(f"--adapter: CKPT={path} holds full weights, not LoRA adapters; drop --adapter")
+    if adapter:
+        out_dir = lora_convert.write_adapter(reader, lora, out)
+        reader.close()
+        return out_dir
     config_file = reader.asset_dir() / "config.json"
     if not config_file.is_file():
         raise FileNotFoundError(f"CKPT={path} has no hf/config.json; it was saved without HF assets")
@@ -53,7 +68,10 @@ def to_hf(ckpt: str | Path, out: str | Path, verify: bool = True) -> Path:
     if not state:
         raise ValueError(f"CKPT={path} holds no model/* tensors; it is not a trainer checkpoint")
     config = json.loads(config_file.read_text())
-    out_dir = save_hf_checkpoint(state, config, out)
+    if lora is not None:
+        out_dir = lora_convert.write_merged(reader, lora, config, out)
+    else:
+        out_dir = save_hf_checkpoint(state, config, out)
     for rel in reader.assets():
         if rel != "config.json":
             target = out_dir / rel
@@ -85,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
     """Run the conversion `args` selects; prints the output path; returns 0, or 2 with a message on bad input."""
     try:
         if args.to_hf:
-            print(to_hf(args.to_hf[0], args.to_hf[1], verify=not args.no_verify))
+            print(to_hf(args.to_hf[0], args.to_hf[1], verify=not args.no_verify, adapter=args.adapter))
+        elif args.adapter:
+            raise ValueError("--adapter goes with --to-hf CKPT OUT")
         else:
             print(from_hf(args.from_hf[0], args.from_hf[1]))
     except (FileNotFoundError, ValueError, FileExistsError) as exc:

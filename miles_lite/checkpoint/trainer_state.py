@@ -7,6 +7,10 @@ the model) and replicated tensors are written by tp_rank 0 only. Loading assembl
 shards for its *current* layout, so a TP=2 checkpoint resumes at TP=1 and vice versa. Optimizer
 step counts, parameter groups, the LR schedule and counters are shared; RNG streams are local and
 come back only when the parallel layout is unchanged (otherwise the fresh rank's streams stay).
+
+A LoRA run (`trainer.lora.rank` > 0) trains only its adapters: the checkpoint holds those (PEFT names
+under `model/`) and their optimizer state, and its shared tree names the frozen base (`lora`), which
+resuming rebuilds from the configuration and `miles-lite convert` merges the adapters into.
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def optimizer_param_names(actor: Any) -> list[list[str]]:
 
     Under bf16 the torch optimizer steps fp32 copies; they are mapped back to their model parameter.
     """
-    names = {id(p): n for n, p in actor.policy.model.named_parameters()}
+    names = {id(p): n for n, p in actor.trained.named_parameters()}
     out: list[list[str]] = []
     for sub in _optimizers(actor):
         alias: dict[int, int] = {}
@@ -90,7 +94,7 @@ def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
     """
     sd = actor.state_dict_for_checkpoint()
     par = sd["parallel"]
-    layouts: Mapping[str, ParamLayout] = actor.layouts
+    layouts: Mapping[str, ParamLayout] = actor.trained_layouts
     writes = par["dp_rank"] == 0
 
     def mine(layout: ParamLayout) -> bool:
@@ -102,7 +106,7 @@ def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
             pieces += layout_pieces(MODEL_PREFIX, layouts[name], tensor)
     subs = sd["optimizer"] if isinstance(sd["optimizer"], list) else [sd["optimizer"]]
     index_names = optimizer_param_names(actor)
-    model_names = {id(p): n for n, p in actor.policy.model.named_parameters()}
+    model_names = {id(p): n for n, p in actor.trained.named_parameters()}
     shared_opt: list[dict[str, Any]] = []
     for sub_sd, names, sub in zip(subs, index_names, _optimizers(actor), strict=True):
         torch_sd, rest = _split_sub(sub_sd)
@@ -129,7 +133,8 @@ def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
     if par["tp_rank"] == 0 and par["dp_rank"] == 0:
         shared = {"optimizer": shared_opt, "scheduler": sd["scheduler"], "counters": sd["counters"],
                   "parallel": {"tp_size": par["tp_size"], "dp_size": par["dp_size"]},
-                  "driver": dict(driver_tree) if driver_tree is not None else None}
+                  "driver": dict(driver_tree) if driver_tree is not None else None,
+                  "lora": actor.lora_checkpoint_info()}
     meta_all = {"tp": par["tp_size"], "dp": par["dp_size"], "tensor_names": "hf", **dict(meta or {})}
     return CheckpointPayload(pieces=pieces, local={"rng": sd["rng"], "parallel": par}, shared=shared,
                              assets=assets if shared is not None else None,
@@ -153,7 +158,7 @@ def snapshot_sizes(actor: Any) -> list[int]:
     sizes = [p.tensor.numel() * p.tensor.element_size() for p in payload.pieces]
     sizes += [t.numel() * t.element_size() for t in loose.values()]
     tp_rank, dp_rank = actor.par.tp_rank, actor.par.dp_rank
-    layouts: Mapping[str, ParamLayout] = actor.layouts
+    layouts: Mapping[str, ParamLayout] = actor.trained_layouts
     for sub, names in zip(_optimizers(actor), optimizer_param_names(actor), strict=True):
         stepped = [p for group in sub.optimizer.param_groups for p in group["params"]]
         for param, name in zip(stepped, names, strict=True):
@@ -167,8 +172,8 @@ def snapshot_sizes(actor: Any) -> list[int]:
 
 
 def _optimizer_state(actor: Any, reader: CheckpointReader, shared_opt: list[dict[str, Any]]) -> Any:
-    layouts: Mapping[str, ParamLayout] = actor.layouts
-    model_names = {id(p): n for n, p in actor.policy.model.named_parameters()}
+    layouts: Mapping[str, ParamLayout] = actor.trained_layouts
+    model_names = {id(p): n for n, p in actor.trained.named_parameters()}
     keys = sorted({n[len(OPTIM_PREFIX):].split("/", 1)[0] for n in reader.global_names(OPTIM_PREFIX)} - {"master"})
     out = []
     for sub, names, saved in zip(_optimizers(actor), optimizer_param_names(actor), shared_opt, strict=True):
@@ -205,8 +210,18 @@ def restore_actor(actor: Any, reader: CheckpointReader) -> dict[str, Any]:
     from miles_lite.trainer.rng import capture_rank_rng
 
     shared = reader.shared()
+    saved_lora, lora = shared.get("lora"), actor.lora_checkpoint_info()
+    if (saved_lora is None) != (lora is None) or (lora is not None and saved_lora["adapter"] != lora["adapter"]):
+        def what(info: Any) -> str:
+            if info is None:
+                return "full weights"
+            adapter = info["adapter"]
+            return f"LoRA r={adapter['r']} alpha={adapter['lora_alpha']} on {adapter['target_modules']}"
+
+        raise ValueError(f"the checkpoint holds {what(saved_lora)}, the trainer is configured for {what(lora)}; "
+                         "resume with the trainer.lora settings the checkpoint was saved with")
     par = actor.par
-    layouts: Mapping[str, ParamLayout] = actor.layouts
+    layouts: Mapping[str, ParamLayout] = actor.trained_layouts
     model = {name: assemble(reader, MODEL_PREFIX, layout) for name, layout in layouts.items()}
     has_optim = bool(reader.global_names(OPTIM_PREFIX)) and "optimizer" in shared
     same_layout = shared.get("parallel") == {"tp_size": par.tp_size, "dp_size": par.dp_size}

@@ -73,6 +73,9 @@ class LocalTrainer:
     def memory_stats(self) -> dict[str, float]:
         return self.rank.memory_stats()
 
+    def adapter_tensors(self) -> list[dict[str, torch.Tensor]]:
+        return [self.rank.adapter_state()]
+
     def state_dicts(self) -> list[dict[str, Any]]:
         """Checkpoint state of every rank (one here)."""
         return [self.rank.state_dict()]

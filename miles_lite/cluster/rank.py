@@ -95,6 +95,9 @@ class TrainerRank:
     def memory_stats(self) -> dict[str, float]:
         return self.actor.memory_stats()
 
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        return self.actor.adapter_state()
+
     def state_dict(self) -> dict[str, Any]:
         return self.actor.state_dict_for_checkpoint()
 

@@ -327,6 +327,10 @@ class RayTrainerGroup:
         """Rank 0's trainer memory (see `TrainerActor.memory_stats`)."""
         return self._all("memory_stats")
 
+    def adapter_tensors(self) -> list[dict[str, torch.Tensor]]:
+        """LoRA: the full adapter tensors under their PEFT names (gathered over TP), from global rank 0."""
+        return [self._all("adapter_state")]
+
     def save_checkpoint(self, step: int, driver: DriverState, final: bool = False) -> SaveStats:
         """Every rank writes its own shards (rank 0 also the driver state and commits); rank 0's `SaveStats`."""
         self._require_ready()

@@ -72,6 +72,24 @@ class ModelConfig:
     shape: TinyModelShape = field(default_factory=TinyModelShape)
 
 
+# PEFT module names a LoRA adapter may target (mapped onto megatron-core's fused layers by the trainer).
+LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters trained on a frozen base (rank 0: full fine-tuning)."""
+
+    # Adapter rank r; 0 trains every weight instead.
+    rank: int = bounded(0, ge=0)
+    # Scale of the adapter's output is alpha / rank (PEFT's lora_alpha).
+    alpha: float = bounded(32.0, gt=0)
+    # Dropout on the adapter's input while training (PEFT's lora_dropout).
+    dropout: float = bounded(0.0, ge=0, lt=1)
+    # PEFT names of the adapted projections (a subset of LORA_TARGETS).
+    targets: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+
 @dataclass
 class TrainerConfig:
     """Megatron-core trainer: parallelism, precision, optimiser, schedule, memory knobs."""
@@ -141,6 +159,8 @@ class TrainerConfig:
     # torch intra-op threads of each trainer rank on CPU (0: torch's default, one per core). On a
     # machine shared with the rollout engines, 1 avoids OpenMP threads spinning against them.
     threads: int = bounded(0, ge=0)
+    # LoRA: adapters on the attention and MLP projections, the base frozen (`lora.rank` > 0 turns it on).
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
     @property
     def world_size(self) -> int:
@@ -265,6 +285,10 @@ class WeightSyncConfig:
     # GPUs, gloo otherwise) | nccl | gloo. See config/weight_sync_choice.py.
     backend: str = one_of("auto", "nccl", "gloo")
     init_timeout_s: float = bounded(120.0, gt=0)
+    # With trainer.lora.rank > 0: adapter (push only the adapter tensors as a PEFT adapter directory under
+    # `disk_dir` (default <run>/adapters), loaded by each engine under a new name per version) | merged
+    # (base + adapter weights through `transport`, as a full fine-tune pushes them).
+    lora: str = one_of("adapter", "merged")
 
 
 @dataclass

@@ -326,6 +326,21 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
     problems += weight_sync_problems(cfg) + handoff_problems(cfg)
 
 
+def _check_lora(cfg: MilesConfig, problems: list[str]) -> None:
+    from miles_lite.config.schema import LORA_TARGETS
+
+    lora = cfg.trainer.lora
+    if lora.rank == 0:
+        return
+    targets = list(lora.targets)
+    unknown = sorted(set(targets) - set(LORA_TARGETS))
+    if unknown or not targets or len(set(targets)) != len(targets):
+        what = f"unknown {unknown}" if unknown else "empty or repeated"
+        problems.append(f"trainer.lora.targets={targets}: {what}; list distinct names from {list(LORA_TARGETS)}")
+    if cfg.trainer.transformer.get("sequence_parallel"):
+        problems.append("trainer.lora with trainer.transformer.sequence_parallel=true is not supported; drop one")
+
+
 def validate(cfg: MilesConfig) -> ModelDims | None:
     """Check every cross-field rule of `cfg`; raise `ConfigError` listing all problems at once.
 
@@ -349,6 +364,8 @@ def validate(cfg: MilesConfig) -> ModelDims | None:
             read_key_file(cfg.cluster.api_key_file)
         except ApiKeyError as err:
             problems.append(f"cluster.api_key_file: {err}")
+
+    _check_lora(cfg, problems)
     if problems:
         raise ConfigError(problems)
     return dims

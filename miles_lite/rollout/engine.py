@@ -95,5 +95,11 @@ class RolloutEngine(Protocol):
         """Allocate the memory of released `tags` again (`/resume_memory_occupation`); weights come back
         with the values they had (or receive a push next)."""
 
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """Load a PEFT adapter directory under a name requests can pick (`lora_name` below)."""
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Drop a loaded adapter."""
+
     async def close(self) -> None:
         """Release the client's connections (does not stop the server)."""

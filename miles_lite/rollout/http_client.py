@@ -73,6 +73,9 @@ class HttpEngine:
         # KV cache is released (and fail it badly), so generation is refused here first.
         self.released: set[str] = set()
 
+        # The LoRA adapter every generate/score request names (SGLang's per-request `lora_path`); None: the base.
+        self.lora_name: str | None = None
+
     def __repr__(self) -> str:
         return f"HttpEngine({self.engine_id!r}, {self.url!r})"
 
@@ -112,7 +115,7 @@ class HttpEngine:
         """POST a weight/control call; SGLang answers {"success": bool, "message": str}."""
         data = await self._request("POST", path, payload, timeout_s or self.control_timeout_s)
         if not isinstance(data, dict) or data.get("success") is not True:
-            message = data.get("message") if isinstance(data, dict) else data
+            message = (data.get("message") or data.get("error_message")) if isinstance(data, dict) else data
             raise EngineError(f"{self.engine_id} {path} failed: {message}")
         return data
 
@@ -129,6 +132,8 @@ class HttpEngine:
         if rid is not None:
             payload["rid"] = rid
         self._refuse_while_released("/generate")
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
         start = time.monotonic()
         data = await self._request("POST", "/generate", payload, self.request_timeout_s)
         return self._parse_generation(data, time.monotonic() - start)
@@ -175,6 +180,8 @@ class HttpEngine:
         payload = {"input_ids": list(input_ids), "return_logprob": True, "logprob_start_len": prompt_len - 1,
                    "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
         self._refuse_while_released("score")
+        if self.lora_name is not None:
+            payload["lora_path"] = self.lora_name
         data = await self._request("POST", "/generate", payload, self.request_timeout_s)
         try:
             entries = data["meta_info"]["input_token_logprobs"]
@@ -321,6 +328,16 @@ class HttpEngine:
             "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
             "weight_version": weight_version, "flush_cache": flush_cache,
         }, self.request_timeout_s)
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        """`/load_lora_adapter`: load the PEFT directory `lora_path` as adapter `lora_name` (engines started with
+        `--enable-lora`); returns the answer (`loaded_adapters`: every adapter the engine holds)."""
+        return await self._post_checked("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path},
+                                        self.request_timeout_s)
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """`/unload_lora_adapter`: drop adapter `lora_name`."""
+        return await self._post_checked("/unload_lora_adapter", {"lora_name": lora_name})
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of a parameter (`/get_weights_by_name`)."""

@@ -25,9 +25,10 @@ from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignm
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
 from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, UpdateGuard
-from miles_lite.trainer.hf_convert import gather_hf_state
+from miles_lite.trainer.hf_convert import gather_hf_state, mark_tensor_parallel
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
+from miles_lite.trainer.lora import attach_lora, base_reference
 from miles_lite.trainer.offload import TrainerOffload, optimizer_tensors
 from miles_lite.trainer.optim import build_optimizer, build_scheduler, current_lr, set_lr, wrap_ddp
 from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batches, split_for_data_parallel
@@ -95,7 +96,13 @@ class TrainerActor:
             spec, hf_state, self.hf_config = load_policy_source(self.cfg)
             self.policy, self.layouts = build_handle(spec, hf_state, trainer, self.runtime, self.par)
             del hf_state
-            self.ddp = wrap_ddp(self.policy.model, self.policy.model.config, trainer, self.runtime)
+            # What the optimizer steps and checkpoints hold: the whole model, or only its LoRA adapters.
+            self.lora = attach_lora(self.policy, trainer, self.par)
+            self.trained: torch.nn.Module = self.lora if self.lora is not None else self.policy.model
+            self.trained_layouts = self.lora.layouts() if self.lora is not None else self.layouts
+            if self.lora is not None:
+                mark_tensor_parallel(self.lora, self.trained_layouts)
+            self.ddp = wrap_ddp(self.trained, self.policy.model.config, trainer, self.runtime)
             self._finalize_grads = finalize_model_grads
             self.optimizer = build_optimizer(self.ddp, trainer, self.runtime)
             self.scheduler = build_scheduler(self.optimizer, trainer, total_steps or self.cfg.experiment.steps)
@@ -103,7 +110,8 @@ class TrainerActor:
             self.offloader = TrainerOffload({"params": self._param_tensors, "grads": self._grad_tensors,
                                              "optimizer": self._optimizer_tensors})
             self.reference: dict[str, Tensor] | None = None
-            if trainer.keep_reference or self.cfg.algo.kl_coef > 0:
+            if (trainer.keep_reference or self.cfg.algo.kl_coef > 0) and self.lora is None:
+                # (A LoRA run's reference is its frozen base: the adapters switched off.)
                 # Host copy of the initial weights; swapped into the policy model when asked for.
                 self.reference = {n: p.detach().to("cpu", copy=True)
                                   for n, p in self.policy.model.named_parameters()}
@@ -233,7 +241,9 @@ class TrainerActor:
         self._check_tokens(batch)
         handle, vocab = self.policy, None
         swap: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
-        if model == "reference":
+        if model == "reference" and self.lora is not None:
+            swap = self.lora.disabled()
+        elif model == "reference":
             if self.reference is None:
                 raise RuntimeError("no reference model: set trainer.keep_reference=true or algo.kl_coef > 0")
             swap = self._swapped_weights(self.reference)
@@ -474,7 +484,19 @@ class TrainerActor:
         self._require_ready()
         self.offloader.require_resident(("params",), "reading the weights")
         for name, param in self.policy.model.named_parameters():
-            yield name, param.detach(), self.layouts[name]
+            # LoRA: base + adapter, computed per shard (no communication).
+            value = param.detach() if self.lora is None else self.lora.merged(name, param.detach())
+            yield name, value, self.layouts[name]
+
+    def adapter_state(self) -> dict[str, Tensor]:
+        """LoRA: the full adapter tensors under their PEFT names (gathered over TP, on CPU) on global rank 0;
+        an empty dict elsewhere. Every rank must call it."""
+        self._require_ready()
+        if self.lora is None:
+            raise RuntimeError("no LoRA adapters: set trainer.lora.rank > 0")
+        with cpu_compat.device_mode():
+            state = gather_hf_state(self.lora, self.trained_layouts, self.par.tp_group)
+        return state if self.par.rank == 0 else {}
 
     def export_hf_state_dict(self) -> dict[str, Tensor]:
         """Full HF tensors (gathered over TP, on CPU) on global rank 0; an empty dict elsewhere.
@@ -483,7 +505,8 @@ class TrainerActor:
         """
         self._require_ready()
         self.offloader.require_resident(("params",), "exporting the weights")
-        with cpu_compat.device_mode():
+        merged = self.lora.merged_into(self.policy.model) if self.lora is not None else contextlib.nullcontext()
+        with cpu_compat.device_mode(), merged:
             state = gather_hf_state(self.policy.model, self.layouts, self.par.tp_group, self.par.ep_group,
                                     self.policy.spec.num_experts)
         return state if self.par.rank == 0 else {}
@@ -496,7 +519,7 @@ class TrainerActor:
         self._require_ready()
         self.offloader.require_resident(OFFLOAD_PARTS, "a checkpoint")
         return {
-            "model": {n: p.detach() for n, p in self.policy.model.named_parameters()},
+            "model": {n: p.detach() for n, p in self.trained.named_parameters()},
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rank_rng(),
@@ -505,6 +528,12 @@ class TrainerActor:
             "parallel": {"tp_rank": self.par.tp_rank, "tp_size": self.par.tp_size,
                          "dp_rank": self.par.dp_rank, "dp_size": self.par.dp_size},
         }
+
+    def lora_checkpoint_info(self) -> dict[str, Any] | None:
+        """What a checkpoint records of the LoRA setup: the adapter's PEFT config and the base it sits on."""
+        if self.lora is None:
+            return None
+        return {"adapter": self.lora.lora.peft_config(None), "base": base_reference(self.cfg)}
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
@@ -515,7 +544,7 @@ class TrainerActor:
         saved = {k: state["parallel"][k] for k in mine}
         if saved != mine:
             raise ValueError(f"checkpoint shard is for {saved}, this rank is {mine}; resume with the same trainer.tp")
-        params = dict(self.policy.model.named_parameters())
+        params = dict(self.trained.named_parameters())
         missing = sorted(set(params) - set(state["model"]))
         if missing:
             raise KeyError(f"checkpoint lacks parameters {missing[:4]}")

@@ -13,12 +13,25 @@ from miles_lite.weight_sync.transport import EngineLoop, WeightTransport
 from miles_lite.weight_sync.verify import PushVerifier, make_probe
 
 
+def adapter_push(cfg: MilesConfig) -> bool:
+    """True when pushes carry only LoRA adapters (`trainer.lora.rank` > 0 and `weight_sync.lora=adapter`)."""
+    return cfg.trainer.lora.rank > 0 and cfg.weight_sync.lora == "adapter"
+
+
 def build_transport(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop, run_dir: Path,
                     api_key: str | None = None) -> WeightTransport:
     """The transport `weight_sync.transport` names, over the trainer's parameter layouts; a weight-update group
     admits only ranks presenting `api_key` (except SGLang's own group: full mode on SGLang engines)."""
 
     ws = cfg.weight_sync
+    if adapter_push(cfg):
+        from miles_lite.trainer.lora import lora_spec
+        from miles_lite.weight_sync.adapter_push import AdapterTransport
+
+        spec = lora_spec(cfg.trainer)
+        assert spec is not None
+        root = Path(ws.disk_dir) if ws.disk_dir else run_dir / "adapters"
+        return AdapterTransport(spec, root, loop, base_model=cfg.model.hf_path)
     dtype = "float32" if cfg.trainer.precision == "fp32" else "bfloat16"
     layouts = trainer.layouts()
     if any(layout.expert is not None for layout in layouts) and (cfg.trainer.tp > 1 or cfg.trainer.ep > 1):

@@ -53,6 +53,9 @@ class WeightSource(ShardSenders, Protocol):
     def probe_logprobs(self, sequences: Any) -> list[list[float]]:
         """Logprobs (nats) of each probe sequence's tokens after its prompt, under the current weights."""
 
+    def adapter_tensors(self) -> list[dict[str, torch.Tensor]]:
+        """LoRA: `[{PEFT name: full adapter tensor}]` (the one entry gathered over TP)."""
+
 
 class SenderState(enum.Enum):
     IDLE = "idle"

@@ -8,6 +8,7 @@ Modes: "ok", "error" (answers an EngineError), "dead" (connection refused), "han
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from miles_lite.rollout.engine import EngineError
 from miles_lite.types import Generation, SamplingParams
@@ -30,6 +31,8 @@ class FakeEngine:
         self.paused = False
         self.closed = False
         self._abort_all = 0
+        self.adapters: dict[str, str] = {}
+        self.lora_name: str | None = None
         self._abort_rids: set[str] = set()
         # Memory tags released (sleeping while any is), and every control call in order (for ordering tests).
         self.released: set[str] = set()
@@ -129,6 +132,17 @@ class FakeEngine:
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[float]:
         return []
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> None:
+        self.version = new_version
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
+        self.adapters[lora_name] = lora_path
+        return {"success": True, "loaded_adapters": dict(self.adapters)}
+
+    async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        self.adapters.pop(lora_name)
+        return {"success": True, "loaded_adapters": dict(self.adapters)}
 
     async def close(self) -> None:
         self.closed = True

@@ -203,7 +203,8 @@ def test_schema_choices_match_the_algorithms_they_name() -> None:
     assert allowed["algo.is_level"] == {e.value for e in ISLevel} | {"none"}
     assert allowed["algo.kl_estimator"] <= {e.value for e in KLEstimator}
     assert allowed["trainer.moe_token_dispatcher"] == {"auto", "alltoall", "allgather"}
-    assert len(allowed) == 25
+    assert allowed["weight_sync.lora"] == {"adapter", "merged"}
+    assert len(allowed) == 26
 
 
 def test_a_value_outside_the_schema_choices_names_field_and_choices() -> None:

@@ -21,7 +21,8 @@ REPO = PACKAGE.parent
 MAX_LINES = 500
 
 ENTRY_POINTS = {"driver", "handoff", "system", "cli", "train_cli", "eval_cli", "presample_cli"}
-LIBRARIES = {"types", "answer_format", "api_key", "ports", "plugins", "config", "data", "rewards", "algo"}
+LIBRARIES = {"types", "answer_format", "api_key", "lora_format", "ports", "plugins", "config", "data", "rewards",
+             "algo"}
 ENGINES = {"engines"}
 
 

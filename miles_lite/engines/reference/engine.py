@@ -40,6 +40,8 @@ REFERENCE_ARGS: dict[str, tuple[str, str]] = {
     "group_timeout_s": ("--group-timeout-s", "value"),
     "tp": ("--tp", "value"),
     "custom_weight_loader": ("--custom-weight-loader", "list"),
+    "enable_lora": ("--enable-lora", "bool"),
+    "max_lora_rank": ("--max-lora-rank", "value"),
 }
 
 
@@ -75,6 +77,10 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
     parser.add_argument("--insecure", action="store_true",
                         help="allow serving a non-loopback address without an API key (anyone who reaches the "
                              "port can generate, pause and replace the weights)")
+
+    parser.add_argument("--enable-lora", action="store_true",
+                        help="serve LoRA adapters: /load_lora_adapter, /unload_lora_adapter, lora_path per request")
+    parser.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -129,7 +135,8 @@ async def serve(args: argparse.Namespace, api_key: str | None) -> None:
         weight_version=args.weight_version, drop_weight_updates=args.drop_weight_updates,
         fail_mode=args.fail_mode, fail_after=args.fail_after,
         return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s, tp=args.tp,
-        custom_weight_loader=tuple(args.custom_weight_loader), api_key=api_key,
+        custom_weight_loader=tuple(args.custom_weight_loader), api_key=api_key, enable_lora=args.enable_lora,
+        max_lora_rank=args.max_lora_rank,
     ))
     # Shutdown aborts every request first, so handlers finish quickly; 5 s bounds stragglers.
     runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from miles_lite.engines.reference.lora import LoraAdapters
 from miles_lite.engines.reference.routing import RoutingCapture
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,6 +105,9 @@ class ReferenceModel:
         self.eos_token_ids = self._eos_ids()
         # Mixture-of-experts models: which experts each forward routed every token to.
         self.routing = RoutingCapture.attach(self.model, self.config)
+
+        # LoRA adapters by name, applied per batch row (`lora.rows`) on top of the untouched base weights.
+        self.lora = LoraAdapters(self.model)
 
     def _eos_ids(self) -> frozenset[int]:
         ids: set[int] = set()

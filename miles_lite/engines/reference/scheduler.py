@@ -66,6 +66,9 @@ class GenRequest:
     return_routed_experts: bool = False
     routed: list[np.ndarray] = field(default_factory=list)
 
+    # The LoRA adapter the request named (`lora_path`), held for its whole life; None: the base model.
+    adapter: Any = None
+
     def __post_init__(self) -> None:
         self.generator = make_generator(self.sampling.sampling_seed)
 
@@ -237,7 +240,8 @@ class Scheduler:
         return eos | req.sampling.stop_token_ids
 
     def _prefill_compute(self, reqs: list[GenRequest], starts: list[int | None]):
-        result = self.model.prefill([r.input_ids + r.output_ids for r in reqs], starts)
+        with self.model.lora.rows([r.adapter for r in reqs]):
+            result = self.model.prefill([r.input_ids + r.output_ids for r in reqs], starts)
         tokens, logprobs = sample_next(result.next_logits, [r.sampling for r in reqs], [r.generator for r in reqs],
                                        [self._banned(r) for r in reqs], self._original_logprob)
         return result, tokens, logprobs
@@ -270,7 +274,8 @@ class Scheduler:
             self._running.extend(reqs[i] for i in keep)
 
     def _decode_compute(self, reqs: list[GenRequest], batch: KVBatch):
-        batch, logits = self.model.decode(batch, [r.output_ids[-1] for r in reqs])
+        with self.model.lora.rows([r.adapter for r in reqs]):
+            batch, logits = self.model.decode(batch, [r.output_ids[-1] for r in reqs])
         tokens, logprobs = sample_next(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
                                        [self._banned(r) for r in reqs], self._original_logprob)
         return batch, tokens, logprobs, self.model.last_decode_routed

@@ -54,6 +54,10 @@ class ServerOptions:
     # Every path but OPEN_PATHS asks `Authorization: Bearer <api_key>` (None: nothing is asked; kept out of reprs).
     api_key: str | None = field(default=None, repr=False)
 
+    # SGLang's --enable-lora / --max-lora-rank: serve LoRA adapters loaded at run time.
+    enable_lora: bool = False
+    max_lora_rank: int | None = None
+
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ValueError(f"--tp must be >= 1, got {self.tp}")
@@ -98,6 +102,7 @@ class ReferenceServer:
         self.weight_version = opts.weight_version
         self.scheduler = Scheduler(self.model, opts.max_batch_size, lambda: self.weight_version, self.tokenizer,
                                    opts.return_original_logprob)
+        self.model.lora.max_rank = opts.max_lora_rank
         self.weights = ShardedWeights(self.model, opts.tp)
         # A rank's reply waits for the collective it is in, which gives up after the group timeout.
         self.ranks = EngineRanks(self.weights.specs, self.weights.engine, opts.group_timeout_s + 60.0,
@@ -125,6 +130,8 @@ class ReferenceServer:
             ("*", "/get_weights_by_name", self.get_weights_by_name),
             ("*", "/release_memory_occupation", self.release_memory_occupation),
             ("*", "/resume_memory_occupation", self.resume_memory_occupation),
+            ("POST", "/load_lora_adapter", self.load_lora_adapter),
+            ("POST", "/unload_lora_adapter", self.unload_lora_adapter),
         ]
         for method, path, handler in routes:
             self.app.router.add_route(method, path, handler)
@@ -201,9 +208,15 @@ class ReferenceServer:
         routed = bool(item.get("return_routed_experts") or False)
         if routed and self.model.routing is None:
             raise ValueError("return_routed_experts=true needs a mixture-of-experts model; this one is dense")
+        adapter = None
+        if item.get("lora_path") is not None:
+            if not self.opts.enable_lora:
+                raise ValueError("lora_path needs LoRA serving: start the engine with --enable-lora")
+            adapter = self.model.lora.get(str(item["lora_path"]))
         return GenRequest(rid=str(item.get("rid") or uuid.uuid4().hex), input_ids=input_ids, sampling=sampling,
                           return_logprob=bool(item.get("return_logprob") or False), logprob_start_len=start,
-                          future=asyncio.get_running_loop().create_future(), return_routed_experts=routed)
+                          future=asyncio.get_running_loop().create_future(), return_routed_experts=routed,
+                          adapter=adapter)
 
     async def health_generate(self, request: web.Request) -> web.Response:
         """200 once a one-token greedy generation of [0] succeeds (runs even while paused)."""
@@ -278,6 +291,32 @@ class ReferenceServer:
         except ValueError as exc:
             return _error(str(exc))
         return web.json_response(values)
+
+    # ---- LoRA adapters (SGLang's LoRAUpdateOutput answers) --------------------------------------------------
+
+    def _lora_result(self, success: bool, error: str | None = None) -> web.Response:
+        return web.json_response({"success": success, "error_message": error,
+                                  "loaded_adapters": self.model.lora.loaded()}, status=200 if success else 400)
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """Load a PEFT directory (`lora_path`) as adapter `lora_name`; the base weights are not touched."""
+        body = await _body(request)
+        if not self.opts.enable_lora:
+            return self._lora_result(False, "LoRA is not enabled: start the engine with --enable-lora")
+        try:
+            await self.scheduler.run_on_model(self.model.lora.load, str(body.get("lora_name") or ""),
+                                              str(body.get("lora_path") or ""))
+        except (ValueError, FileNotFoundError, KeyError) as exc:
+            return self._lora_result(False, f"Failed to load LoRA adapter: {exc}")
+        return self._lora_result(True)
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _body(request)
+        try:
+            self.model.lora.unload(str(body.get("lora_name") or ""))
+        except ValueError as exc:
+            return self._lora_result(False, str(exc))
+        return self._lora_result(True)
 
     # ---- weights ---------------------------------------------------------------------------------------------
 

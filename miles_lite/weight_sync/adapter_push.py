@@ -1,0 +1,122 @@
+"""Adapter-only weight push for LoRA runs: only the adapter tensors move, never the frozen base.
+
+Each push publishes the trainer's adapters as a PEFT directory `<root>/v<version>/` (written into a
+temporary directory, then renamed: an engine never reads half a version), then, on every engine and
+as SGLang's LoRA serving API has it: `/load_lora_adapter` under a new name, `/update_weight_version`,
+the engine's client switches its requests' `lora_path` to the new name, and the adapter it served
+before is unloaded (`/unload_lora_adapter`). A request already running keeps the adapter it started
+with (the engines resolve a name once, at submission). Older version directories are removed after a
+successful push. The engines must see `<root>` (same machine, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from miles_lite.lora_format import LoraSpec, adapter_bytes, save_adapter_dir
+from miles_lite.weight_sync.disk import VERSION_DIR, version_dir
+from miles_lite.weight_sync.transport import (
+    EngineLoop,
+    FleetEngine,
+    PushReport,
+    ShardSource,
+    TransportState,
+    WeightSyncError,
+    WeightTransport,
+    resolve_shards,
+)
+
+
+def adapter_name(version: str, attempt: int) -> str:
+    """The name a pushed adapter is served under: new for every push, so a repeated push never collides."""
+    return f"policy-v{version}-{attempt}"
+
+
+class AdapterTransport(WeightTransport):
+    """Pushes LoRA adapters as PEFT directories that each engine loads by name (see the module docstring).
+
+    Args:
+        spec: the adapters' rank, alpha and targets (written into `adapter_config.json`).
+        root: directory the versions are published under (`weight_sync.disk_dir`, default `<run>/adapters`).
+        loop: the rollout event loop the engine calls run on.
+        base_model: the base's HF directory, recorded in `adapter_config.json` (None for a generated model).
+    """
+
+    name = "lora_adapter"
+
+    def __init__(self, spec: LoraSpec, root: Path, loop: EngineLoop, base_model: str | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        self.root = Path(root)
+        self.loop = loop
+        self.base_model = base_model
+        self._attempts = 0
+        self._published: str | None = None
+
+    def connect(self, fleet_engines: Sequence[FleetEngine]) -> None:
+        self._require(TransportState.NEW, TransportState.CONNECTED, TransportState.FAILED)
+        self._set_fleet(fleet_engines)
+        self.state = TransportState.CONNECTED
+
+    def _publish(self, version: str, tensors: dict) -> Path:
+        final = version_dir(self.root, version)
+        if self._published == version and final.is_dir():
+            return final  # the same version again (to replacements, or after an engine died): same tensors
+        tmp = self.root / f".tmp-v{version}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_adapter_dir(tmp, tensors, self.spec, self.base_model)
+        # A directory of this version left by an earlier run (resumed from an older checkpoint) is replaced.
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        self._published = version
+        return final
+
+    def push(self, named_shards: ShardSource, version: str) -> PushReport:
+        """Publish `named_shards` (one entry: `{PEFT name: full tensor}`) and switch every engine to it."""
+        self._require(TransportState.CONNECTED)
+        report = PushReport(version, self.name, tuple(f.engine_id for f in self.fleet))
+        try:
+            shards = resolve_shards(named_shards, report)
+            if len(shards) != 1 or not shards[0]:
+                raise WeightSyncError("the adapter push needs the trainer's adapter tensors (one gathered entry); "
+                                      f"got {len(shards)} entries")
+            tensors = dict(shards[0])
+            with report.phase("transfer"):
+                path = self._publish(version, tensors)
+            report.bytes = adapter_bytes(tensors.values())
+            report.buckets = 1
+            self._attempts += 1
+            name = adapter_name(version, self._attempts)
+            with report.phase("load"):
+                self._switch(name, str(path.resolve()), version)
+        except BaseException:
+            self.state = TransportState.FAILED
+            raise
+        self._prune(version)
+        return report
+
+    def _switch(self, name: str, path: str, version: str) -> None:
+        loop = self.loop
+
+        async def load(f: FleetEngine) -> None:
+            await f.engine.load_lora_adapter(name, path)
+            await f.engine.update_weight_version(version, abort_all_requests=False)
+
+        loop.gather({f.engine_id: loop.submit(load(f)) for f in self.fleet})
+        previous = {f.engine_id: getattr(f.engine, "lora_name", None) for f in self.fleet}
+        for f in self.fleet:
+            f.engine.lora_name = name  # type: ignore[attr-defined]
+        loop.gather({f.engine_id: loop.submit(f.engine.unload_lora_adapter(old)) for f in self.fleet
+                     if (old := previous[f.engine_id]) is not None and old != name})
+
+    def _prune(self, version: str) -> None:
+        keep = version_dir(self.root, version).name
+        for entry in self.root.iterdir() if self.root.is_dir() else ():
+            if entry.is_dir() and VERSION_DIR.match(entry.name) and entry.name != keep:
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def close(self) -> None:
+        self.state = TransportState.CLOSED

@@ -1,0 +1,93 @@
+"""LoRA serving on the reference engine, through SGLang's API: `/load_lora_adapter`, `lora_path` per request
+(base and adapter rows in one batch), `/unload_lora_adapter`; a real server process on a tiny Qwen2."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from engine_contract import hf_logprobs, run, running_engine, save_tiny_qwen2  # noqa: E402
+
+from miles_lite.lora_format import TARGETS, LoraSpec, merged_state, save_adapter_dir, tensor_name  # noqa: E402
+from miles_lite.rollout.engine import EngineError  # noqa: E402
+from miles_lite.rollout.http_client import HttpEngine  # noqa: E402
+from miles_lite.trainer.hf_convert import read_hf_state, save_hf_checkpoint  # noqa: E402
+
+SPEC = LoraSpec(4, 8.0, 0.0, TARGETS)
+TOKENS = [3, 17, 99, 250, 7, 42, 300, 11, 5, 64]
+
+
+def _adapter(base: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for layer in range(2):
+        for target in TARGETS:
+            path = {"o_proj": "self_attn", "q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn"}.get(
+                target, "mlp")
+            out_f, in_f = base[f"model.layers.{layer}.{path}.{target}.weight"].shape
+            out[tensor_name(layer, target, "A")] = 0.2 * torch.randn(SPEC.rank, in_f, generator=gen)
+            out[tensor_name(layer, target, "B")] = 0.2 * torch.randn(out_f, SPEC.rank, generator=gen)
+    return out
+
+
+def test_adapters_load_serve_per_request_and_unload(tmp_path: Path) -> None:
+    model = save_tiny_qwen2(str(tmp_path / "base"), seed=0)
+    base = read_hf_state(model)
+    config = (Path(model) / "config.json").read_text()
+    wants = {}
+    for i in (1, 2):
+        adapter = _adapter(base, seed=i)
+        save_adapter_dir(tmp_path / f"adapter{i}", adapter, SPEC, model)
+        merged_dir = save_hf_checkpoint(merged_state(base, adapter, SPEC), json.loads(config),
+                                        tmp_path / f"merged{i}")
+        wants[f"v{i}"] = hf_logprobs(str(merged_dir), TOKENS, 2)
+    wants[None] = hf_logprobs(model, TOKENS, 2)
+
+    with running_engine("reference", model, str(tmp_path / "logs"),
+                        reference_args={"enable_lora": True, "max_lora_rank": 8}) as launched:
+        client = launched.client
+
+        async def scenario() -> None:
+            answer = await client.load_lora_adapter("v1", str(tmp_path / "adapter1"))
+            assert answer["loaded_adapters"] == {"v1": str(tmp_path / "adapter1")}
+            await client.load_lora_adapter("v2", str(tmp_path / "adapter2"))
+            # One client per adapter choice, all requests in flight together: the engine batches their rows.
+            clients = {}
+            for name in (None, "v1", "v2"):
+                clients[name] = HttpEngine(f"c-{name}", client.url)
+                clients[name].lora_name = name
+            got = await asyncio.gather(*(c.score(TOKENS, 2) for c in clients.values() for _ in range(2)))
+            for (name, _), scores in zip([(n, k) for n in clients for k in range(2)], got, strict=True):
+                diff = max(abs(a - b) for a, b in zip(scores, wants[name], strict=True))
+                assert diff < 1e-4, (name, diff)
+            assert max(abs(a - b) for a, b in zip(wants["v1"], wants[None], strict=True)) > 1e-2
+            await client.unload_lora_adapter("v1")
+            with pytest.raises(EngineError, match="v1"):
+                await clients["v1"].score(TOKENS, 2)
+            with pytest.raises(EngineError, match="max-lora-rank"):
+                big = LoraSpec(16, 8.0, 0.0, ("q_proj",))
+                save_adapter_dir(tmp_path / "big", {tensor_name(0, "q_proj", "A"): torch.zeros(16, 64),
+                                                    tensor_name(0, "q_proj", "B"): torch.zeros(64, 16)}, big, model)
+                await client.load_lora_adapter("big", str(tmp_path / "big"))
+            for c in clients.values():
+                await c.close()
+            await client.close()
+
+        run(scenario())
+
+
+def test_lora_path_needs_enable_lora(tmp_path: Path) -> None:
+    model = save_tiny_qwen2(str(tmp_path / "base"), seed=0)
+    with running_engine("reference", model, str(tmp_path / "logs")) as launched:
+        client = launched.client
+        client.lora_name = "v1"
+        with pytest.raises(EngineError, match="--enable-lora"):
+            run(client.score(TOKENS, 2))

@@ -1,0 +1,124 @@
+"""LoRA pieces without a trainer: PEFT format, fused-row layout, engine flags, config checks, the adapter push."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from fake_rollout_engine import FakeEngine
+
+from miles_lite.config.schema import MilesConfig
+from miles_lite.config.validate import ConfigError, validate
+from miles_lite.engines.lora_serving import with_lora_serving
+from miles_lite.engines.reference.engine import reference_flags
+from miles_lite.engines.sglang.command import sglang_flag_args
+from miles_lite.lora_format import (
+    MODULE_PATHS,
+    TARGETS,
+    LoraSpec,
+    load_adapter_dir,
+    merged_state,
+    save_adapter_dir,
+    tensor_name,
+)
+from miles_lite.trainer.hf_convert import layout_for
+from miles_lite.trainer.lora import fuse_rows
+from miles_lite.trainer.model import spec_from_hf_config
+from miles_lite.weight_sync.adapter_push import AdapterTransport
+from miles_lite.weight_sync.plan import EngineSpec
+from miles_lite.weight_sync.transport import EngineLoop, FleetEngine
+
+SPEC = LoraSpec(2, 4.0, 0.0, ("q_proj", "down_proj"))
+
+
+def test_adapter_directory_round_trip_and_merge(tmp_path: Path) -> None:
+    adapter = {tensor_name(0, "q_proj", "A"): torch.randn(2, 8), tensor_name(0, "q_proj", "B"): torch.randn(6, 2)}
+    save_adapter_dir(tmp_path, adapter, SPEC, "/models/base")
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["r"] == 2 and config["lora_alpha"] == 4.0 and config["peft_type"] == "LORA"
+    spec, tensors = load_adapter_dir(tmp_path)
+    assert spec == SPEC and all(torch.equal(tensors[n], t) for n, t in adapter.items())
+    base = {"model.layers.0.self_attn.q_proj.weight": torch.randn(6, 8), "model.norm.weight": torch.ones(8)}
+    merged = merged_state(base, adapter, SPEC)
+    a, b = adapter[tensor_name(0, "q_proj", "A")], adapter[tensor_name(0, "q_proj", "B")]
+    assert torch.allclose(merged["model.layers.0.self_attn.q_proj.weight"],
+                          base["model.layers.0.self_attn.q_proj.weight"] + 2.0 * b @ a)
+    assert merged["model.norm.weight"] is base["model.norm.weight"]
+    with pytest.raises(ValueError, match="lora_A or lora_B"):
+        save_adapter_dir(tmp_path / "half", {tensor_name(0, "q_proj", "A"): a}, SPEC, None)
+    with pytest.raises(ValueError, match="use_dora"):
+        LoraSpec.from_peft_config({**config, "use_dora": True})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_rows_follow_the_megatron_layouts(tp: int) -> None:
+    """Per-projection rows laid out by `fuse_rows` are exactly what the weight layouts assemble from HF tensors."""
+    spec = spec_from_hf_config({"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,
+                                "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "rope_theta": 1e4})
+    hf = {f"model.layers.0.{p}.weight": torch.randn(o, 16) for p, o in
+          (("self_attn.q_proj", 16), ("self_attn.k_proj", 8), ("self_attn.v_proj", 8), ("mlp.gate_proj", 24),
+           ("mlp.up_proj", 24))}
+    for rank in range(tp):
+        for path, names, out in (("self_attention.linear_qkv", ("q_proj", "k_proj", "v_proj"), 32),
+                                 ("mlp.linear_fc1", ("gate_proj", "up_proj"), 48)):
+            layout = layout_for(f"decoder.layers.0.{path}.weight", (out // tp, 16), spec, rank, tp, 32)
+            parts = {t: hf[f"model.layers.0.{MODULE_PATHS[t]}.weight"].chunk(tp)[rank] for t in names}
+            fused = fuse_rows(path, parts, None, spec, tp, dim=0)
+            assert torch.equal(fused, layout.assemble(hf))
+
+
+def test_engines_get_lora_flags_only_for_adapter_pushes() -> None:
+    cfg = MilesConfig()
+    assert with_lora_serving(cfg) is cfg
+    cfg.trainer.lora.rank = 8
+    cfg.trainer.lora.targets = ["q_proj", "v_proj"]
+    served = with_lora_serving(cfg)
+    argv = sglang_flag_args(served.rollout.sglang_args)
+    assert "--enable-lora" in argv and argv[argv.index("--max-lora-rank") + 1] == "8"
+    i = argv.index("--lora-target-modules")
+    assert argv[i + 1:i + 3] == ["q_proj", "v_proj"]
+    assert reference_flags(served.rollout.reference_args) == ["--enable-lora", "--max-lora-rank", "8"]
+    cfg.weight_sync.lora = "merged"
+    assert with_lora_serving(cfg) is cfg
+
+
+def test_bad_lora_targets_name_the_field() -> None:
+    cfg = MilesConfig()
+    cfg.trainer.lora.rank = 4
+    cfg.trainer.lora.targets = ["q_proj", "qkv"]
+    with pytest.raises(ConfigError, match=r"trainer.lora.targets=\['q_proj', 'qkv'\]: unknown \['qkv'\]"):
+        validate(cfg)
+
+
+@pytest.fixture()
+def loop():
+    ev = asyncio.new_event_loop()
+    t = threading.Thread(target=ev.run_forever, daemon=True)
+    t.start()
+    yield EngineLoop(ev, timeout_s=10)
+    ev.call_soon_threadsafe(ev.stop)
+    t.join()
+
+
+def test_adapter_push_loads_switches_and_unloads(tmp_path: Path, loop: EngineLoop) -> None:
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    transport = AdapterTransport(LoraSpec(2, 4.0, 0.0, TARGETS[:1]), tmp_path, loop)
+    transport.connect([FleetEngine(e, EngineSpec(e.engine_id, 1, 1)) for e in engines])
+    adapter = {tensor_name(0, "q_proj", "A"): torch.randn(2, 8), tensor_name(0, "q_proj", "B"): torch.zeros(6, 2)}
+    first = transport.push(lambda: [adapter], "1")
+    assert first.bytes == (16 + 12) * 4 and first.seconds["gather"] > 0
+    assert all(e.lora_name == "policy-v1-1" and list(e.adapters) == ["policy-v1-1"] and e.version == "1"
+               for e in engines)
+    transport.push([adapter], "2")
+    # The new adapter serves; the one before was unloaded; only its directory is kept.
+    assert all(e.lora_name == "policy-v2-2" and list(e.adapters) == ["policy-v2-2"] for e in engines)
+    assert engines[0].adapters["policy-v2-2"] == str((tmp_path / "v2").resolve())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["v2"]
+    spec, tensors = load_adapter_dir(tmp_path / "v2")
+    name = tensor_name(0, "q_proj", "A")
+    assert spec.rank == 2 and torch.equal(tensors[name], adapter[name])
