@@ -230,3 +230,29 @@ def test_crd_defaults_equal_renderer_defaults():
     assert defaulted["spec"]["trainer"]["replicas"] == 1 and defaulted["spec"]["gang"]["scheduler"] == "none"
     assert parse_job(defaulted) == parse_job(minimal)
     assert render(defaulted)[1:] == render(minimal)[1:]  # the ConfigMap records the spec as submitted
+
+
+def test_pod_fields_the_api_server_refuses_are_named_on_the_milesjob():
+    body = example("tiny-cpu.yaml")
+    body["spec"].update(image="my image:1", env=[{"name": "1 bad name", "value": "x"}],
+                        serviceAccountName="Bad_SA")
+    body["spec"]["trainer"]["resources"] = {"requests": {"cpu": "lots", "bad key!": 1}}
+    body["spec"]["rollout"]["nodeSelector"] = {"bad key!": "ok", "example.com/pool": "a b"}
+    body["spec"]["checkpoint"] = {"volume": {"claimName": "UPPER"}}
+    with pytest.raises(SpecError) as err:
+        parse_job(body)
+    lines = err.value.problems
+    fields = sorted(line.split(":")[0] for line in lines)
+    assert fields == ["spec.checkpoint.volume.claimName", "spec.env[0].name", "spec.image",
+                      "spec.rollout.nodeSelector['bad key!']", "spec.rollout.nodeSelector['example.com/pool']",
+                      "spec.serviceAccountName", "spec.trainer.resources.requests['bad key!']",
+                      "spec.trainer.resources.requests['cpu']"], lines
+    assert any("'lots' must be a quantity such as 2, 500m or 16Gi" in line for line in lines)
+
+
+@pytest.mark.parametrize("image", ["miles-lite:1.0", "registry.example:5000/team/miles-lite:1.0-gpu",
+                                   "localhost/miles-lite@sha256:" + "a" * 64, "ubuntu"])
+def test_image_references_the_runtime_parses_are_accepted(image):
+    body = example("tiny-cpu.yaml")
+    body["spec"]["image"] = image
+    assert parse_job(body).image == image
