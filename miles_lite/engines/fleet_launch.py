@@ -11,6 +11,7 @@ from typing import Any
 
 from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
 from miles_lite.data.encoding import PromptEncoder
+from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted
 from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.plugins import load_sync_fn
 from miles_lite.rollout.environment import load_environment
@@ -76,13 +77,18 @@ async def start_fleet(
     return await populate(fleet, fleet.launch(n), health_checks)
 
 
-async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, poll_s: float = 1.0) -> HttpEngine:
+async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, poll_s: float = 1.0,
+                       wanted: Callable[[], bool] | None = None) -> HttpEngine:
     """A client of engine `index` at `url` once it answers its health check, polled every `poll_s` for up to
-    `rollout.startup_timeout_s` (then TimeoutError naming the engine, `what` it was awaited for and the field)."""
+    `rollout.startup_timeout_s` (then TimeoutError naming the engine, `what` it was awaited for and the field).
+    `wanted`: asked before each poll; False ends the wait with EngineUnlisted (the engine was scaled away)."""
     engine = HttpEngine(f"engine-{index}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + rollout.startup_timeout_s
     while not await engine.health(timeout_s=min(5.0, rollout.startup_timeout_s)):
+        if wanted is not None and not wanted():
+            await engine.close()
+            raise EngineUnlisted(f"engine-{index} at {url} was removed from the engine list {what}")
         if loop.time() > deadline:
             await engine.close()
             raise TimeoutError(f"engine-{index} at {url} did not answer /health_generate within "
@@ -91,7 +97,8 @@ async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, 
     return engine
 
 
-def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1.0) -> Launcher:
+def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1.0,
+                      wanted: Callable[[str], bool] | None = None) -> Launcher:
     """The fleet's `launcher(index, incarnation)` for engines started elsewhere: the replacement of a dead
     engine is whatever answers at its URL again (the operator recreates a failed engine pod under the same
     DNS name), awaited for up to `rollout.startup_timeout_s`. The fleet then admits it as stale, and the
@@ -99,13 +106,16 @@ def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1
     """
 
     async def launch(index: int, incarnation: int) -> EngineHandle:
-        return EngineHandle(await await_engine(rollout, index, urls[index], "after it died", poll_s))
+        url = urls[index]
+        still = None if wanted is None else (lambda: wanted(url))
+        return EngineHandle(await await_engine(rollout, index, url, "after it died", poll_s, still))
 
     return launch
 
 
 async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: list[str], *,
-                       health_checks: bool = True, poll_s: float = 1.0) -> EngineFleet:
+                       health_checks: bool = True, poll_s: float = 1.0,
+                       wanted: Callable[[str], bool] | None = None) -> EngineFleet:
     """A fleet of engines started elsewhere (`rollout.engine_urls`, e.g. pods of the Kubernetes operator).
 
     Engines that do not answer yet are awaited (up to `rollout.startup_timeout_s` each, concurrently): pods
@@ -114,7 +124,7 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
     operator recreates failed engine pods), and the fleet re-admits an engine whose URL answers again
     (`reattach_launcher`), up to `fault_tolerance.max_engine_restarts`.
     """
-    fleet = EngineFleet(ft, reattach_launcher(rollout, urls, poll_s),
+    fleet = EngineFleet(ft, reattach_launcher(rollout, urls, poll_s, wanted),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
 
     async def attach_all() -> None:
@@ -130,6 +140,25 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
     return await populate(fleet, attach_all(), health_checks)
 
 
+async def follow_engine_list(fleet_urls: list[str], rollout: RolloutConfig, ft: FaultToleranceConfig,
+                             path: str) -> tuple[EngineFleet, EngineListFollower]:
+    """Attach the engines of `rollout.engine_urls`, then follow the list in `path` (the fleet grows and shrinks
+    with it; see engine_list.py). Call on the fleet's loop."""
+    follower: EngineListFollower | None = None
+
+    def wanted(url: str) -> bool:
+        return follower is None or follower.still_listed(url)
+
+    fleet = await attach_fleet(rollout, ft, fleet_urls, wanted=wanted)
+
+    async def connect(index: int, url: str, still: Callable[[], bool]) -> HttpEngine:
+        return await await_engine(rollout, index, url, "after it was added", wanted=still)
+
+    follower = EngineListFollower(fleet, connect, fleet_urls, path, poll_s=ft.health_interval_s)
+    follower.start()
+    return fleet, follower
+
+
 @dataclass
 class Rollout:
     """A started rollout side: the event-loop thread, the fleet living on it, and the blocking manager."""
@@ -137,10 +166,13 @@ class Rollout:
     loop: EventLoopThread
     fleet: EngineFleet
     manager: SyncRolloutManager
+    follower: EngineListFollower | None = None
 
     def close(self) -> None:
         """Stop the engines (those this job started), then the loop; the loop stops even if the fleet fails to."""
         try:
+            if self.follower is not None:
+                self.loop.run(self.follower.stop())
             self.loop.run(self.fleet.close())
         finally:
             self.loop.stop()
@@ -152,10 +184,15 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
     with a manager decoding and stopping with `tokenizer`; `seed` seeds the manager's sampling seeds.
     `start`: the coroutine that starts the fleet instead (the engines of a Ray rollout gang)."""
     loop = EventLoopThread().start()
+    follower = None
     try:
         rollout, ft = cfg.rollout, cfg.fault_tolerance
         if start is not None:
             fleet = loop.run(start())
+        elif rollout.engine_urls and rollout.engine_urls_file:
+            # Engines started elsewhere whose set may change while this job runs (operator-managed pods).
+            fleet, follower = loop.run(follow_engine_list([u.rstrip("/") for u in rollout.engine_urls], rollout, ft,
+                                                          rollout.engine_urls_file))
         elif rollout.engine_urls:
             # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
             fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls)))
@@ -173,4 +210,4 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
     manager = RolloutManager(fleet, rollout, ft, decode=encoder.decode, stop_token_ids=encoder.stop_token_ids,
                              seed=seed, encode=encoder.encode, environment=environment, generate_fn=generate_fn,
                              group_filter=group_filter)
-    return Rollout(loop, fleet, SyncRolloutManager(manager, loop))
+    return Rollout(loop, fleet, SyncRolloutManager(manager, loop), follower)

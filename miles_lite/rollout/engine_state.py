@@ -2,6 +2,8 @@
 
     starting -> healthy -> dead -> replacing -> stale -> healthy
         \\-> dead            replacing -> dead     stale -> dead
+        \\-> stale (an engine added to a running fleet, before it holds the current weights)
+    any state -> retired (the engine was removed from the fleet; final)
 """
 
 from __future__ import annotations
@@ -21,14 +23,16 @@ class EngineState(enum.Enum):
     DEAD = "dead"
     REPLACING = "replacing"
     STALE = "stale"
+    RETIRED = "retired"
 
 
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    EngineState.STARTING: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
-    EngineState.HEALTHY: frozenset({EngineState.DEAD}),
-    EngineState.DEAD: frozenset({EngineState.REPLACING}),
-    EngineState.REPLACING: frozenset({EngineState.STALE, EngineState.DEAD}),
-    EngineState.STALE: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
+    EngineState.STARTING: frozenset({EngineState.HEALTHY, EngineState.STALE, EngineState.DEAD, EngineState.RETIRED}),
+    EngineState.HEALTHY: frozenset({EngineState.DEAD, EngineState.RETIRED}),
+    EngineState.DEAD: frozenset({EngineState.REPLACING, EngineState.RETIRED}),
+    EngineState.REPLACING: frozenset({EngineState.STALE, EngineState.DEAD, EngineState.RETIRED}),
+    EngineState.STALE: frozenset({EngineState.HEALTHY, EngineState.DEAD, EngineState.RETIRED}),
+    EngineState.RETIRED: frozenset(),
 }
 
 
@@ -78,6 +82,10 @@ def console_line(t: Transition, current_version: str | None) -> str | None:
         return f"fleet: {where} is dead: {t.reason}"
     if t.new is EngineState.REPLACING:
         return f"fleet: {where}: starting a replacement ({t.reason})"
+    if t.new is EngineState.RETIRED:
+        return f"fleet: {where} removed: {t.reason}"
+    if t.new is EngineState.STALE and t.old is EngineState.STARTING:
+        return f"fleet: {where} added; it serves after a push of the current weights"
     if t.new is EngineState.STALE:
         return f"fleet: {where}: replacement up; it serves after a push of the current weights"
     if t.old is EngineState.STALE and t.new is EngineState.HEALTHY:

@@ -75,8 +75,25 @@ def test_trainer_job_is_indexed_and_fails_fast():
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts == {"config": "/etc/miles-lite", "checkpoints": "/checkpoints"}
     (cm,) = by_kind(objs, "ConfigMap")
-    overrides_hash = hashlib.sha256(cm["data"]["overrides"].encode()).hexdigest()[:16]
+    # The pods' config hash covers the overrides less the engine count and URLs (followed at run time).
+    kept = [line for line in cm["data"]["overrides"].splitlines()
+            if not line.startswith(("rollout.engines=", "rollout.engine_urls="))]
+    overrides_hash = hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
     assert spec["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] == overrides_hash
+    assert cm["data"]["engines"].splitlines() == [
+        f"http://tiny-cpu-rollout-{i}.tiny-cpu-rollout.research.svc:30000" for i in range(2)]
+    assert "rollout.engine_urls_file=/etc/miles-lite/engines" in cm["data"]["overrides"].splitlines()
+
+
+def test_scaling_engines_changes_no_pod_but_the_ones_added_or_removed():
+    body = example("tiny-cpu.yaml")
+    two = render(body)
+    body["spec"]["rollout"]["engines"] = 3
+    three = render(body)
+    hashes = [{o["metadata"]["name"]: o["metadata"]["annotations"][HASH_ANNOTATION] for o in x
+               if o["kind"] in ("Job", "Pod")} for x in (two, three)]
+    assert set(hashes[1]) - set(hashes[0]) == {"tiny-cpu-rollout-2"}
+    assert all(hashes[0][name] == hashes[1][name] for name in hashes[0])
 
 
 def test_reference_engine_pods_have_stable_dns_and_probe():
