@@ -108,13 +108,24 @@ def fit_problem(spec: GangSpec, total: dict[str, float], held: dict[str, float] 
                 largest = {k: max(node.get(k, 0.0) for node in nodes) for k in bundle}
                 return (f"one {spec.role} bundle asks {_fmt(bundle)}; the largest node has {_fmt(largest)}; "
                         f"{_HINT}")
+        if len({tuple(sorted(b.items())) for b in spec.bundles}) == 1:
+            # Identical bundles (every gang here): how many each node can hold is exact arithmetic.
+            bundle = spec.bundles[0]
+            fits = sum(min(int((node.get(k, 0.0) + 1e-9) // v) for k, v in bundle.items() if v > 0)
+                       for node in nodes)
+            if fits < len(spec.bundles):
+                return (f"the {spec.role} gang asks {len(spec.bundles)} bundles of {_fmt(bundle)}; the cluster's "
+                        f"nodes hold {fits} such bundle(s) (nodes: {'; '.join(_fmt(n) for n in nodes)}); {_HINT}")
     return None
 
 
 def _node_resources() -> list[dict[str, float]]:
     import ray
 
-    return [dict(n.get("Resources") or {}) for n in ray.nodes() if n.get("Alive")]
+    keep = ("CPU", "GPU")
+    return [{k: v for k, v in (n.get("Resources") or {}).items() if k in keep or k.startswith("miles")
+             or not (k.startswith("node:") or k.startswith("bundle_group_") or "memory" in k)}
+            for n in ray.nodes() if n.get("Alive")]
 
 
 def reserve(spec: GangSpec, timeout_s: float, held: tuple[GangSpec, ...] = ()):

@@ -53,3 +53,11 @@ def test_fit_problem_names_asked_and_available_in_one_line():
     # Enough in total, but no node holds one whole bundle.
     line = fit_problem(GangSpec("rollout", ({"GPU": 4.0},)), {"GPU": 4.0}, nodes=[{"GPU": 2.0}, {"GPU": 2.0}])
     assert line is not None and "one rollout bundle asks GPU 4; the largest node has GPU 2" in line
+    # Enough of each resource in total and per bundle, but the role's resource pins both bundles to a node
+    # whose GPUs hold only one (a Slurm trainer node with 2 GPUs, ranks of 2 GPUs each).
+    trainer = GangSpec("trainer", ({"CPU": 1.0, "GPU": 2.0, "miles_trainer": 1.0},) * 2)
+    nodes = [{"CPU": 2.0, "GPU": 2.0, "miles_trainer": 2.0}, {"CPU": 2.0, "GPU": 2.0, "miles_rollout": 2.0}]
+    line = fit_problem(trainer, {"CPU": 4.0, "GPU": 4.0, "miles_trainer": 2.0, "miles_rollout": 2.0}, nodes=nodes)
+    assert line is not None and "asks 2 bundles of CPU 1, GPU 2, miles_trainer 1; the cluster's nodes hold 1" in line
+    one_node = {"CPU": 2.0, "GPU": 4.0, "miles_trainer": 2.0}
+    assert fit_problem(trainer, one_node, nodes=[one_node]) is None
