@@ -39,6 +39,8 @@ REFERENCE_ARGS: dict[str, tuple[str, str]] = {
     "group_timeout_s": ("--group-timeout-s", "value"),
     "tp": ("--tp", "value"),
     "custom_weight_loader": ("--custom-weight-loader", "list"),
+    "max_request_bytes": ("--max-request-bytes", "value"),
+    "idle_timeout_s": ("--idle-timeout-s", "value"),
 }
 
 
@@ -68,6 +70,11 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
                         help="tensor-parallel size: ranks in the weight-update group (rollout.engine_tp)")
     parser.add_argument("--custom-weight-loader", nargs="*", default=[],
                         help="module.function paths a /update_weights_from_tensor load_format may name (as SGLang's)")
+    parser.add_argument("--max-request-bytes", type=int, default=0,
+                        help="largest request body but weight payloads (413 beyond); 0: what a full batch of the "
+                             "model's context needs")
+    parser.add_argument("--idle-timeout-s", type=float, default=30.0,
+                        help="close connections idle (or sending a body that stalls) for this long")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -105,6 +112,16 @@ def build_reference_command(model_path: str, port: int, reference_args: Mapping[
     return cmd + reference_flags(reference_args)
 
 
+def make_runner(server: ReferenceServer) -> web.AppRunner:
+    """The aiohttp runner of `server`: shutdown aborts every request first, so handlers finish quickly (5 s bound
+    stragglers); a connection with no request in flight for `idle_timeout_s` (a client gone without closing,
+    or one that never sends a whole request) is closed, and the unread rest of a refused body is discarded for
+    at most that long (so the client reads the answer) before the connection closes."""
+    idle = server.opts.idle_timeout_s
+    return web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0,
+                         keepalive_timeout=idle, lingering_time=idle)
+
+
 async def serve(args: argparse.Namespace) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then shut down cleanly."""
     torch.set_num_threads(max(1, args.threads))
@@ -114,10 +131,10 @@ async def serve(args: argparse.Namespace) -> None:
         weight_version=args.weight_version, drop_weight_updates=args.drop_weight_updates,
         fail_mode=args.fail_mode, fail_after=args.fail_after,
         return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s, tp=args.tp,
-        custom_weight_loader=tuple(args.custom_weight_loader),
+        custom_weight_loader=tuple(args.custom_weight_loader), max_request_bytes=args.max_request_bytes,
+        idle_timeout_s=args.idle_timeout_s,
     ))
-    # Shutdown aborts every request first, so handlers finish quickly; 5 s bounds stragglers.
-    runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    runner = make_runner(server)
     await runner.setup()
     if args.listen_fd is not None:
         site: web.BaseSite = web.SockSite(runner, socket.socket(fileno=args.listen_fd))
