@@ -14,13 +14,18 @@ from launcher.spec import JobSpec, SpecError
 
 CONFIG_MOUNT = "/etc/miles-lite"
 OVERRIDES_FILE = "overrides"
+# The engines' URLs, one per line: the running trainer's fleet follows it (rollout.engine_urls_file), so
+# scaling the engines changes this file and the two overrides in SCALING_KEYS, never the trainer's pods.
+ENGINES_FILE = "engines"
+SCALING_KEYS = ("rollout.engines", "rollout.engine_urls")
 RAY_PORT = 6379
 # Seconds a worker trainer pod polls the Ray head before giving up.
 RAY_JOIN_TIMEOUT_S = 600
 
 # Hydra keys the operator sets from the MilesJob spec; a user override of one is a conflict.
 MANAGED_KEYS = (
-    "model.hf_path", "rollout.backend", "rollout.engines", "rollout.engine_urls", "rollout.engine_tp",
+    "model.hf_path", "rollout.backend", "rollout.engines", "rollout.engine_urls", "rollout.engine_urls_file",
+    "rollout.engine_tp",
     "checkpoint.dir", "checkpoint.interval", "checkpoint.keep_last", "checkpoint.resume",
     "fault_tolerance.max_engine_restarts", "observability.metrics_port", "observability.metrics_host",
     "cluster", "cluster.mode", "cluster.ray_address", "cluster.advertise_address", "experiment.output_dir",
@@ -121,6 +126,7 @@ def resolved_overrides(job: JobSpec) -> list[str]:
         f"rollout.backend={job.rollout.backend}",
         f"rollout.engines={job.rollout.engines}",
         f"rollout.engine_urls=[{urls}]",
+        f"rollout.engine_urls_file={CONFIG_MOUNT}/{ENGINES_FILE}",
         f"rollout.engine_tp={engine_tp(job)}",
         f"checkpoint.dir={job.checkpoint.mount_path}/checkpoints",
         # Metrics, rollout tables and the summary outlive the pod on the job's volume.

@@ -1,8 +1,8 @@
 """kopf wiring: which events run which reconciler step. No module-level state: `build_registry` makes a fresh
 registry bound to one Reconciler, so tests and the entry point each run their own operator.
 
-- create / resume / spec update -> `Reconciler.apply_all` (idempotent create-or-patch of every rendered object)
-- a timer every `OperatorConfig.interval_s` -> `Reconciler.reconcile` (heal failed pods and trainer, status)
+- create / resume / spec update, and a timer every `OperatorConfig.interval_s` -> `Reconciler.reconcile` (apply
+  the newest valid spec, heal failed pods and trainer, write the status)
 Per-job locks keep the two from interleaving on one MilesJob (kopf runs timers beside change handlers).
 """
 
@@ -15,9 +15,8 @@ from typing import Any
 
 import kopf
 
-from launcher import status as st
 from launcher.reconcile import Reconciler
-from launcher.spec import GROUP, PLURAL, VERSION, SpecError
+from launcher.spec import GROUP, PLURAL, VERSION
 
 
 def utc_now() -> str:
@@ -73,34 +72,23 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
             certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
         )
 
-    @kopf.on.resume(*resource, registry=registry)
-    @kopf.on.create(*resource, registry=registry)
-    @kopf.on.update(*resource, field="spec", registry=registry)
-    def apply_fn(body: kopf.Body, patch: kopf.Patch, logger: logging.Logger, **_: Any) -> None:
-        phase = (body.get("status") or {}).get("phase")
-        if phase in st.TERMINAL:
-            return
-        with locks.get(body["metadata"]["uid"]):
-            try:
-                actions = reconciler.apply_all(body)
-            except SpecError as err:
-                # Not retried: only a new spec can fix it (the timer reports it as phase Failed).
-                logger.error("%s", err)
-                patch.status["phase"] = st.transition(phase, st.FAILED)
-                patch.status["message"] = str(err)
-                return
-        logger.info("applied: %s", "; ".join(actions))
-        if phase is None:
-            patch.status["phase"] = st.PENDING
-            patch.status["startTime"] = utc_now()
-
-    @kopf.timer(*resource, interval=reconciler.config.interval_s, initial_delay=reconciler.config.interval_s,
-                registry=registry)
-    def reconcile_fn(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+    def run_pass(body: kopf.Body, patch: kopf.Patch) -> None:
         with locks.get(body["metadata"]["uid"]):
             changes = reconciler.reconcile(body, utc_now())
         for key, value in changes.items():
             patch.status[key] = value
+
+    # A new or edited spec is reconciled at once (the pass decides whether and how an edit is applied).
+    @kopf.on.resume(*resource, registry=registry)
+    @kopf.on.create(*resource, registry=registry)
+    @kopf.on.update(*resource, field="spec", registry=registry)
+    def apply_fn(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        run_pass(body, patch)
+
+    @kopf.timer(*resource, interval=reconciler.config.interval_s, initial_delay=reconciler.config.interval_s,
+                registry=registry)
+    def reconcile_fn(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
+        run_pass(body, patch)
 
     @kopf.on.delete(*resource, registry=registry, optional=True)
     def forget_fn(body: kopf.Body, **_: Any) -> None:

@@ -31,6 +31,22 @@ class Conflict(RuntimeError):
     """The object exists already (HTTP 409), e.g. a predecessor still being deleted."""
 
 
+class Refused(ValueError):
+    """The API server refused an object as invalid (HTTP 400 or 422); the message is the server's."""
+
+    def __init__(self, kind: str, name: str, message: str):
+        self.kind = kind
+        self.name = name
+        super().__init__(f"the API server refuses {kind} {name}: {message}")
+
+
+def _server_message(err: ApiException) -> str:
+    try:
+        return str(json.loads(err.body or "{}").get("message") or err.reason)
+    except ValueError:
+        return str(err.body or err.reason)
+
+
 def load_api_client() -> client.ApiClient:
     """An authenticated client: in-cluster service account when inside a pod, else $KUBECONFIG / ~/.kube/config."""
     try:
@@ -95,14 +111,20 @@ class KubeApi:
         out = self._call("GET", object_path(api_version, kind, namespace), query=[("labelSelector", sel)])
         return list(out.get("items") or [])
 
-    def create(self, obj: Mapping[str, Any]) -> dict[str, Any]:
-        """Create `obj` in its metadata.namespace; raises Conflict when the name is taken."""
+    def create(self, obj: Mapping[str, Any], dry_run: bool = False) -> dict[str, Any]:
+        """Create `obj` in its metadata.namespace; raises Conflict when the name is taken, Refused when the
+        server finds it invalid. `dry_run`: the server validates it and stores nothing (a taken name is then
+        reported after validation, so Conflict means the object itself is valid)."""
         meta = obj["metadata"]
+        query = [("dryRun", "All")] if dry_run else None
         try:
-            return self._call("POST", object_path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj)
+            return self._call("POST", object_path(obj["apiVersion"], obj["kind"], meta["namespace"]), body=obj,
+                              query=query)
         except ApiException as err:
             if err.status == 409:
                 raise Conflict(f"{obj['kind']} {meta['namespace']}/{meta['name']} already exists") from err
+            if err.status in (400, 422):
+                raise Refused(obj["kind"], meta["name"], _server_message(err)) from err
             raise
 
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any],

@@ -205,9 +205,18 @@ def render_config_map(job: JobSpec, body: Mapping[str, Any]) -> dict[str, Any]:
         "apiVersion": "v1", "kind": "ConfigMap", "metadata": _metadata(job, f"{job.name}-config", None),
         "data": {
             commands.OVERRIDES_FILE: "\n".join(overrides) + "\n",
+            commands.ENGINES_FILE: "\n".join(commands.engine_urls(job)) + "\n",
             "milesjob.json": json.dumps(body.get("spec") or {}, sort_keys=True, indent=1),
         },
     }
+
+
+def config_hash(overrides_text: str) -> str:
+    """Digest of the overrides the pods start with, less the engine count and URLs: a running trainer follows
+    those through the engines file, so scaling the engines restarts no pod."""
+    kept = [line for line in overrides_text.splitlines()
+            if line.split("=", 1)[0].lstrip("+~").strip() not in commands.SCALING_KEYS]
+    return hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
 
 
 def render_services(job: JobSpec) -> list[dict[str, Any]]:
@@ -311,11 +320,11 @@ def render_job(job: JobSpec, body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """All objects of a parsed job, in apply order (see the module docstring)."""
     config_map = _stamp(render_config_map(job, body))
     # Only the overrides reach the processes; the recorded spec copy must not restart pods.
-    config_hash = hashlib.sha256(config_map["data"][commands.OVERRIDES_FILE].encode()).hexdigest()[:16]
+    digest = config_hash(config_map["data"][commands.OVERRIDES_FILE])
     objs = [render_network_policy(job), *render_services(job), *render_pod_groups(job),
-            render_trainer_job(job, config_hash)]
+            render_trainer_job(job, digest)]
     return [config_map, *(_stamp(o) for o in objs),
-            *(render_engine_pod(job, i, config_hash) for i in range(job.rollout.engines))]
+            *(render_engine_pod(job, i, digest) for i in range(job.rollout.engines))]
 
 
 def render(body: Mapping[str, Any]) -> list[dict[str, Any]]:

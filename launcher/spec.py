@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from launcher import kube_fields
+
 GROUP = "mileslite.dev"
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
@@ -25,6 +27,7 @@ MAX_NAME_LEN = 45
 GANG_SCHEDULERS = ("volcano", "coscheduling", "kueue", "none")
 BACKENDS = ("sglang", "reference")
 _DNS_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class SpecError(ValueError):
@@ -195,14 +198,46 @@ class _Reader:
             return []
         return list(value)
 
+    def quantities(self, parent: Mapping[str, Any], key: str, path: str) -> dict[str, Any]:
+        """A requests/limits map: resource names to quantities, as the API server would accept them."""
+        out = self.mapping(parent, key, path)
+        for name, value in out.items():
+            where = f"{path}.{key}[{name!r}]"
+            problem = kube_fields.qualified_name(str(name))
+            if problem:
+                self.problems.append(f"{where}: the resource name {problem}")
+            problem = kube_fields.quantity(value)
+            if problem:
+                self.problems.append(f"{where}: {value!r} {problem}")
+        return out
+
     def placement(self, role: Mapping[str, Any], path: str) -> Placement:
         resources = self.section(role, "resources", path)
+        selector = {str(k): str(v) for k, v in self.mapping(role, "nodeSelector", path).items()}
+        for k, v in selector.items():
+            problem = kube_fields.qualified_name(k)
+            if problem:
+                self.problems.append(f"{path}.nodeSelector[{k!r}]: the label key {problem}")
+            problem = kube_fields.label_value(v)
+            if problem:
+                self.problems.append(f"{path}.nodeSelector[{k!r}]: the label value {v!r} {problem}")
+        tolerations = self.listing(role, "tolerations", path)
+        for i, t in enumerate(tolerations):
+            key = t.get("key") if isinstance(t, Mapping) else None
+            if key and kube_fields.qualified_name(str(key)):
+                self.problems.append(f"{path}.tolerations[{i}].key: {key!r} {kube_fields.qualified_name(str(key))}")
         return Placement(
-            requests=self.mapping(resources, "requests", f"{path}.resources"),
-            limits=self.mapping(resources, "limits", f"{path}.resources"),
-            node_selector={str(k): str(v) for k, v in self.mapping(role, "nodeSelector", path).items()},
-            tolerations=self.listing(role, "tolerations", path),
+            requests=self.quantities(resources, "requests", f"{path}.resources"),
+            limits=self.quantities(resources, "limits", f"{path}.resources"),
+            node_selector=selector,
+            tolerations=tolerations,
         )
+
+    def object_name(self, value: str | None, path: str) -> None:
+        """A referenced object's name (PVC, service account): a DNS subdomain."""
+        if value is not None and not _DNS_SUBDOMAIN.match(value):
+            self.problems.append(f"{path}: {value!r} must be a DNS subdomain (lower-case a-z, 0-9, '-', '.') "
+                                 "naming an existing object")
 
 
 def parse_job(body: Mapping[str, Any]) -> JobSpec:
@@ -221,6 +256,8 @@ def parse_job(body: Mapping[str, Any]) -> JobSpec:
     if image is None:
         problems.append("spec.image: required; set it to an image holding miles-lite (and SGLang for GPU jobs), "
                         "or run the operator with a default (--job-image, or its own image in a pod)")
+    elif kube_fields.image_reference(image):
+        problems.append(f"spec.image: {image!r} {kube_fields.image_reference(image)}")
     overrides = [str(o) for o in r.listing(spec, "overrides", "spec")]
     for i, o in enumerate(overrides):
         if not o or o[0].isspace() or "\n" in o:
@@ -234,6 +271,7 @@ def parse_job(body: Mapping[str, Any]) -> JobSpec:
         pvc_mount_path=r.string(pvc, "mountPath", "spec.model.pvc", "/models") or "/models",
         pvc_sub_path=r.string(pvc, "subPath", "spec.model.pvc", None),
     )
+    r.object_name(model.pvc_claim, "spec.model.pvc.claimName")
     if pvc and model.pvc_claim is None:
         problems.append("spec.model.pvc.claimName: required when spec.model.pvc is set")
 
@@ -276,6 +314,7 @@ def parse_job(body: Mapping[str, Any]) -> JobSpec:
         interval=r.integer(c, "interval", "spec.checkpoint", 50, 0, 10**9),
         keep_last=r.integer(c, "keepLast", "spec.checkpoint", 2, 1, 10**6),
     )
+    r.object_name(checkpoint.claim_name, "spec.checkpoint.volume.claimName")
     f = r.section(spec, "faultTolerance", "spec")
     fault_tolerance = FaultToleranceSpec(
         max_engine_restarts=r.integer(f, "maxEngineRestarts", "spec.faultTolerance", 3, 0, 10**6),
@@ -297,7 +336,11 @@ def parse_job(body: Mapping[str, Any]) -> JobSpec:
         elif e["name"] in RESERVED_ENV:
             problems.append(f"spec.env[{i}]: {e['name']} is set by the operator from the job's key Secret "
                             f"(<job>-api-key); remove it: a key in the MilesJob is readable by anyone who can read it")
+        elif kube_fields.env_name(str(e["name"])):
+            problems.append(f"spec.env[{i}].name: {e['name']!r} {kube_fields.env_name(str(e['name']))}")
     pull_policy = r.string(spec, "imagePullPolicy", "spec", "IfNotPresent", ("Always", "IfNotPresent", "Never"))
+    service_account = r.string(spec, "serviceAccountName", "spec", None)
+    r.object_name(service_account, "spec.serviceAccountName")
     if problems:
         raise SpecError(problems)
     return JobSpec(
@@ -307,7 +350,7 @@ def parse_job(body: Mapping[str, Any]) -> JobSpec:
         generation=int(meta.get("generation") or 0),
         image=str(image),
         image_pull_policy=pull_policy or "IfNotPresent",
-        service_account=r.string(spec, "serviceAccountName", "spec", None),
+        service_account=service_account,
         overrides=overrides,
         env=[dict(e) for e in env],
         model=model,

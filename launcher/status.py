@@ -1,7 +1,8 @@
 """MilesJob status: the phase state machine, Kubernetes-style conditions, and training progress.
 
 Phases: Pending -> Running -> Succeeded | Failed. Running may fall back to Pending while the trainer
-restarts from a checkpoint; Succeeded and Failed are terminal (a finished job never changes again).
+restarts from a checkpoint; Succeeded and Failed are terminal, with one exit: a job Failed for an invalid
+spec before anything ran (condition Failed, reason InvalidSpec) is reopened as Pending by a new spec.
 
 Progress (`status.step`, `status.lastCheckpoint`) comes from trainer pod 0, first source that answers:
   1. its annotations `mileslite.dev/step` and `mileslite.dev/last-checkpoint` (anything may set them:
@@ -12,10 +13,11 @@ Progress (`status.step`, `status.lastCheckpoint`) comes from trainer pod 0, firs
 
 from __future__ import annotations
 
+import math
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -40,19 +42,42 @@ ENGINES_READY = "EnginesReady"
 GANG_SCHEDULED = "GangScheduled"
 COMPLETE = "Complete"
 FAILED_CONDITION = "Failed"
+# Engines being added or removed after an edit of spec.rollout.engines.
+SCALING = "Scaling"
+# The trainer is being restarted from its newest checkpoint (it failed, or an edit needs it).
+RESTARTING = "Restarting"
+# The newest spec is not applied (invalid, refused by the API server, or an edit that would lose progress).
+INVALID_SPEC = "InvalidSpec"
+# Trainer pod 0's progress could be read (False with the reason when its metrics answer is unreadable).
+PROGRESS_REPORTED = "ProgressReported"
+# The last reconcile pass completed (False with the error when it did not; what it did is still saved).
+RECONCILED = "Reconciled"
+INVALID_SPEC_REASON = "InvalidSpec"
 
 
 class InvalidTransition(RuntimeError):
     """A phase change the state machine forbids (e.g. leaving a terminal phase)."""
 
 
-def transition(current: str | None, target: str) -> str:
-    """Validate `current -> target` (None = a new job) and return `target`."""
+def transition(current: str | None, target: str, reopened: bool = False) -> str:
+    """Validate `current -> target` (None = a new job) and return `target`. `reopened`: a job Failed for an
+    invalid spec got a new spec (see `reopens`), which may start it again."""
     if target not in PHASES:
         raise InvalidTransition(f"unknown phase {target!r}; phases are {PHASES}")
+    if reopened and current == FAILED:
+        return target
     if current is not None and target not in ALLOWED[current]:
         raise InvalidTransition(f"MilesJob phase {current} cannot become {target}")
     return target
+
+
+def reopens(status: Mapping[str, Any], generation: int) -> bool:
+    """Whether a Failed job may start again: it failed for an invalid spec and the spec has changed since."""
+    if status.get("phase") != FAILED:
+        return False
+    failed = next((c for c in status.get("conditions") or [] if c.get("type") == FAILED_CONDITION), None)
+    return (failed is not None and failed.get("reason") == INVALID_SPEC_REASON
+            and int(failed.get("observedGeneration") or 0) < generation)
 
 
 @dataclass(frozen=True)
@@ -66,6 +91,8 @@ class Observation:
     # The trainer failed and its restart budget is spent.
     trainer_exhausted: bool = False
     trainer_restarting: bool = False
+    # Why the trainer Job was replaced in this pass: TrainerFailed or SpecChanged (None: not replaced now).
+    restart_reason: str | None = None
     engines_desired: int = 0
     engines_ready: int = 0
     engines_alive: int = 0
@@ -76,7 +103,7 @@ class Observation:
 def decide_phase(obs: Observation) -> tuple[str, str, str]:
     """The phase an observation implies, with a reason and a human message: (phase, reason, message)."""
     if obs.spec_error:
-        return FAILED, "InvalidSpec", obs.spec_error
+        return FAILED, INVALID_SPEC_REASON, obs.spec_error
     if obs.trainer_complete:
         return SUCCEEDED, "TrainerCompleted", "trainer pod 0 exited successfully"
     if obs.trainer_exhausted:
@@ -103,16 +130,29 @@ def set_condition(conditions: list[dict[str, Any]], type_: str, status: bool, re
     return sorted(out, key=lambda c: c["type"])
 
 
+class MetricsError(ValueError):
+    """A metrics answer that is not Prometheus text, or whose progress gauges are not finite numbers."""
+
+
 def parse_metrics(text: str, step_metric: str, checkpoint_metric: str) -> tuple[int | None, str | None]:
-    """Prometheus text exposition -> (step, last checkpoint step as a string); None where a gauge is absent."""
+    """Prometheus text exposition -> (step, last checkpoint step as a string); None where a gauge is absent.
+    Raises MetricsError for an answer that is not Prometheus text or a gauge that is not a finite number."""
     step: int | None = None
     ckpt: str | None = None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == step_metric:
-                step = int(sample.value)
-            elif sample.name == checkpoint_metric and sample.value >= 0:
-                ckpt = str(int(sample.value))
+    try:
+        samples = [s for family in text_string_to_metric_families(text) for s in family.samples]
+    except (ValueError, TypeError, IndexError, KeyError) as err:
+        first = text.strip().splitlines()[0][:80] if text.strip() else ""
+        raise MetricsError(f"the answer is not Prometheus text ({err}; it begins {first!r})") from err
+    for sample in samples:
+        if sample.name not in (step_metric, checkpoint_metric):
+            continue
+        if not math.isfinite(sample.value):
+            raise MetricsError(f"{sample.name} is {sample.value}, not a finite number")
+        if sample.name == step_metric:
+            step = int(sample.value)
+        elif sample.value >= 0:
+            ckpt = str(int(sample.value))
     return step, ckpt
 
 
@@ -129,24 +169,37 @@ def _int_or_none(value: object) -> int | None:
         return None
 
 
+class Progress(NamedTuple):
+    """What trainer pod 0 reports: step, last checkpoint, and why its metrics could not be read (or None)."""
+
+    step: int | None
+    checkpoint: str | None
+    problem: str | None = None
+
+
 def trainer_progress(pod: Mapping[str, Any] | None, metrics_port: int, step_metric: str, checkpoint_metric: str,
-                     timeout_s: float = 1.0) -> tuple[int | None, str | None]:
-    """(step, last checkpoint) reported by trainer pod 0: annotations first, then its metrics endpoint."""
+                     timeout_s: float = 1.0) -> Progress:
+    """Progress reported by trainer pod 0: annotations first, then its metrics endpoint. Never raises for what
+    the pod answers: an unreadable answer is returned as `problem`."""
     if not pod:
-        return None, None
+        return Progress(None, None)
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     step = _int_or_none(annotations.get(STEP_ANNOTATION))
     ckpt = annotations.get(CHECKPOINT_ANNOTATION)
     if step is not None:
-        return step, ckpt
+        return Progress(step, ckpt)
     status = pod.get("status") or {}
     ip = status.get("podIP")
     if status.get("phase") != "Running" or not ip:
-        return None, ckpt
+        return Progress(None, ckpt)
+    url = f"http://{ip}:{metrics_port}/metrics"
     try:
-        text = scrape(f"http://{ip}:{metrics_port}/metrics", timeout_s)
-    except OSError:
+        text = scrape(url, timeout_s)
+    except (OSError, ValueError):
         # Not serving yet (or restarting): progress stays as last reported.
-        return None, ckpt
-    m_step, m_ckpt = parse_metrics(text, step_metric, checkpoint_metric)
-    return m_step, ckpt or m_ckpt
+        return Progress(None, ckpt)
+    try:
+        m_step, m_ckpt = parse_metrics(text, step_metric, checkpoint_metric)
+    except MetricsError as err:
+        return Progress(None, ckpt, f"{url}: {err}")
+    return Progress(m_step, ckpt or m_ckpt)

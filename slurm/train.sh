@@ -191,13 +191,7 @@ start_ray() {
   ray_wait "$((n_trainer + n_rollout))" "$n_trainer" "$n_rollout" "$LOGS/ray-rollout.log"
 }
 
-if start_ray; then
-  STATE=RAY_READY
-elif [ -z "$STOP_SIGNAL" ]; then
-  die "Ray did not come up; the job ends"
-fi
-
-# ---- the driver ---------------------------------------------------------------------------------
+# The driver's overrides: the user's, then what this job dictates unless the user set it.
 defaults=()
 has_override cluster "$@" || defaults+=(cluster=ray)
 has_override cluster.ray_address "$@" || defaults+=("cluster.ray_address=$ray_address")
@@ -207,6 +201,23 @@ has_override checkpoint.dir "$@" || defaults+=("checkpoint.dir=$RUN_DIR/checkpoi
 has_override checkpoint.resume "$@" || defaults+=(checkpoint.resume=auto)
 has_override experiment.output_dir "$@" || defaults+=("experiment.output_dir=$run_root")
 has_override experiment.run_name "$@" || defaults+=("experiment.run_name=$run_name")
+# Check the configuration and that each role fits its share before starting anything: a typo or an
+# impossible placement ends the job at once, with the reason in this log.
+log "checking the configuration and the placement (${#defaults[@]} job overrides, $# of yours)"
+preflight_args=()
+[ -z "$TRAINER_SHARE" ] || preflight_args=(--trainer "$TRAINER_SHARE" --rollout "$ROLLOUT_SHARE")
+if ! preflight_out=$(python "$MILES_SLURM_LIB/preflight.py" "${preflight_args[@]}" -- "${defaults[@]}" "$@" 2>&1); then
+  while IFS= read -r line; do [ -z "$line" ] || log "$line"; done <<<"$preflight_out"
+  die "nothing was started; fix the overrides or the allocation and submit again"
+fi
+
+if start_ray; then
+  STATE=RAY_READY
+elif [ -z "$STOP_SIGNAL" ]; then
+  die "Ray did not come up; the job ends"
+fi
+
+# ---- the driver ---------------------------------------------------------------------------------
 read -r -a train_cmd <<<"${MILES_LITE_TRAIN_CMD:-miles-lite train}"
 
 driver_rc=0
@@ -222,7 +233,12 @@ if [ -z "$STOP_SIGNAL" ]; then
     pid_alive "$DRIVER_PID" || break  # a trap interrupted the wait: the driver is still running
   done
   DRIVER_PID=""
-  log "driver exited with code $driver_rc"
+  if [ "$driver_rc" -ne 0 ]; then
+    # The driver's last words (an error line or a traceback's exception) belong in this log too.
+    log "driver exited with code $driver_rc: $(last_line "$LOGS/trainer.log")"
+  else
+    log "driver exited with code $driver_rc"
+  fi
   [ "$driver_rc" -ne 0 ] || RUN_OK=1
 else
   log "stop requested (SIG$STOP_SIGNAL) before training started"

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.cluster.engine_actor import EngineLocation, EngineServer
-from miles_lite.cluster.gang import reserve, rollout_gang
+from miles_lite.cluster.gang import GangSpec, reserve, rollout_gang
 from miles_lite.config.colocation import engine_rollout
 from miles_lite.config.schema import MilesConfig
 from miles_lite.engines.fleet_launch import populate
@@ -98,7 +98,8 @@ class RolloutGang:
                 raise ValueError("cluster.placement=colocated places engines in the trainer's gang: start the "
                                  "trainer on Ray first (cluster.mode=ray)")
             return cls(cfg, log_dir, trainer_group, trainer_bundles, owns_group=False)
-        return cls(cfg, log_dir, reserve(spec, cfg.cluster.placement_timeout_s), spec.bundles, owns_group=True)
+        held = (GangSpec("trainer", trainer_bundles),) if trainer_bundles else ()
+        return cls(cfg, log_dir, reserve(spec, cfg.cluster.placement_timeout_s, held), spec.bundles, owns_group=True)
 
     def _actor_options(self, slot: int) -> dict[str, Any]:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

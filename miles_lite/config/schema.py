@@ -218,6 +218,7 @@ class RolloutConfig:
     # Base URLs (http://host:port) of engines started outside this run's process tree, e.g. the
     # rollout pods of a Kubernetes MilesJob; when set, no engines are launched and `engines` must equal their count.
     engine_urls: list[str] = field(default_factory=list)
+    engine_urls_file: str | None = None  # engine URLs, one a line, followed while running (engine_list.py)
 
 
 @dataclass

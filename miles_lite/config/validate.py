@@ -224,6 +224,9 @@ def _check_rollout(cfg: MilesConfig, problems: list[str]) -> None:
     if rollout.environment and rollout.generate_fn:
         problems.append("rollout.environment and rollout.generate_fn exclude each other (a generate plug-in runs its "
                         "own turns); unset one")
+    if rollout.engine_urls_file and not rollout.engine_urls:
+        problems.append(f"rollout.engine_urls_file={rollout.engine_urls_file!r} lists engines started elsewhere, "
+                        "which the job follows once running; set rollout.engine_urls to the engines at start")
     if rollout.max_turns < 1:
         problems.append(f"rollout.max_turns={rollout.max_turns} must be a positive integer")
     if rollout.backend == "sglang" and rollout.sglang_args.get("skip_tokenizer_init") and (

@@ -16,6 +16,7 @@ from miles_lite.config.colocation import engine_rollout
 from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
 from miles_lite.config.validate import model_dims
 from miles_lite.data.encoding import PromptEncoder
+from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted
 from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.plugins import load_sync_fn
 from miles_lite.rollout.environment import load_environment
@@ -45,7 +46,6 @@ def fleet_launcher(launcher: EngineLauncher, stop_grace_s: float = 10.0) -> Laun
     return launch
 
 
-
 async def populate(fleet: EngineFleet, fill: Awaitable[object], health_checks: bool = True) -> EngineFleet:
     """Await `fill` (launching or attaching the fleet's engines); on any failure stop the engines already up
     and re-raise. Then start the periodic health checks if asked. Returns the fleet."""
@@ -57,6 +57,7 @@ async def populate(fleet: EngineFleet, fill: Awaitable[object], health_checks: b
     if health_checks:
         fleet.start_health_checks()
     return fleet
+
 
 async def start_fleet(
     rollout: RolloutConfig,
@@ -86,15 +87,20 @@ async def start_fleet(
 
 
 async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, poll_s: float = 1.0,
-                       vocab_size: int | None = None, api_key: str | None = None) -> HttpEngine:
+                       vocab_size: int | None = None, api_key: str | None = None,
+                       wanted: Callable[[], bool] | None = None) -> HttpEngine:
     """A client of engine `index` at `url` once it answers its health check, polled every `poll_s` for up to
     `rollout.startup_timeout_s` (then TimeoutError naming the engine, `what` it was awaited for and the field).
-    `vocab_size`: the served model's (see `HttpEngine`); `api_key`: the run's key, sent with every request."""
+    `vocab_size`: the served model's (see `HttpEngine`); `api_key`: the run's key, sent with every request;
+    `wanted`: asked before each poll; False ends the wait with EngineUnlisted (the engine was scaled away)."""
     engine = HttpEngine(f"engine-{index}", url.rstrip("/"), request_timeout_s=rollout.request_timeout_s,
                         vocab_size=vocab_size, api_key=api_key)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + rollout.startup_timeout_s
     while not await engine.health(timeout_s=min(5.0, rollout.startup_timeout_s)):
+        if wanted is not None and not wanted():
+            await engine.close()
+            raise EngineUnlisted(f"engine-{index} at {url} was removed from the engine list {what}")
         if loop.time() > deadline:
             await engine.close()
             raise TimeoutError(f"engine-{index} at {url} did not answer /health_generate within "
@@ -104,7 +110,8 @@ async def await_engine(rollout: RolloutConfig, index: int, url: str, what: str, 
 
 
 def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1.0,
-                      vocab_size: int | None = None, api_key: str | None = None) -> Launcher:
+                      vocab_size: int | None = None, api_key: str | None = None,
+                      wanted: Callable[[str], bool] | None = None) -> Launcher:
     """The fleet's `launcher(index, incarnation)` for engines started elsewhere: the replacement of a dead
     engine is whatever answers at its URL again (the operator recreates a failed engine pod under the same
     DNS name), awaited for up to `rollout.startup_timeout_s`. The fleet then admits it as stale, and the
@@ -112,15 +119,18 @@ def reattach_launcher(rollout: RolloutConfig, urls: list[str], poll_s: float = 1
     """
 
     async def launch(index: int, incarnation: int) -> EngineHandle:
-        return EngineHandle(await await_engine(rollout, index, urls[index], "after it died", poll_s,
-                                                 vocab_size, api_key))
+        url = urls[index]
+        still = None if wanted is None else (lambda: wanted(url))
+        return EngineHandle(await await_engine(rollout, index, url, "after it died", poll_s, vocab_size, api_key,
+                                                 still))
 
     return launch
 
 
 async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: list[str], *,
                        health_checks: bool = True, poll_s: float = 1.0,
-                       vocab_size: int | None = None, api_key: str | None = None) -> EngineFleet:
+                       vocab_size: int | None = None, api_key: str | None = None,
+                       wanted: Callable[[str], bool] | None = None) -> EngineFleet:
     """A fleet of engines started elsewhere (`rollout.engine_urls`, e.g. pods of the Kubernetes operator).
 
     Engines that do not answer yet are awaited (up to `rollout.startup_timeout_s` each, concurrently): pods
@@ -129,7 +139,7 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
     operator recreates failed engine pods), and the fleet re-admits an engine whose URL answers again
     (`reattach_launcher`), up to `fault_tolerance.max_engine_restarts`.
     """
-    fleet = EngineFleet(ft, reattach_launcher(rollout, urls, poll_s, vocab_size, api_key),
+    fleet = EngineFleet(ft, reattach_launcher(rollout, urls, poll_s, vocab_size, api_key, wanted),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
 
     async def attach_all() -> None:
@@ -145,6 +155,27 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
     return await populate(fleet, attach_all(), health_checks)
 
 
+async def follow_engine_list(fleet_urls: list[str], rollout: RolloutConfig, ft: FaultToleranceConfig,
+                             path: str, *, vocab_size: int | None = None,
+                             api_key: str | None = None) -> tuple[EngineFleet, EngineListFollower]:
+    """Attach the engines of `rollout.engine_urls`, then follow the list in `path` (the fleet grows and shrinks
+    with it; see engine_list.py). Call on the fleet's loop."""
+    follower: EngineListFollower | None = None
+
+    def wanted(url: str) -> bool:
+        return follower is None or follower.still_listed(url)
+
+    fleet = await attach_fleet(rollout, ft, fleet_urls, vocab_size=vocab_size, api_key=api_key, wanted=wanted)
+
+    async def connect(index: int, url: str, still: Callable[[], bool]) -> HttpEngine:
+        return await await_engine(rollout, index, url, "after it was added", vocab_size=vocab_size, api_key=api_key,
+                                  wanted=still)
+
+    follower = EngineListFollower(fleet, connect, fleet_urls, path, poll_s=ft.health_interval_s)
+    follower.start()
+    return fleet, follower
+
+
 @dataclass
 class Rollout:
     """A started rollout side: the event-loop thread, the fleet living on it, and the blocking manager;
@@ -154,10 +185,13 @@ class Rollout:
     fleet: EngineFleet
     manager: SyncRolloutManager
     own_key: ApiKey | None = None
+    follower: EngineListFollower | None = None
 
     def close(self) -> None:
         """Stop the engines (those this job started), then the loop; the loop stops even if the fleet fails to."""
         try:
+            if self.follower is not None:
+                self.loop.run(self.follower.stop())
             self.loop.run(self.fleet.close())
         finally:
             try:
@@ -186,10 +220,16 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
     own_key = ApiKey.for_run(cfg.cluster.api_key_file) if api_key is None else None
     key = api_key if api_key is not None else own_key
     loop = EventLoopThread().start()
+    follower = None
     try:
         rollout, ft = cfg.rollout, cfg.fault_tolerance
         if start is not None:
             fleet = loop.run(start())
+        elif rollout.engine_urls and rollout.engine_urls_file:
+            # Engines started elsewhere whose set may change while this job runs (operator-managed pods).
+            fleet, follower = loop.run(follow_engine_list([u.rstrip("/") for u in rollout.engine_urls], rollout, ft,
+                                                          rollout.engine_urls_file,
+                                                          vocab_size=model_dims(cfg).vocab_size, api_key=key.value))
         elif rollout.engine_urls:
             # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
             fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls),
@@ -210,4 +250,4 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
     manager = RolloutManager(fleet, rollout, ft, decode=encoder.decode, stop_token_ids=encoder.stop_token_ids,
                              seed=seed, encode=encoder.encode, environment=environment, generate_fn=generate_fn,
                              group_filter=group_filter, routing=_routing_layout(cfg))
-    return Rollout(loop, fleet, SyncRolloutManager(manager, loop), own_key)
+    return Rollout(loop, fleet, SyncRolloutManager(manager, loop), own_key, follower)

@@ -1,7 +1,9 @@
 """HTTP endpoint serving a `MetricsRegistry` at ``/metrics`` for Prometheus to scrape.
 
-The server is a threaded WSGI server around prometheus_client's exposition app, kept as an object so it
-can be shut down (tests, role restarts) instead of living until the process exits. It counts the scrapes
+The server (scrape_server.py) answers every connection from one thread and renders the exposition text at
+most once per short interval, so scrapes, however many, neither hold a thread each nor slow the step; idle
+and half-open connections are closed. It is kept as an object so it can be shut down (tests, role restarts)
+instead of living until the process exits. It counts the scrapes
 it has served, so a finished run can keep serving until its final values have been read
 (:meth:`MetricsExporter.wait_for_scrape`, ``observability.linger_s``) instead of vanishing between two
 scrapes with its last step unrecorded.
@@ -17,14 +19,12 @@ import enum
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from typing import TYPE_CHECKING
 
-from prometheus_client import make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.exposition import choose_encoder
 
 from miles_lite.observability.metrics import MetricsRegistry
+from miles_lite.observability.scrape_server import ScrapeLimits, ScrapeServer
 from miles_lite.ports import AddressError, is_loopback, ray_node_address, route_address
 
 # `observability.metrics_host` value for this node's own address.
@@ -69,40 +69,11 @@ class ExporterState(enum.Enum):
     STOPPED = "stopped"
 
 
-class _QuietHandler(WSGIRequestHandler):
-    """No access log line per scrape on stderr."""
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the stdlib's signature
-        return
-
-
-class _Served:
-    """A response body that reports, once the server has written all of it, which request it answered."""
-
-    def __init__(self, body: Iterable[bytes], index: int, done: Callable[[int], None]) -> None:
-        self._body = body
-        self._index = index
-        self._done = done
-        self._written = False
-
-    def __iter__(self) -> Iterator[bytes]:
-        yield from self._body
-        # wsgiref asks for the next chunk only after writing the previous one: all of it went out.
-        self._written = True
-
-    def close(self) -> None:
-        # wsgiref calls close() after the response, also when writing failed (client gone): not a scrape.
-        close = getattr(self._body, "close", None)
-        if close is not None:
-            close()
-        if self._written:
-            self._done(self._index)
-
-
 class MetricsExporter:
     """Serves `registry` on ``host:port``; port 0 binds a free port (see :attr:`port` after start)."""
 
-    def __init__(self, registry: MetricsRegistry, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, registry: MetricsRegistry, host: str = "127.0.0.1", port: int = 0,
+                 limits: ScrapeLimits | None = None) -> None:
         if not 0 <= port <= 65535:
             raise ValueError(f"observability.metrics_port={port} is not a TCP port; use 0..65535 (0 = any free port)")
         if not host:
@@ -110,8 +81,8 @@ class MetricsExporter:
         self._registry = registry
         self._host = host
         self._requested_port = port
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self._limits = limits or ScrapeLimits()
+        self._server: ScrapeServer | None = None
         # Scrapes are numbered as they start; a scrape counts as served once its body is written.
         self._scrape_cond = threading.Condition()
         self._scrapes_started = 0
@@ -123,7 +94,7 @@ class MetricsExporter:
         """The bound TCP port (only while running)."""
         if self._server is None:
             raise RuntimeError(f"exporter is {self.state.value}; start() it to get its port")
-        return int(self._server.server_port)
+        return int(self._server.sock.getsockname()[1])
 
     @property
     def url(self) -> str:
@@ -136,23 +107,19 @@ class MetricsExporter:
         with self._scrape_cond:
             return self._last_served
 
-    def _app(self) -> Callable[..., Iterable[bytes]]:
-        inner = make_wsgi_app(self._registry.registry)
+    def _render(self, accept: str) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self._registry.registry), content_type
 
-        def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-            if environ.get("PATH_INFO", "") != METRICS_PATH:
-                start_response("404 Not Found", [("Content-Type", "text/plain")])
-                return [b"only /metrics is served\n"]
-            if environ.get("REQUEST_METHOD") not in ("GET", "HEAD"):
-                start_response("405 Method Not Allowed", [("Allow", "GET, HEAD"), ("Content-Type", "text/plain")])
-                return [b"read-only: GET /metrics\n"]
-            with self._scrape_cond:
-                self._scrapes_started += 1
-                index = self._scrapes_started
-            # The registry is read inside this call: everything set before it is in this response.
-            return _Served(inner(environ, start_response), index, self._served)
+    def _request(self) -> int:
+        with self._scrape_cond:
+            self._scrapes_started += 1
+            return self._scrapes_started
 
-        return app
+    @property
+    def renders(self) -> int:
+        """How many times the exposition text was rendered (scrapes arriving together share one)."""
+        return self._server.renderings.count if self._server is not None else 0
 
     def _served(self, index: int) -> None:
         with self._scrape_cond:
@@ -169,18 +136,20 @@ class MetricsExporter:
         if self.state is not ExporterState.NEW:
             raise RuntimeError(f"exporter is {self.state.value}; create a new MetricsExporter to serve again")
 
-        class Server(ThreadingWSGIServer):
-            # IPv6 literals (``::``) need an AF_INET6 socket; names and IPv4 addresses keep AF_INET.
-            address_family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
-
+        # IPv6 literals (``::``) need an AF_INET6 socket; names and IPv4 addresses keep AF_INET.
+        family = socket.AF_INET6 if ":" in self._host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
         try:
-            self._server = make_server(self._host, self._requested_port, self._app(), Server,
-                                       handler_class=_QuietHandler)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((self._host, self._requested_port))
+            sock.listen(128)
+            sock.setblocking(False)
         except OSError as err:
+            sock.close()
             raise OSError(err.errno, f"cannot serve metrics on {self._host}:{self._requested_port}: {err.strerror}; "
                                      "set observability.metrics_port to a free port or 0") from err
-        self._thread = threading.Thread(target=self._server.serve_forever, name="metrics-exporter", daemon=True)
-        self._thread.start()
+        self._server = ScrapeServer(sock, self._render, self._request, self._served, self._limits, METRICS_PATH)
+        self._server.start()
         self.state = ExporterState.RUNNING
         return self.port
 
@@ -219,10 +188,7 @@ class MetricsExporter:
         if self.state is not ExporterState.RUNNING or self._server is None:
             self.state = ExporterState.STOPPED
             return
-        self._server.shutdown()
-        self._server.server_close()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self._server.stop(timeout_s)
         self._server = None
         self.state = ExporterState.STOPPED
 

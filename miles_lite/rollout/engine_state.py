@@ -2,7 +2,9 @@
 
     starting -> healthy -> dead -> replacing -> stale -> healthy
         \\-> dead            replacing -> dead     stale -> dead
+        \\-> stale (an engine added to a running fleet, before it holds the current weights)
                healthy <-> sleeping -> dead
+    any state -> retired (the engine was removed from the fleet; final)
 
 A sleeping engine has released memory (`EngineRecord.released`: weights, KV cache, CUDA graphs) while
 the trainer uses the device; it serves nothing and is not health-checked until it is woken.
@@ -26,15 +28,17 @@ class EngineState(enum.Enum):
     REPLACING = "replacing"
     STALE = "stale"
     SLEEPING = "sleeping"
+    RETIRED = "retired"
 
 
 TRANSITIONS: dict[EngineState, frozenset[EngineState]] = {
-    EngineState.STARTING: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
-    EngineState.HEALTHY: frozenset({EngineState.DEAD, EngineState.SLEEPING}),
-    EngineState.SLEEPING: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
-    EngineState.DEAD: frozenset({EngineState.REPLACING}),
-    EngineState.REPLACING: frozenset({EngineState.STALE, EngineState.DEAD}),
-    EngineState.STALE: frozenset({EngineState.HEALTHY, EngineState.DEAD}),
+    EngineState.STARTING: frozenset({EngineState.HEALTHY, EngineState.STALE, EngineState.DEAD, EngineState.RETIRED}),
+    EngineState.HEALTHY: frozenset({EngineState.DEAD, EngineState.SLEEPING, EngineState.RETIRED}),
+    EngineState.SLEEPING: frozenset({EngineState.HEALTHY, EngineState.DEAD, EngineState.RETIRED}),
+    EngineState.DEAD: frozenset({EngineState.REPLACING, EngineState.RETIRED}),
+    EngineState.REPLACING: frozenset({EngineState.STALE, EngineState.DEAD, EngineState.RETIRED}),
+    EngineState.STALE: frozenset({EngineState.HEALTHY, EngineState.DEAD, EngineState.RETIRED}),
+    EngineState.RETIRED: frozenset(),
 }
 
 
@@ -84,6 +88,10 @@ def console_line(t: Transition, current_version: str | None) -> str | None:
         return f"fleet: {where} is dead: {t.reason}"
     if t.new is EngineState.REPLACING:
         return f"fleet: {where}: starting a replacement ({t.reason})"
+    if t.new is EngineState.RETIRED:
+        return f"fleet: {where} removed: {t.reason}"
+    if t.new is EngineState.STALE and t.old is EngineState.STARTING:
+        return f"fleet: {where} added; it serves after a push of the current weights"
     if t.new is EngineState.STALE:
         return f"fleet: {where}: replacement up; it serves after a push of the current weights"
     if t.old is EngineState.STALE and t.new is EngineState.HEALTHY:

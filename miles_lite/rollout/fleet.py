@@ -4,6 +4,7 @@ Every engine slot walks one state machine (illegal moves raise `IllegalTransitio
 
     starting -> healthy -> dead -> replacing -> stale -> healthy
         \\-> dead            replacing -> dead     stale -> dead
+    any state -> retired (scaled away: `retire`; `admit` adds an engine to a running fleet)
 
 Only `healthy` engines receive requests. An engine is declared dead after
 `fault_tolerance.failure_threshold` consecutive failed health checks or failed requests; a
@@ -36,7 +37,6 @@ from miles_lite.rollout.engine_health import (
     restarted_among,
 )
 from miles_lite.rollout.engine_state import (
-    ALREADY_CURRENT,
     TRANSITIONS,
     EngineHandle,
     EngineLease,
@@ -47,6 +47,7 @@ from miles_lite.rollout.engine_state import (
     Transition,
     console_line,
 )
+from miles_lite.rollout.fleet_membership import FleetMembership
 from miles_lite.rollout.fleet_memory import FleetMemory
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,7 @@ class FleetAsleep(FleetExhausted):
     """A request while every engine sleeps (memory released for the trainer): only a wake lets it run."""
 
 
-class EngineFleet(FleetMemory):
+class EngineFleet(FleetMemory, FleetMembership):
     """The engines serving rollouts, with health checks and automatic replacement.
 
     Use from one asyncio event loop: `add_engine`/`launch`, `start_health_checks()`, then the
@@ -259,7 +260,7 @@ class EngineFleet(FleetMemory):
         for rec in self.records:
             out[f"engines_{rec.state.value}"] += 1
         out.update(
-            engines_total=float(len(self.records)),
+            engines_total=float(sum(r.state is not EngineState.RETIRED for r in self.records)),
             restarts=float(self.restarts),
             retried_requests=float(self.retried_requests),
             failed_requests=float(self.failed_requests),
@@ -443,42 +444,6 @@ class EngineFleet(FleetMemory):
     def _after_death(self, rec: EngineRecord) -> None:
         if self.auto_replace and not self._closed:
             self._spawn(self._replace(rec))
-
-    async def replace_dead(self) -> None:
-        """Replace every dead engine now, while restarts remain (used with `auto_replace=False`)."""
-        await asyncio.gather(*(self._replace(r) for r in self.records if r.state is EngineState.DEAD))
-
-    async def _replace(self, rec: EngineRecord) -> None:
-        while rec.state is EngineState.DEAD and not self._closed:
-            if self.launcher is None or self.restarts >= self.cfg.max_engine_restarts:
-                logger.warning("engine slot %d stays dead: restarts used %d/%d", rec.index, self.restarts,
-                               self.cfg.max_engine_restarts)
-                await self._stop_engine(rec)
-                await self._notify()
-                return
-            self.restarts += 1
-            rec.incarnation += 1
-            self._set_state(rec, EngineState.REPLACING, f"restart {self.restarts}/{self.cfg.max_engine_restarts}")
-            await self._stop_engine(rec)
-            try:
-                handle = await self.launcher(rec.index, rec.incarnation)
-            except Exception as exc:  # a failed launch uses up the restart and may be tried again
-                rec.last_error = f"launch failed: {exc!r}"
-                self._set_state(rec, EngineState.DEAD, rec.last_error)
-                continue
-            rec.handle = handle
-            rec.health_failures = rec.request_failures = rec.inflight = 0
-            await self._come_up_stale(rec)
-
-    async def _come_up_stale(self, rec: EngineRecord) -> None:
-        if not await probe(rec, self.cfg.health_timeout_s):
-            self._set_state(rec, EngineState.DEAD, f"replacement failed its first health check: {rec.last_error}")
-            return
-        rec.version = await reported_version(rec, self.cfg.health_timeout_s)
-        self._set_state(rec, EngineState.STALE, f"replacement up with weight version {rec.version!r}")
-        if rec.version and rec.version == self.current_version:
-            # Started from the weights the fleet serves (no push since the start): nothing to wait for.
-            self._set_state(rec, EngineState.HEALTHY, f"{ALREADY_CURRENT} {rec.version!r}")
 
     def mark_synced(self, engine: str | RolloutEngine | EngineRecord, version: str) -> bool:
         """Record that `engine` now serves weight `version`; returns whether it is healthy.

@@ -30,6 +30,12 @@ visible_gpu_count() {
   awk -F, '{print NF}' <<<"$cvd"
 }
 
+# last_line FILE: the last non-blank line of FILE, trimmed to 400 characters (empty when there is none).
+last_line() {
+  [ -r "$1" ] || return 0
+  tail -n 200 "$1" | awk 'NF {line = $0} END {print substr(line, 1, 400)}'
+}
+
 # pid_alive PID: the process runs and is not a zombie.
 pid_alive() {
   [ -r "/proc/$1/stat" ] && [ "$(awk '{print $3}' "/proc/$1/stat" 2>/dev/null)" != Z ]

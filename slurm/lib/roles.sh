@@ -9,7 +9,8 @@
 # The Ray head is the trainer's first node (where this batch script and the driver run).
 #
 # plan_layout sets: LAYOUT, TRAINER_NODES[], ROLLOUT_NODES[], TRAINER_SRUN[], ROLLOUT_SRUN[]
-# (srun flags selecting each role's share), and describes the plan in PLAN_SUMMARY.
+# (srun flags selecting each role's share), TRAINER_SHARE / ROLLOUT_SHARE ("NODES,GPUS,CPUS" per node,
+# empty when unknown: hetjob), and describes the plan in PLAN_SUMMARY.
 
 # plan_layout: decide the layout from MILES_SLURM_LAYOUT (auto | hetjob | steps) and the allocation.
 plan_layout() {
@@ -34,6 +35,8 @@ _plan_hetjob() {
   # Without --exact a step gets all CPUs and GPUs of its component on each of its nodes.
   TRAINER_SRUN=(--het-group=0)
   ROLLOUT_SRUN=(--het-group=1)
+  TRAINER_SHARE=""
+  ROLLOUT_SHARE=""
   PLAN_SUMMARY="hetjob: trainer nodes ${TRAINER_NODES[*]} (component 0), rollout nodes ${ROLLOUT_NODES[*]} (component 1)"
 }
 
@@ -66,6 +69,8 @@ _plan_steps() {
     tg=$gpus rg=$gpus tc=$cpus rc=$cpus
     mem_t=${SLURM_MEM_PER_NODE:-0} mem_r=$mem_t
   fi
+  TRAINER_SHARE="${#TRAINER_NODES[@]},$tg,$tc"
+  ROLLOUT_SHARE="${#ROLLOUT_NODES[@]},$rg,$rc"
   # --exact: a step gets only what it asks, so the two roles' steps run side by side.
   TRAINER_SRUN=(--exact --cpus-per-task="$tc")
   ROLLOUT_SRUN=(--exact --cpus-per-task="$rc")

@@ -22,6 +22,7 @@ from kubernetes import client, config
 from services.kube_apiserver import ControlPlane, apiserver_binary, start_control_plane
 from test_kubernetes_pods import kubectl_binary
 
+from launcher.handlers import utc_now
 from launcher.kube import KubeApi
 from launcher.reconcile import OperatorConfig, Reconciler
 from launcher.render import key_secret_metadata, render
@@ -130,15 +131,14 @@ def test_operator_role_creates_a_job_and_reads_no_secret(kubectl, control_plane:
 
     # One reconcile pass as the operator's own service account, under exactly k8s/rbac.yaml.
     operator = _client(control_plane, as_user=OPERATOR)
-    actions = Reconciler(operator, OperatorConfig()).apply_all(operator.get_job("default", "guarded"))
-    assert "Secret/guarded-api-key: created" in actions and "NetworkPolicy/guarded: created" in actions
-    assert all(not a.endswith("failed") for a in actions), actions
+    patch = Reconciler(operator, OperatorConfig()).reconcile(operator.get_job("default", "guarded"), utc_now())
+    assert patch.get("phase") != "Failed", patch
+    assert admin.get("networking.k8s.io/v1", "NetworkPolicy", "default", "guarded") is not None
     # The Secret holds a fresh key, owned by the MilesJob; a second pass keeps it.
     secret = admin.get("v1", "Secret", "default", "guarded-api-key")
     key = base64.b64decode(secret["data"]["api-key"]).decode()
     assert len(key) >= 40 and secret["metadata"]["ownerReferences"][0]["uid"] == stored["metadata"]["uid"]
-    assert "Secret/guarded-api-key: unchanged" in Reconciler(operator, OperatorConfig()).apply_all(
-        operator.get_job("default", "guarded"))
+    Reconciler(operator, OperatorConfig()).reconcile(operator.get_job("default", "guarded"), utc_now())
     assert admin.get("v1", "Secret", "default", "guarded-api-key")["data"] == secret["data"]
     # Nor the MilesJob, nor any pod's environment carries the key.
     assert key not in json.dumps(admin.get_job("default", "guarded"))

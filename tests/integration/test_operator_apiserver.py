@@ -23,7 +23,7 @@ from services.kube_apiserver import ControlPlane, apiserver_binary, start_contro
 
 from launcher.crd_schema import apply_defaults, load_crd, openapi_schema
 from launcher.handlers import build_registry, build_settings
-from launcher.kube import KubeApi
+from launcher.kube import KubeApi, Refused
 from launcher.reconcile import COMPLETION_INDEX_ANNOTATION, OperatorConfig, Reconciler
 from launcher.render import HASH_ANNOTATION, render
 from launcher.spec import API_VERSION
@@ -154,10 +154,11 @@ def test_invalid_milesjob_is_rejected_with_every_schema_error(api: KubeApi):
     bad["spec"]["gang"]["scheduler"] = "slurm"
     bad["spec"]["metrics"]["port"] = 80
     bad["spec"]["checkpoint"]["interval"] = -1
-    with pytest.raises(ApiException) as err:
+    with pytest.raises(Refused) as refused:
         api.create(bad)
-    assert err.value.status == 422, err.value.body
-    body = json.loads(err.value.body)
+    err = refused.value.__cause__
+    assert isinstance(err, ApiException) and err.status == 422, err
+    body = json.loads(err.body)
     fields = sorted({c["field"] for c in body["details"]["causes"]})  # an empty image fails two rules
     assert fields == ["spec.checkpoint.interval", "spec.gang.scheduler", "spec.image", "spec.metrics.port",
                       "spec.rollout.backend", "spec.trainer.replicas"], body["message"]

@@ -262,3 +262,52 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, job_env: dic
     assert "steps: trainer nodes n1" in batch_log and f"requeueing job {job_id}" in batch_log
     # One node, two steps: the engine ran on the Ray node of the rollout step, in both attempts.
     _assert_engines_on(run_dir, "n1", attempts=2)
+
+
+def _seconds(fields: dict[str, str]) -> float:
+    from datetime import datetime
+
+    start, end = (datetime.fromisoformat(fields[k]) for k in ("StartTime", "EndTime"))
+    return (end - start).total_seconds()
+
+
+def test_impossible_placement_and_unknown_key_fail_before_ray(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
+    # One node split between the roles (the fake node's 4 GPUs and 2 CPUs, --exclusive): 2 GPUs and 1 CPU
+    # each; a tp=2 trainer (a CPU per rank) and 4 engines (a GPU and a CPU each) cannot fit.
+    short = [o for o in SHORT_RUN if not o.startswith("rollout.engines=")]
+    job_id, run_dir = _submit(slurm, job_env, ["--nodes=1", "--gres=gpu:2"], "slurm/train.sh",
+                              ["rollout.engines=4", "trainer.tp=2", *short])
+    typo_id, typo_dir = _submit(slurm, job_env, ["--nodes=1", "--gres=gpu:2"], "slurm/train.sh",
+                                ["trainer.tpp=2", *SHORT_RUN])
+    for jid, rdir in ((job_id, run_dir), (typo_id, typo_dir)):
+        fields = slurm.wait_job(jid, _finished, "the end of the job", timeout_s=120, logs=rdir / "logs")
+        batch_log = (rdir / "logs/slurm.out").read_text(errors="replace")
+        assert fields["JobState"] == "FAILED" and _seconds(fields) < 10, (fields, batch_log)
+        assert not (rdir / "logs/ray-head.log").exists(), "Ray was started"
+        assert "nothing was started" in batch_log
+        if jid == job_id:
+            lines = [ln for ln in batch_log.splitlines() if "placement:" in ln]
+            assert len(lines) == 2, batch_log  # one line per role: asked vs available
+            assert ("the trainer gang (2 bundles) asks CPU 2; the trainer share of the allocation (1 node(s), "
+                    "2 GPU(s) and 1 CPU(s) each) has CPU 1 in total") in lines[0], lines[0]
+            assert ("the rollout gang (4 bundles) asks CPU 4, GPU 4, miles_rollout 4; the rollout share of the "
+                    "allocation (1 node(s), 2 GPU(s) and 1 CPU(s) each) has CPU 1, GPU 2, miles_rollout 2 in total"
+                    ) in lines[1], lines[1]
+        else:
+            assert "unknown key trainer.tpp (trainer has no field 'tpp'); closest known: trainer.tp" in batch_log
+
+
+def test_driver_error_line_reaches_the_batch_log(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
+    # A heterogeneous job's shares are Ray's to check: the trainer gang (tp=2 ranks of 2 GPUs) asks more
+    # GPUs than component 0's node has, and fails as soon as it asks, not after the timeout.
+    job_id, run_dir = _submit(slurm, job_env, ["--gres=gpu:2"], "slurm/train-hetjob.sh",
+                              ["trainer.tp=2", "cluster.trainer_gpus_per_rank=2", "cluster.placement_timeout_s=300",
+                               *SHORT_RUN])
+    fields = slurm.wait_job(job_id, _finished, "the end of the job", logs=run_dir / "logs")
+    batch_log = (run_dir / "logs/slurm.out").read_text(errors="replace")
+    assert fields["JobState"] == "FAILED", batch_log
+    line = next((ln for ln in batch_log.splitlines() if "driver exited with code" in ln), "")
+    assert ("GangDoesNotFit: the trainer gang asks 2 bundles of CPU 1, GPU 2, miles_trainer 1; the cluster's nodes "
+            "hold 1 such bundle(s)") in line, batch_log
+    # The whole job (Ray's start included) took less than the placement timeout it would have waited.
+    assert _seconds(fields) < 300, fields

@@ -119,7 +119,21 @@ def test_cli_prints_resolved_job_config(capsys):
 
 def test_cli_reports_bad_override_and_bad_value(capsys):
     assert main(["train", "--cfg", "job", "trainer.tpp=3"]) == 2
-    assert "trainer.tpp" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (
+        "miles-lite train: configuration error: unknown key trainer.tpp (trainer has no field 'tpp'); "
+        "closest known: trainer.tp, trainer.pp, trainer.dp")
+    # Also in the + form, which Hydra would add to the typed config as an attribute nothing reads.
+    assert main(["train", "--cfg", "job", "+rollout.engins=2"]) == 2
+    assert "unknown key rollout.engins (rollout has no field 'engins'); closest known: rollout.engines" in \
+        capsys.readouterr().err
+    assert main(["train", "--cfg", "job", "nonexistent.key=1"]) == 2
+    assert "unknown key nonexistent.key (there is no section 'nonexistent'); known sections: algo," in \
+        capsys.readouterr().err
+    # Inside a free-form mapping any key goes, with + as Hydra wants for a new one.
+    assert main(["train", "--cfg", "job", "rollout.sglang_args.mem_fraction_static=0.5"]) == 2
+    assert "add it with +rollout.sglang_args.mem_fraction_static=<value>" in capsys.readouterr().err
+    assert main(["train", "--cfg", "job", "+rollout.sglang_args.mem_fraction_static=0.5"]) == 0
+    capsys.readouterr()
     assert main(["train", "--cfg", "job", "trainer.tp=3"]) == 2
     assert "must divide" in capsys.readouterr().err
     # A value of the wrong type names the field, the value and the type (Hydra says only "Error merging override").

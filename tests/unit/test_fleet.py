@@ -53,12 +53,13 @@ class Launcher:
 
 
 def test_transition_table_is_the_documented_lifecycle():
-    assert TRANSITIONS[S.STARTING] == {S.HEALTHY, S.DEAD}
-    assert TRANSITIONS[S.HEALTHY] == {S.DEAD, S.SLEEPING}
-    assert TRANSITIONS[S.SLEEPING] == {S.HEALTHY, S.DEAD}
-    assert TRANSITIONS[S.DEAD] == {S.REPLACING}
-    assert TRANSITIONS[S.REPLACING] == {S.STALE, S.DEAD}
-    assert TRANSITIONS[S.STALE] == {S.HEALTHY, S.DEAD}
+    assert TRANSITIONS[S.STARTING] == {S.HEALTHY, S.STALE, S.DEAD, S.RETIRED}
+    assert TRANSITIONS[S.HEALTHY] == {S.DEAD, S.SLEEPING, S.RETIRED}
+    assert TRANSITIONS[S.SLEEPING] == {S.HEALTHY, S.DEAD, S.RETIRED}
+    assert TRANSITIONS[S.DEAD] == {S.REPLACING, S.RETIRED}
+    assert TRANSITIONS[S.REPLACING] == {S.STALE, S.DEAD, S.RETIRED}
+    assert TRANSITIONS[S.STALE] == {S.HEALTHY, S.DEAD, S.RETIRED}
+    assert TRANSITIONS[S.RETIRED] == set()  # final
     assert set(TRANSITIONS) == set(S)
 
 
@@ -71,7 +72,8 @@ def test_illegal_transition_raises_with_allowed_targets():
         fleet = EngineFleet(_ft())
         rec = await fleet.add_engine(EngineHandle(FakeEngine("a")))
         assert rec.state is S.HEALTHY and rec.version == "0"
-        with pytest.raises(IllegalTransition, match=r"healthy -> stale is not allowed.*\['dead', 'sleeping'\]"):
+        allowed = r"\['dead', 'retired', 'sleeping'\]"
+        with pytest.raises(IllegalTransition, match=r"healthy -> stale is not allowed.*" + allowed):
             fleet._set_state(rec, S.STALE, "test")
         await fleet.close()
 

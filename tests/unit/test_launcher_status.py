@@ -65,10 +65,10 @@ def test_parse_metrics_reads_the_named_gauges():
 def test_progress_annotations_win_over_metrics():
     pod = {"metadata": {"annotations": {st.STEP_ANNOTATION: "7", st.CHECKPOINT_ANNOTATION: "/ckpt/step_5"}},
            "status": {"phase": "Running", "podIP": "127.0.0.1"}}
-    assert st.trainer_progress(pod, 1, "miles_lite_step", "miles_lite_checkpoint_step") == (7, "/ckpt/step_5")
-    assert st.trainer_progress(None, 1, "a", "b") == (None, None)
+    assert st.trainer_progress(pod, 1, "miles_lite_step", "miles_lite_checkpoint_step") == (7, "/ckpt/step_5", None)
+    assert st.trainer_progress(None, 1, "a", "b") == (None, None, None)
     pending = {"metadata": {}, "status": {"phase": "Pending"}}
-    assert st.trainer_progress(pending, 1, "a", "b") == (None, None)
+    assert st.trainer_progress(pending, 1, "a", "b") == (None, None, None)
 
 
 def test_progress_scraped_from_a_real_metrics_endpoint():
@@ -76,13 +76,59 @@ def test_progress_scraped_from_a_real_metrics_endpoint():
     try:
         port = server.server_address[1]
         pod = {"metadata": {"annotations": {}}, "status": {"phase": "Running", "podIP": "127.0.0.1"}}
-        assert st.trainer_progress(pod, port, "miles_lite_step", "miles_lite_checkpoint_step") == (42, "40")
+        assert st.trainer_progress(pod, port, "miles_lite_step", "miles_lite_checkpoint_step") == (42, "40", None)
     finally:
         server.shutdown()
         server.server_close()
         thread.join(timeout=5)
     # The endpoint is gone: progress is unknown, not an error.
-    assert st.trainer_progress(pod, port, "miles_lite_step", "miles_lite_checkpoint_step", 0.5) == (None, None)
+    assert st.trainer_progress(pod, port, "miles_lite_step", "miles_lite_checkpoint_step", 0.5) == (None, None, None)
+
+
+@pytest.mark.parametrize(("answer", "problem"), [
+    ("miles_lite_step NaN\n", "miles_lite_step is nan, not a finite number"),
+    ("<html><body>502 Bad Gateway</body></html>", "the answer is not Prometheus text"),
+    ("miles_lite_checkpoint_step +Inf\nmiles_lite_step 3\n", "miles_lite_checkpoint_step is inf"),
+])
+def test_unreadable_metrics_answer_is_a_problem_not_an_exception(answer, problem):
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            body = answer.encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            return
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        pod = {"metadata": {"annotations": {}}, "status": {"phase": "Running", "podIP": "127.0.0.1"}}
+        progress = st.trainer_progress(pod, server.server_address[1], "miles_lite_step", "miles_lite_checkpoint_step")
+        assert progress.step is None and problem in progress.problem, progress
+        assert f"127.0.0.1:{server.server_address[1]}/metrics" in progress.problem
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)
+
+
+def test_failed_for_invalid_spec_reopens_on_a_new_generation():
+    failed = {"phase": "Failed", "conditions": [{"type": "Failed", "status": "True", "reason": "InvalidSpec",
+                                                "observedGeneration": 2}]}
+    assert not st.reopens(failed, 2) and st.reopens(failed, 3)
+    budget = {"phase": "Failed", "conditions": [{"type": "Failed", "status": "True",
+                                                "reason": "TrainerRestartsExhausted", "observedGeneration": 2}]}
+    assert not st.reopens(budget, 3)
+    assert st.transition("Failed", "Pending", reopened=True) == "Pending"
+    with pytest.raises(st.InvalidTransition):
+        st.transition("Failed", "Pending")
 
 
 @pytest.mark.parametrize(("completed", "index", "done"), [

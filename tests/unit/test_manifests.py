@@ -71,7 +71,7 @@ def test_invalid_job_lists_every_schema_error(crd):
     bad["spec"]["trainer"]["tolerations"][0]["effect"] = "Sometimes"
     bad["spec"]["unknownField"] = 1
     errors = validation_errors(crd, bad)
-    assert len(errors) == 8, errors
+    assert len(errors) == 9, errors  # the empty image breaks minLength and pattern
     paths = {e.split(":")[0] for e in errors}
     assert paths == {"spec", "spec.image", "spec.trainer.replicas", "spec.trainer.gpusPerReplica",
                      "spec.rollout.backend", "spec.gang.scheduler", "spec.metrics.port",
@@ -84,7 +84,7 @@ def test_converter_keeps_pass_through_objects_open(crd):
     assert rollout["additionalProperties"] is False
     assert "additionalProperties" not in rollout["properties"]["sglangArgs"]
     requests = rollout["properties"]["resources"]["properties"]["requests"]
-    assert requests["additionalProperties"] == {"anyOf": [{"type": "integer"}, {"type": "string"}]}
+    assert requests["additionalProperties"]["anyOf"] == [{"type": "integer"}, {"type": "string"}]
 
 
 @pytest.mark.parametrize("gang", [{"scheduler": "none"}, {"scheduler": "volcano", "queue": "q"},
@@ -132,3 +132,15 @@ def test_rbac_grants_the_operator_exactly_what_it_uses():
     binding = next(d for d in docs(K8S / "rbac.yaml") if d["kind"] == "ClusterRoleBinding")
     deployment = docs(K8S / "deployment.yaml")[0]
     assert binding["subjects"][0]["name"] == deployment["spec"]["template"]["spec"]["serviceAccountName"]
+
+
+def test_schema_refuses_pod_fields_the_api_server_would(crd):
+    (obj,) = docs(K8S / "examples" / "tiny-cpu.yaml")
+    bad = copy.deepcopy(obj)
+    bad["spec"]["image"] = "my image:1"
+    bad["spec"]["env"] = [{"name": "1 bad name", "value": "x"}]
+    bad["spec"]["trainer"]["resources"] = {"requests": {"cpu": "lots", "memory": "2Gi"}, "limits": {"cpu": 2}}
+    bad["spec"]["rollout"]["nodeSelector"] = {"pool": "has spaces"}
+    paths = sorted(e.split(":")[0] for e in validation_errors(crd, bad))
+    assert paths == ["spec.env.0.name", "spec.image", "spec.rollout.nodeSelector.pool",
+                     "spec.trainer.resources.requests.cpu"], paths

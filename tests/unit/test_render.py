@@ -77,8 +77,25 @@ def test_trainer_job_is_indexed_and_fails_fast():
     assert mounts == {"config": "/etc/miles-lite", "checkpoints": "/checkpoints",
                       "api-key": "/var/run/miles-lite/api-key", "tmp": "/tmp", "work": "/work"}
     (cm,) = by_kind(objs, "ConfigMap")
-    overrides_hash = hashlib.sha256(cm["data"]["overrides"].encode()).hexdigest()[:16]
+    # The pods' config hash covers the overrides less the engine count and URLs (followed at run time).
+    kept = [line for line in cm["data"]["overrides"].splitlines()
+            if not line.startswith(("rollout.engines=", "rollout.engine_urls="))]
+    overrides_hash = hashlib.sha256("\n".join(kept).encode()).hexdigest()[:16]
     assert spec["template"]["metadata"]["annotations"][CONFIG_HASH_ANNOTATION] == overrides_hash
+    assert cm["data"]["engines"].splitlines() == [
+        f"http://tiny-cpu-rollout-{i}.tiny-cpu-rollout.research.svc:30000" for i in range(2)]
+    assert "rollout.engine_urls_file=/etc/miles-lite/engines" in cm["data"]["overrides"].splitlines()
+
+
+def test_scaling_engines_changes_no_pod_but_the_ones_added_or_removed():
+    body = example("tiny-cpu.yaml")
+    two = render(body)
+    body["spec"]["rollout"]["engines"] = 3
+    three = render(body)
+    hashes = [{o["metadata"]["name"]: o["metadata"]["annotations"][HASH_ANNOTATION] for o in x
+               if o["kind"] in ("Job", "Pod")} for x in (two, three)]
+    assert set(hashes[1]) - set(hashes[0]) == {"tiny-cpu-rollout-2"}
+    assert all(hashes[0][name] == hashes[1][name] for name in hashes[0])
 
 
 def test_reference_engine_pods_have_stable_dns_and_probe():
@@ -232,3 +249,29 @@ def test_crd_defaults_equal_renderer_defaults():
     assert defaulted["spec"]["trainer"]["replicas"] == 1 and defaulted["spec"]["gang"]["scheduler"] == "none"
     assert parse_job(defaulted) == parse_job(minimal)
     assert render(defaulted)[1:] == render(minimal)[1:]  # the ConfigMap records the spec as submitted
+
+
+def test_pod_fields_the_api_server_refuses_are_named_on_the_milesjob():
+    body = example("tiny-cpu.yaml")
+    body["spec"].update(image="my image:1", env=[{"name": "1 bad name", "value": "x"}],
+                        serviceAccountName="Bad_SA")
+    body["spec"]["trainer"]["resources"] = {"requests": {"cpu": "lots", "bad key!": 1}}
+    body["spec"]["rollout"]["nodeSelector"] = {"bad key!": "ok", "example.com/pool": "a b"}
+    body["spec"]["checkpoint"] = {"volume": {"claimName": "UPPER"}}
+    with pytest.raises(SpecError) as err:
+        parse_job(body)
+    lines = err.value.problems
+    fields = sorted(line.split(":")[0] for line in lines)
+    assert fields == ["spec.checkpoint.volume.claimName", "spec.env[0].name", "spec.image",
+                      "spec.rollout.nodeSelector['bad key!']", "spec.rollout.nodeSelector['example.com/pool']",
+                      "spec.serviceAccountName", "spec.trainer.resources.requests['bad key!']",
+                      "spec.trainer.resources.requests['cpu']"], lines
+    assert any("'lots' must be a quantity such as 2, 500m or 16Gi" in line for line in lines)
+
+
+@pytest.mark.parametrize("image", ["miles-lite:1.0", "registry.example:5000/team/miles-lite:1.0-gpu",
+                                   "localhost/miles-lite@sha256:" + "a" * 64, "ubuntu"])
+def test_image_references_the_runtime_parses_are_accepted(image):
+    body = example("tiny-cpu.yaml")
+    body["spec"]["image"] = image
+    assert parse_job(body).image == image

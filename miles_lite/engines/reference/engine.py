@@ -42,6 +42,8 @@ REFERENCE_ARGS: dict[str, tuple[str, str]] = {
     "custom_weight_loader": ("--custom-weight-loader", "list"),
     "enable_lora": ("--enable-lora", "bool"),
     "max_lora_rank": ("--max-lora-rank", "value"),
+    "max_request_bytes": ("--max-request-bytes", "value"),
+    "idle_timeout_s": ("--idle-timeout-s", "value"),
 }
 
 
@@ -77,10 +79,14 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
     parser.add_argument("--insecure", action="store_true",
                         help="allow serving a non-loopback address without an API key (anyone who reaches the "
                              "port can generate, pause and replace the weights)")
-
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters: /load_lora_adapter, /unload_lora_adapter, lora_path per request")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank")
+    parser.add_argument("--max-request-bytes", type=int, default=0,
+                        help="largest request body but weight payloads (413 beyond); 0: what a full batch of the "
+                             "model's context needs")
+    parser.add_argument("--idle-timeout-s", type=float, default=30.0,
+                        help="close connections idle (or sending a body that stalls) for this long")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -126,6 +132,16 @@ def build_reference_command(model_path: str, port: int, reference_args: Mapping[
     return cmd + reference_flags(reference_args)
 
 
+def make_runner(server: ReferenceServer) -> web.AppRunner:
+    """The aiohttp runner of `server`: shutdown aborts every request first, so handlers finish quickly (5 s bound
+    stragglers); a connection with no request in flight for `idle_timeout_s` (a client gone without closing,
+    or one that never sends a whole request) is closed, and the unread rest of a refused body is discarded for
+    at most that long (so the client reads the answer) before the connection closes."""
+    idle = server.opts.idle_timeout_s
+    return web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0,
+                         keepalive_timeout=idle, lingering_time=idle)
+
+
 async def serve(args: argparse.Namespace, api_key: str | None) -> None:
     """Load the model, serve until SIGTERM/SIGINT, then shut down cleanly."""
     torch.set_num_threads(max(1, args.threads))
@@ -136,10 +152,9 @@ async def serve(args: argparse.Namespace, api_key: str | None) -> None:
         fail_mode=args.fail_mode, fail_after=args.fail_after,
         return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s, tp=args.tp,
         custom_weight_loader=tuple(args.custom_weight_loader), api_key=api_key, enable_lora=args.enable_lora,
-        max_lora_rank=args.max_lora_rank,
+        max_lora_rank=args.max_lora_rank, max_request_bytes=args.max_request_bytes, idle_timeout_s=args.idle_timeout_s,
     ))
-    # Shutdown aborts every request first, so handlers finish quickly; 5 s bounds stragglers.
-    runner = web.AppRunner(server.app, access_log=None, handle_signals=False, shutdown_timeout=5.0)
+    runner = make_runner(server)
     await runner.setup()
     if args.listen_fd is not None:
         site: web.BaseSite = web.SockSite(runner, socket.socket(fileno=args.listen_fd))

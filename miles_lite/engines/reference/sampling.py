@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from miles_lite.engines.reference import request_fields as rf
+
 # SGLang's `_SAMPLING_EPS`: temperatures below it mean greedy decoding.
 SAMPLING_EPS = 1e-6
 
@@ -63,6 +65,8 @@ class RequestSampling:
     @classmethod
     def from_json(cls, raw: dict[str, Any] | None, vocab_size: int) -> RequestSampling:
         """Validate a `/generate` `sampling_params` object; raises ValueError naming the bad field."""
+        if raw is not None and not isinstance(raw, dict):
+            raise rf.FieldError(f"sampling_params: expected an object, got {type(raw).__name__}")
         raw = dict(raw or {})
         for key, default in _DEFAULT_ONLY.items():
             value = raw.pop(key, default)
@@ -78,20 +82,25 @@ class RequestSampling:
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(f"sampling_params has unknown keys {unknown}; known keys: {sorted(known)}")
-        stop = raw.get("stop") or ()
+        stop = raw.get("stop") or []
         if isinstance(stop, str):
-            stop = (stop,)
-        stop_ids = raw.get("stop_token_ids") or ()
+            stop = [stop]
+        if not isinstance(stop, list | tuple):
+            raise rf.FieldError(f"sampling_params.stop: expected a string or a list of strings, got {stop!r}")
+        stop_ids = raw.get("stop_token_ids") or []
+        if not isinstance(stop_ids, list | tuple):
+            raise rf.FieldError(f"sampling_params.stop_token_ids: expected a list of integers, got {stop_ids!r}")
         params = cls(
-            max_new_tokens=int(raw.get("max_new_tokens", 128)),
-            min_new_tokens=int(raw.get("min_new_tokens", 0)),
-            temperature=float(raw.get("temperature", 1.0)),
-            top_p=float(raw.get("top_p", 1.0)),
-            top_k=int(raw.get("top_k", -1)),
-            stop=tuple(str(s) for s in stop),
-            stop_token_ids=frozenset(int(t) for t in stop_ids),
-            ignore_eos=bool(raw.get("ignore_eos", False)),
-            sampling_seed=None if raw.get("sampling_seed") is None else int(raw["sampling_seed"]),
+            max_new_tokens=rf.integer(raw.get("max_new_tokens", 128), "sampling_params.max_new_tokens"),
+            min_new_tokens=rf.integer(raw.get("min_new_tokens", 0), "sampling_params.min_new_tokens"),
+            temperature=rf.number(raw.get("temperature", 1.0), "sampling_params.temperature"),
+            top_p=rf.number(raw.get("top_p", 1.0), "sampling_params.top_p"),
+            top_k=rf.integer(raw.get("top_k", -1), "sampling_params.top_k"),
+            stop=tuple(rf.string(s, f"sampling_params.stop[{i}]") for i, s in enumerate(stop)),
+            stop_token_ids=frozenset(rf.integer(t, f"sampling_params.stop_token_ids[{i}]")
+                                     for i, t in enumerate(stop_ids)),
+            ignore_eos=rf.boolean(raw.get("ignore_eos", False), "sampling_params.ignore_eos"),
+            sampling_seed=rf.optional_integer(raw.get("sampling_seed"), "sampling_params.sampling_seed"),
         )
         params._verify(vocab_size)
         return params

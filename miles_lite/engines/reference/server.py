@@ -1,8 +1,11 @@
 """The reference engine's HTTP server: SGLang 0.5.10's native API subset over aiohttp.
 
 Routes, payloads and answers follow SGLang's `entrypoints/http_server.py` and `managers/io_struct.py`:
-failures of weight calls answer 400 with {"success": false, "message": ...}, bad requests answer 400 with
-{"error": {"message": ...}}. Test-only behaviour: `drop_weight_updates` acknowledges weight updates (and
+failures of weight calls answer 400 with {"success": false, "message": ...}, bad requests (also a field of
+the wrong type, or JSON nested too deeply) answer 400 with {"error": {"message": ...}} naming the field.
+Bodies are bounded by what a request can need (413 beyond; `--max-request-bytes`, the weight payloads by the
+model's size) and read with a deadline; connections idle for `--idle-timeout-s` are closed.
+Test-only behaviour: `drop_weight_updates` acknowledges weight updates (and
 bumps the version) but keeps the old weights; `fail_mode` hang/error stops answering or answers 500 to
 `/generate` and `/health_generate` once `fail_after` generate requests have been served.
 """
@@ -19,6 +22,7 @@ from typing import Any
 from aiohttp import web
 
 from miles_lite.api_key import bearer_matches
+from miles_lite.engines.reference import request_fields as rf
 from miles_lite.engines.reference.memory import EngineMemory, MemoryRequestError, requested_tags
 from miles_lite.engines.reference.model import ReferenceModel, deserialize_named_tensors, read_safetensors
 from miles_lite.engines.reference.ranks import EngineRanks
@@ -57,6 +61,10 @@ class ServerOptions:
     # SGLang's --enable-lora / --max-lora-rank: serve LoRA adapters loaded at run time.
     enable_lora: bool = False
     max_lora_rank: int | None = None
+    # Largest request body (bytes) but weight payloads; 0: what a full batch of the model's context needs.
+    max_request_bytes: int = 0
+    # Seconds a connection may stay idle (no request, or a body that stops arriving) before it is closed.
+    idle_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -65,6 +73,11 @@ class ServerOptions:
             raise ValueError(f"--fail-mode {self.fail_mode!r} is not one of {FAIL_MODES}")
         if self.fail_after < 0:
             raise ValueError(f"--fail-after must be >= 0, got {self.fail_after}")
+        if self.max_request_bytes < 0:
+            raise ValueError(f"--max-request-bytes must be >= 0 (0: derived from the model), got "
+                             f"{self.max_request_bytes}")
+        if not self.idle_timeout_s > 0:
+            raise ValueError(f"--idle-timeout-s must be > 0 seconds, got {self.idle_timeout_s}")
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -79,17 +92,31 @@ def _bad_request(message: str) -> web.HTTPBadRequest:
     return web.HTTPBadRequest(text=json.dumps({"error": {"message": message}}), content_type="application/json")
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    """The JSON object a request carries (its query without a body); a body that is not one answers 400."""
-    if not request.can_read_body:
-        return dict(request.query)
-    try:
-        data = await request.json()
-    except ValueError as exc:
-        raise _bad_request(f"the request body is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise _bad_request("the request body must be a JSON object")
-    return data
+def _too_large(limit: int, size: int | None, what: str) -> web.HTTPRequestEntityTooLarge:
+    return web.HTTPRequestEntityTooLarge(
+        max_size=limit, actual_size=size or limit + 1, content_type="application/json",
+        text=json.dumps({"error": {"message": f"the request body is larger than {limit} bytes, the most {what}"}}))
+
+
+async def _read_body(request: web.Request, limit: int, idle_timeout_s: float, what: str) -> bytes:
+    """The body, refused (413) beyond `limit` bytes before reading what the headers announce, and read
+    chunk by chunk with `idle_timeout_s` per chunk (a sender that stalls is dropped)."""
+    if request.content_length is not None and request.content_length > limit:
+        raise _too_large(limit, request.content_length, what)
+    chunks, size = [], 0
+    while True:
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), idle_timeout_s)
+        except TimeoutError:
+            raise web.HTTPRequestTimeout(text=json.dumps({"error": {"message": (
+                f"the request body stopped arriving for {idle_timeout_s:g} s")}}), content_type="application/json"
+            ) from None
+        if not chunk:
+            return b"".join(chunks)
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit, size, what)
+        chunks.append(chunk)
 
 
 class ReferenceServer:
@@ -110,7 +137,11 @@ class ReferenceServer:
         self.memory = EngineMemory()
         self._generate_count = 0
         self._hang = asyncio.Event()  # set only at shutdown: what a hung engine waits on
-        self.app = web.Application(client_max_size=1 << 30, middlewares=[self._authenticate])
+        self.request_limit = opts.max_request_bytes or rf.request_limit(self.model.max_positions,
+                                                                         opts.max_batch_size)
+        parameters = sum(p.numel() for p in self.model.model.parameters())
+        self.weights_limit = max(self.request_limit, rf.weights_limit(parameters, opts.tp))
+        self.app = web.Application(client_max_size=self.weights_limit, middlewares=[self._authenticate])
         self.app.on_startup.append(self._on_startup)
         self.app.on_shutdown.append(self._on_shutdown)
         self.app.on_cleanup.append(self._on_cleanup)
@@ -147,6 +178,22 @@ class ReferenceServer:
                                      status=401, headers={"WWW-Authenticate": "Bearer"})
         return await handler(request)
 
+    async def _body(self, request: web.Request, weights: bool = False) -> dict[str, Any]:
+        """The JSON object a request carries (its query without a body); anything else answers 400."""
+        if not request.can_read_body:
+            return dict(request.query)
+        if weights:
+            limit, what = self.weights_limit, "this model's weights can need"
+        else:
+            limit, what = self.request_limit, "a request can need here (--max-request-bytes)"
+        try:
+            data = rf.parse_json(await _read_body(request, limit, self.opts.idle_timeout_s, what))
+        except rf.FieldError as exc:
+            raise _bad_request(str(exc)) from None
+        if not isinstance(data, dict):
+            raise _bad_request("the request body must be a JSON object")
+        return data
+
     async def _on_startup(self, _app: web.Application) -> None:
         self.scheduler.start()
 
@@ -172,7 +219,7 @@ class ReferenceServer:
     async def generate(self, request: web.Request) -> web.Response:
         """SGLang `/generate` with token ids: a single request (input_ids: list[int]) or a batch (list of lists)."""
         try:
-            body = await _body(request)
+            body = await self._body(request)
             batch = _split_batch(body)
             reqs = [self._make_request(item) for item in batch]
         except (ValueError, TypeError) as exc:
@@ -195,26 +242,28 @@ class ReferenceServer:
     def _make_request(self, item: dict[str, Any]) -> GenRequest:
         if item.get("text") is not None or item.get("input_ids") is None:
             raise ValueError("the reference engine takes token ids: send input_ids (text is not supported)")
-        input_ids = [int(t) for t in item["input_ids"]]
+        input_ids = rf.token_ids(item["input_ids"], item.get("_field", "input_ids"))
         self.scheduler.validate_prompt(input_ids)
         sampling = RequestSampling.from_json(item.get("sampling_params"), self.model.vocab_size)
         if sampling.stop and self.tokenizer is None:
             raise ValueError("sampling_params.stop needs a tokenizer, and the model directory has none; "
                              "use stop_token_ids")
-        start = item.get("logprob_start_len")
-        start = -1 if start is None else int(start)
+        start = rf.optional_integer(item.get("logprob_start_len"), "logprob_start_len")
+        start = -1 if start is None else start
         if start >= len(input_ids):
             raise ValueError(f"logprob_start_len={start} must be < len(input_ids)={len(input_ids)}")
-        routed = bool(item.get("return_routed_experts") or False)
+        routed = rf.boolean(item.get("return_routed_experts", False) or False, "return_routed_experts")
         if routed and self.model.routing is None:
             raise ValueError("return_routed_experts=true needs a mixture-of-experts model; this one is dense")
         adapter = None
         if item.get("lora_path") is not None:
             if not self.opts.enable_lora:
                 raise ValueError("lora_path needs LoRA serving: start the engine with --enable-lora")
-            adapter = self.model.lora.get(str(item["lora_path"]))
-        return GenRequest(rid=str(item.get("rid") or uuid.uuid4().hex), input_ids=input_ids, sampling=sampling,
-                          return_logprob=bool(item.get("return_logprob") or False), logprob_start_len=start,
+            adapter = self.model.lora.get(rf.string(item["lora_path"], "lora_path"))
+        rid = item.get("rid")
+        return GenRequest(rid=rf.string(rid, "rid") if rid is not None else uuid.uuid4().hex, input_ids=input_ids,
+                          sampling=sampling, logprob_start_len=start,
+                          return_logprob=rf.boolean(item.get("return_logprob", False) or False, "return_logprob"),
                           future=asyncio.get_running_loop().create_future(), return_routed_experts=routed,
                           adapter=adapter)
 
@@ -236,12 +285,12 @@ class ReferenceServer:
         return web.Response(status=200)
 
     async def abort_request(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await self._body(request)
         self.scheduler.abort(None if body.get("abort_all") else str(body.get("rid") or ""))
         return web.Response(status=200)
 
     async def pause_generation(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await self._body(request)
         try:
             mode = PauseMode(body.get("mode", "abort"))
         except ValueError:
@@ -282,7 +331,7 @@ class ReferenceServer:
         return web.Response(text="Cache flushed.\n", status=200)
 
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await self._body(request)
         if (refusal := self.memory.weights_refusal()) is not None:
             return _error(refusal)
         try:
@@ -300,7 +349,7 @@ class ReferenceServer:
 
     async def load_lora_adapter(self, request: web.Request) -> web.Response:
         """Load a PEFT directory (`lora_path`) as adapter `lora_name`; the base weights are not touched."""
-        body = await _body(request)
+        body = await self._body(request)
         if not self.opts.enable_lora:
             return self._lora_result(False, "LoRA is not enabled: start the engine with --enable-lora")
         try:
@@ -311,7 +360,7 @@ class ReferenceServer:
         return self._lora_result(True)
 
     async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await self._body(request)
         try:
             self.model.lora.unload(str(body.get("lora_name") or ""))
         except ValueError as exc:
@@ -343,7 +392,7 @@ class ReferenceServer:
         return True, message
 
     async def update_weight_version(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await self._body(request)
         if body.get("new_version") is None:
             return _result(False, "new_version is required")
         if body.get("abort_all_requests", True):
@@ -352,7 +401,7 @@ class ReferenceServer:
         return _result(True, f"Weight version updated to {self.weight_version}", new_version=self.weight_version)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await self._body(request)
         if (refusal := self.memory.weights_refusal()) is not None:
             return _result(False, f"Failed to update weights: {refusal}", num_paused_requests=0)
         if body.get("load_format") not in (None, "auto", "safetensors"):
@@ -368,7 +417,7 @@ class ReferenceServer:
         """One entry per TP rank. load_format None: base64(torch.save(list[(HF name, full tensor)])), rank r
         slices entry r. A load_format listed in `custom_weight_loader`: rank r calls that function on its own
         parameters with entry r decoded, as SGLang's TP workers do."""
-        body = await _body(request)
+        body = await self._body(request, weights=True)
         if (refusal := self.memory.weights_refusal()) is not None:
             return _result(False, f"Failed to update weights: {refusal}")
         payloads = body.get("serialized_named_tensors") or []
@@ -397,7 +446,7 @@ class ReferenceServer:
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """Every TP rank r joins as `rank_offset + r`; answers once the whole world has joined."""
-        body = await _body(request)
+        body = await self._body(request)
         name = str(body.get("group_name", "weight_update_group"))
         log.info("joining weight-update group %s at %s:%s as ranks from %s of %s", name, body.get("master_address"),
                  body.get("master_port"), body.get("rank_offset"), body.get("world_size"))
@@ -412,7 +461,7 @@ class ReferenceServer:
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """Every TP rank receives the broadcast full tensors and keeps its slices, as SGLang's loaders do."""
-        body = await _body(request)
+        body = await self._body(request)
         name = str(body.get("group_name", "weight_update_group"))
         if (refusal := self.memory.weights_refusal()) is not None:
             return _result(False, f"Failed to receive parameters: {refusal}")
@@ -431,7 +480,7 @@ class ReferenceServer:
 
     async def release_memory_occupation(self, request: web.Request) -> web.Response:
         """Release `tags` (all when absent): refused while requests are in flight or a tag is released."""
-        body = await _body(request)
+        body = await self._body(request)
         try:
             tags = requested_tags(body.get("tags"))
             load = self.scheduler.load()
@@ -446,7 +495,7 @@ class ReferenceServer:
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
         """Resume released `tags` (all when absent); the weights come back from the rank stores."""
-        body = await _body(request)
+        body = await self._body(request)
         try:
             tags = requested_tags(body.get("tags"))
             self.memory.check_resume(tags)
@@ -459,7 +508,7 @@ class ReferenceServer:
         return web.Response(status=200)
 
     async def destroy_weights_update_group(self, request: web.Request) -> web.Response:
-        body = await _body(request)
+        body = await self._body(request)
         try:
             existed = await asyncio.to_thread(self.ranks.destroy, str(body.get("group_name", "weight_update_group")))
         except RuntimeError as exc:
@@ -482,8 +531,8 @@ def _split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
             return value[i] if isinstance(value, list) else value
         return value[i] if isinstance(value, list) and len(value) == n else value
 
-    keys = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "return_routed_experts")
-    return [{"input_ids": ids[i], **{k: pick(k, i) for k in keys}} for i in range(n)]
+    keys = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "return_routed_experts", "lora_path")
+    return [{"input_ids": ids[i], "_field": f"input_ids[{i}]", **{k: pick(k, i) for k in keys}} for i in range(n)]
 
 
 def _load_tokenizer(model_path: str) -> Any | None:
