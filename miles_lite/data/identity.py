@@ -4,6 +4,7 @@ A checkpoint's cursor is a position in a list of problems; it means something on
 Each `data.source` supplies its identity through one function of `IDENTITY_BY_SOURCE`:
 
 - files (`gsm8k`): the training file's path, size and sha256 (the content, wherever the file now lives);
+- `records`: the same of its file, plus the key mapping (another mapping can yield other prompts);
 - `synthetic`: the generator's spec, the number of problems and the seed.
 
 An identity is a JSON-able dict: `source`, `what` (a line naming the data for messages) and `key` (what
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.config.schema import DataConfig
+from miles_lite.data.records import RecordKeys
 
 _CHUNK = 1 << 20
 
@@ -45,6 +47,15 @@ def _gsm8k(data: DataConfig) -> dict[str, Any]:
     return file_identity(str(data.train_path))
 
 
+def records_identity(path: str | Path, keys: RecordKeys) -> dict[str, Any]:
+    """A records file by content and the key mapping that reads it."""
+    return file_identity(path, extra={"keys": keys.as_dict()})
+
+
+def _records(data: DataConfig) -> dict[str, Any]:
+    return records_identity(str(data.train_path), RecordKeys.from_config(data))
+
+
 def _synthetic(data: DataConfig) -> dict[str, Any]:
     syn = data.synthetic
     spec = {"train_size": syn.train_size, "min_steps": syn.min_steps, "max_steps": syn.max_steps,
@@ -57,6 +68,7 @@ def _synthetic(data: DataConfig) -> dict[str, Any]:
 # data.source -> its identity; a new source adds one entry.
 IDENTITY_BY_SOURCE: dict[str, Callable[[DataConfig], dict[str, Any]]] = {
     "gsm8k": _gsm8k,
+    "records": _records,
     "synthetic": _synthetic,
 }
 

@@ -3,16 +3,13 @@ through a key mapping; the named evaluation sets; the identity of the training d
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from miles_lite.config.schema import EvalSetConfig, MilesConfig, SyntheticDataConfig
 from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems
 from miles_lite.data.gsm8k import DatasetError, MathProblem, load_gsm8k
-from miles_lite.data.records import RecordKeys, load_records, records_identity
+from miles_lite.data.records import RecordKeys, load_records
 
 # The evaluation set a records run gets from `data.eval_path` (greedy, one sample a prompt).
 HELD_OUT_SET = "held_out"
@@ -98,19 +95,3 @@ def load_eval_sets(cfg: MilesConfig) -> list[EvalSet]:
         items = load_data_file(cfg, set_cfg.path)
         sets.append(EvalSet(name, set_cfg, items[: set_cfg.size] if set_cfg.size else items))
     return sets
-
-
-def _file_identity(path: str) -> dict[str, Any]:
-    resolved = Path(path).resolve()
-    return {"path": str(resolved), "size": resolved.stat().st_size,
-            "sha256": hashlib.sha256(resolved.read_bytes()).hexdigest()}
-
-
-def data_identity(cfg: MilesConfig) -> dict[str, Any]:
-    """JSON-able identity of the training data a prompt cursor indexes: the file (path, size, content sha256)
-    and key mapping for records, the file for GSM8K, the generator settings for synthetic problems."""
-    if cfg.data.source == "records":
-        return records_identity(str(cfg.data.train_path), RecordKeys.from_config(cfg.data))
-    if cfg.data.source == "gsm8k":
-        return {"kind": "gsm8k", **_file_identity(str(cfg.data.train_path))}
-    return {"kind": "synthetic", **dataclasses.asdict(cfg.data.synthetic)}

@@ -12,7 +12,6 @@ Math problems (`gsm8k.MathProblem`) offer the same attributes (`prompt`, `messag
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -181,16 +180,3 @@ def load_records(path: str | Path, keys: RecordKeys) -> list[Record]:
     if not records:
         raise DatasetError(f"{path}: the file holds no records")
     return records
-
-
-def records_identity(path: str | Path, keys: RecordKeys) -> dict[str, Any]:
-    """What a prompt cursor over this file's records depends on, as JSON: the resolved path, the size in
-    bytes, the content's sha256 and the key mapping (a different mapping can change which records load)."""
-    path = Path(path).resolve()
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return {"kind": "records", "path": str(path), "size": path.stat().st_size, "sha256": digest.hexdigest(),
-            "keys": keys.as_dict()}
-

@@ -121,7 +121,7 @@ def test_cli_reports_bad_override_and_bad_value(capsys):
     assert main(["train", "--cfg", "job", "trainer.tpp=3"]) == 2
     assert capsys.readouterr().err.strip() == (
         "miles-lite train: configuration error: unknown key trainer.tpp (trainer has no field 'tpp'); "
-        "closest known: trainer.tp, trainer.pp, trainer.dp")
+        "closest known: trainer.tp, trainer.pp, trainer.ep")
     # Also in the + form, which Hydra would add to the typed config as an attribute nothing reads.
     assert main(["train", "--cfg", "job", "+rollout.engins=2"]) == 2
     assert "unknown key rollout.engins (rollout has no field 'engins'); closest known: rollout.engines" in \

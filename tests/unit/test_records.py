@@ -10,7 +10,8 @@ import pytest
 
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.data.gsm8k import DatasetError
-from miles_lite.data.records import Record, RecordKeys, load_records, records_identity
+from miles_lite.data.identity import records_identity
+from miles_lite.data.records import Record, RecordKeys, load_records
 
 KEYS = RecordKeys(prompt_key="prompt", metadata_key="meta")
 
@@ -141,12 +142,12 @@ def test_sft_pairs_of_records_use_the_reference_response() -> None:
 def test_records_identity_names_content_and_mapping(tmp_path: Path) -> None:
     path = write(tmp_path / "d.jsonl", [{"prompt": "a", "label": "b", "meta": {}}])
     first = records_identity(path, KEYS)
-    assert first["path"] == str(path.resolve()) and first["size"] == path.stat().st_size
-    assert first["keys"]["prompt_key"] == "prompt" and first["keys"]["metadata_key"] == "meta"
+    assert first["path"] == str(path.resolve()) and first["key"]["bytes"] == path.stat().st_size
+    assert first["key"]["keys"]["prompt_key"] == "prompt" and first["key"]["keys"]["metadata_key"] == "meta"
     json.dumps(first)
     assert records_identity(path, RecordKeys(prompt_key="prompt")) != first
     write(path, [{"prompt": "a", "label": "c", "meta": {}}])
-    assert records_identity(path, KEYS)["sha256"] != first["sha256"]
+    assert records_identity(path, KEYS)["key"]["sha256"] != first["key"]["sha256"]
 
 
 def test_validation_of_the_records_mapping_names_each_field(tmp_path: Path) -> None:
@@ -167,7 +168,8 @@ def test_validation_of_the_records_mapping_names_each_field(tmp_path: Path) -> N
 
 def test_evaluation_sets_and_data_identity_from_the_config(tmp_path: Path) -> None:
     from miles_lite.config import load_config
-    from miles_lite.data.problems import data_identity, load_eval_sets
+    from miles_lite.data.identity import data_identity
+    from miles_lite.data.problems import load_eval_sets
 
     train = write(tmp_path / "t.jsonl", [{"p": "a", "label": "b"}, {"p": "c", "label": "d"}])
     dev = write(tmp_path / "d.jsonl", [{"p": "e", "label": "f"}] * 5)
@@ -177,6 +179,6 @@ def test_evaluation_sets_and_data_identity_from_the_config(tmp_path: Path) -> No
     assert set(sets) == {"wide", "held_out"}
     assert len(sets["held_out"].items) == 3 and sets["held_out"].cfg.k == 1 and sets["held_out"].cfg.temperature == 0
     assert len(sets["wide"].items) == 5 and sets["wide"].cfg.k == 4
-    identity = data_identity(cfg)
-    assert identity == records_identity(train, RecordKeys(prompt_key="p"))
-    assert data_identity(load_config([]))["kind"] == "synthetic"
+    identity = data_identity(cfg.data)
+    assert identity == {"source": "records", **records_identity(train, RecordKeys(prompt_key="p"))}
+    assert data_identity(load_config([]).data)["source"] == "synthetic"
