@@ -3,7 +3,7 @@
     miles-lite train [--cfg job|all] [--config-dir DIR] [OVERRIDE ...]   RL training (Hydra overrides)
     miles-lite presample ...                                             pass@k and the filtered data set
     miles-lite engine ...                                                serve the CPU reference engine
-    miles-lite eval MODEL_OR_CKPT DATA                                   greedy evaluation table
+    miles-lite eval MODEL_OR_CKPT DATA                                   evaluation (DATA: a file, synthetic, or sets)
     miles-lite convert --to-hf CKPT OUT | --from-hf HF_DIR OUT           checkpoint conversion
     miles-lite report RUN_DIR                                            HTML report of a run
 

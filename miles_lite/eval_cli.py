@@ -2,12 +2,12 @@
 
     miles-lite eval MODEL_DIR DATA                 DATA: a GSM8K .jsonl/.parquet file, or 'synthetic'
     miles-lite eval outputs/run/initial_model synthetic --n 64 --engines 2
-    miles-lite eval MODEL_DIR data.source=records data.prompt_key=prompt rewards.set=exact_match \\
+    miles-lite eval MODEL_DIR sets data.source=records data.prompt_key=prompt rewards.set=exact_match \\
         '+data.eval_sets={dev: {path: dev.jsonl, k: 4, temperature: 1.0}}'
 
 On math problems (GSM8K files or 'synthetic') it prints the worklog's baseline table, greedy: right
 number anywhere, right number inside SOLUTION, exact tag format, right answer and exact format, and how
-many answers had a SOLUTION block. Without DATA it evaluates the run's evaluation sets
+many answers had a SOLUTION block. With DATA 'sets' it evaluates the run's evaluation sets
 (`data.eval_sets`, and `held_out` from `data.eval_path` for records) as training does: mean reward,
 avg@k and pass@j each, scored by the reward set of `rewards.*`. A records file given as DATA is one
 such set (greedy, k=1), named after the file.
@@ -18,13 +18,16 @@ from __future__ import annotations
 import argparse
 import sys
 
+# DATA naming the configured evaluation sets instead of a file.
+SETS = "sets"
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of `miles-lite eval`."""
     parser.add_argument("model", metavar="MODEL_OR_CKPT", help="HF model directory (config.json + safetensors)")
-    parser.add_argument("data", metavar="DATA", nargs="?", default=None,
-                        help="GSM8K-format or records .jsonl/.parquet file, or 'synthetic'; omit it to evaluate "
-                             "the configured evaluation sets (data.eval_sets)")
+    parser.add_argument("data", metavar="DATA",
+                        help="GSM8K-format or records .jsonl/.parquet file, 'synthetic', or 'sets' (the configured "
+                             "evaluation sets: data.eval_sets, and held_out from data.eval_path for records)")
     parser.add_argument("--n", type=int, default=None, help="first N problems (default: all; synthetic: 64)")
     parser.add_argument("--engines", type=int, default=1, help="reference/SGLang engines to start (default 1)")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="tokens per answer (default: rollout's)")
@@ -39,8 +42,8 @@ def run(args: argparse.Namespace) -> int:
     if not os.path.isfile(os.path.join(args.model, "config.json")):
         print(f"miles-lite eval: {args.model!r} has no config.json; pass an HF model directory", file=sys.stderr)
         return 2
-    if args.data is not None and "=" in args.data:  # an override where DATA may stand
-        args.overrides, args.data = [args.data, *args.overrides], None
+    if args.data == SETS:
+        args.data = None
     if args.data not in (None, "synthetic") and not os.path.isfile(args.data):
         print(f"miles-lite eval: data file {args.data!r} does not exist", file=sys.stderr)
         return 2
@@ -103,8 +106,8 @@ def _eval_sets(args: argparse.Namespace, cfg) -> int:
     else:
         sets = load_eval_sets(cfg)
     if not sets:
-        raise ValueError("no DATA and no evaluation set: configure data.eval_sets (or data.eval_path with "
-                         "data.source=records), or pass a data file")
+        raise ValueError("DATA 'sets' but no evaluation set is configured: set data.eval_sets (or data.eval_path "
+                         "with data.source=records), or pass a data file")
     check_task(cfg, [], sets)
     reward_set = run_reward_set(cfg)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -30,7 +30,7 @@ def check_task(cfg: MilesConfig, train: Sequence[Any], eval_sets: Sequence[EvalS
         raise DatasetError(f"experiment.warmup_demos={demos} asks for more demonstrations than the {len(train):,} "
                            "records of data.train_path hold: lower it, or set 0 to use every record")
     reward_set = run_reward_set(cfg)
-    named = [("data.train_path", train)] + [(f"data.eval_sets.{s.name}", s.items) for s in eval_sets]
+    named = [("data.train_path", train)] * bool(train) + [(f"data.eval_sets.{s.name}", s.items) for s in eval_sets]
     by_source = cfg.rewards.by_source
     for field, items in named:
         columns = {name for item in items for name in item.columns}

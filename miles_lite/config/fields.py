@@ -1,4 +1,4 @@
-"""Field helpers of the configuration schema: numeric ranges and string choices kept in field metadata,
+"""Field constructors of the configuration schema: numeric ranges and string choices kept in field metadata,
 where validation reads them."""
 
 from __future__ import annotations

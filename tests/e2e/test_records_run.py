@@ -52,6 +52,9 @@ def alpha(prompts, completions, completion_ids, answer_text, metadata, data_sour
 def constant(completions, **kwargs):
     return [1.0] * len(completions)
 
+def parity(completions, data_source, **kwargs):
+    return [float(len(c) % 2) for c in completions]
+
 async def beta(completions, data_source, **kwargs):
     await asyncio.sleep(0)
     assert set(data_source) == {"beta"}
@@ -94,7 +97,7 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
                       "+rewards.by_source.alpha=record_plugins:alpha", "+rewards.by_source.beta=record_plugins:beta",
                       f"rewards.remote.url={server.url}", "rewards.remote.name=judge",
                       f"+data.eval_sets={{dev: {{path: {dev}, k: 2, temperature: 1.0}}}}", "experiment.eval_every=1",
-                      "rollout.dynamic_sampling=true", env=_plugin_env(tmp_path))
+                      env=_plugin_env(tmp_path))
     finally:
         server.shutdown()
         server.server_close()
@@ -107,7 +110,7 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
     assert all(c["kwargs"] == ["question"] for c in alpha_calls)
     run = tmp_path / "out" / "run"
     rows = read_rollouts(run).to_pylist()
-    assert rows and len(rows) % 2 == 0  # dynamic sampling keeps whole groups with signal
+    assert len(rows) == 2 * 4 * 2
     labels = {r["question"]: r["answer_text"] for r in _records(8)}
     for row in rows:
         rewards = dict(row["rewards"])
@@ -121,7 +124,6 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
     assert any(dict(r["rewards"])["alpha"] is None for r in rows if r["source"] == "alpha")
     steps = read_metrics_file(run)
     assert sum(s.get("reward/none/alpha", 0) for s in steps) > 0
-    assert all(s["rollout/dynamic_sampling_rounds"] >= 1 for s in steps)
     assert "eval/dev/avg@2" in steps[1] and "eval/dev/pass@2" in steps[1]
     summary = json.loads((run / "summary.json").read_text())
     for phase in ("before", "after"):
@@ -135,9 +137,10 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
     assert set(body["sources"]) <= {"alpha", "beta"} and all(isinstance(y, str) for y in body["labels"])
     # `miles-lite eval` takes the same sets and reward configuration.
     evaluation = subprocess.run(
-        [sys.executable, "-m", "miles_lite.cli", "eval", str(run / "initial_model"), "--log-dir",
-         str(tmp_path / "eval_logs"), "data.source=records", "data.prompt_key=question", "data.label_key=answer_text",
-         "data.metadata_key=metadata", "rewards.set=none", "+rewards.by_source.alpha=record_plugins:alpha",
+        [sys.executable, "-m", "miles_lite.cli", "eval", "--log-dir", str(tmp_path / "eval_logs"),
+         str(run / "initial_model"), "sets", "data.source=records", "data.prompt_key=question",
+         "data.label_key=answer_text", "data.metadata_key=metadata", "rewards.set=none",
+         "+rewards.by_source.alpha=record_plugins:alpha",
          "+rewards.by_source.beta=record_plugins:beta", f"+data.eval_sets={{dev: {{path: {dev}, k: 2}}}}"],
         capture_output=True, text=True, timeout=600, env=_plugin_env(tmp_path))
     assert evaluation.returncode == 0, evaluation.stdout[-3000:] + evaluation.stderr[-3000:]
@@ -169,6 +172,25 @@ def test_records_with_chat_messages_and_an_sft_warm_up_on_their_responses(tmp_pa
     presample = json.loads((run / "presample.json").read_text())
     assert presample["k"] == 2 and len(presample["results"]) == 8
     assert all(0 <= r["strict"] == r["lenient"] <= 2 for r in presample["results"])
+
+
+def test_dynamic_sampling_refills_zero_signal_groups_of_records(tmp_path: Path):
+    train = _write(tmp_path / "train.jsonl", _records(16))
+    proc = _train(tmp_path, "data.source=records", f"data.train_path={train}", "data.prompt_key=question",
+                  "data.label_key=answer_text", "rewards.set=none", "+rewards.by_source.alpha=record_plugins:parity",
+                  "+rewards.by_source.beta=record_plugins:constant", "rollout.dynamic_sampling=true",
+                  "rollout.group_size=4", env=_plugin_env(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "out" / "run"
+    steps = read_metrics_file(run)
+    # Every "beta" group scores 1.0 throughout (zero signal): dropped and replaced by fresh records.
+    assert sum(s["rollout/dropped_groups"] for s in steps) > 0 and sum(s["rollout/refill_prompts"] for s in steps) > 0
+    rows = read_rollouts(run).to_pylist()
+    assert rows and {r["source"] for r in rows} == {"alpha"}
+    by_group: dict = {}
+    for row in rows:
+        by_group.setdefault((row["step"], row["prompt_index"]), []).append(row["total"])
+    assert all(len(t) == 4 and len(set(t)) > 1 for t in by_group.values())
 
 
 BAD_FILES = [
