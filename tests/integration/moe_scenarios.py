@@ -133,9 +133,10 @@ def scenario_replay(rank: int, world_size: int, root: str) -> dict[str, Any]:
     return out
 
 
-def scenario_moe_resume(rank: int, world_size: int, root: str, resume_ep: int = 1, save_ep: int = 2) -> dict[str, Any]:
-    """EP=2 x DP=2 trains a step and checkpoints; EP=1 x DP=2 resumes it. Also the HF export of the
-    trained EP=2 model, loaded by transformers."""
+def scenario_moe_resume(rank: int, world_size: int, root: str, save: dict[str, int], resume: dict[str, int]
+                        ) -> dict[str, Any]:
+    """A layout `save` (trainer tp/dp/ep) trains a step and checkpoints; layout `resume` resumes it. Also the
+    HF export of the trained model, loaded by transformers."""
     import torch.distributed as dist
     from trainer_scenarios import hf_logits, make_batch, make_config, megatron_logits
 
@@ -148,7 +149,7 @@ def scenario_moe_resume(rank: int, world_size: int, root: str, resume_ep: int = 
     batch = make_batch(500)
     ckpt, export = Path(root) / "ckpt", Path(root) / "export"
     out: dict[str, Any] = {}
-    actor = TrainerActor(make_config(path, dp=2, ep=save_ep), rank, world_size)
+    actor = TrainerActor(make_config(path, **save), rank, world_size)
     actor.train_step(batch)
     saver = AsyncCheckpointer(str(ckpt))
     saver.save(1, checkpoint_payload(actor))
@@ -166,7 +167,7 @@ def scenario_moe_resume(rank: int, world_size: int, root: str, resume_ep: int = 
         out["export_logits_diff"] = float((logits - hf_logits(str(export), seq)).abs().max())
     actor.close()
     dist.barrier()
-    actor = TrainerActor(make_config(path, dp=2, ep=resume_ep), rank, world_size)
+    actor = TrainerActor(make_config(path, **resume), rank, world_size)
     restore_actor(actor, CheckpointReader(newest_complete(str(ckpt))))  # type: ignore[arg-type]
     out["resumed_logprobs"] = actor.compute_logprobs(batch)
     out["resumed_next"] = actor.train_step(batch)
