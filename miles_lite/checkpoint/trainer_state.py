@@ -95,10 +95,8 @@ def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
     sd = actor.state_dict_for_checkpoint()
     par = sd["parallel"]
     layouts: Mapping[str, ParamLayout] = actor.trained_layouts
-    writes = par["dp_rank"] == 0
-
     def mine(layout: ParamLayout) -> bool:
-        return writes and (layout.kind is not LayoutKind.REPLICATED or par["tp_rank"] == 0)
+        return _writes(actor, layout)
 
     pieces: list[GlobalPiece] = []
     for name, tensor in sd["model"].items():
@@ -141,6 +139,16 @@ def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
                              meta=meta_all if shared is not None else None)
 
 
+def _writes(actor: Any, layout: ParamLayout) -> bool:
+    """Whether this rank writes `layout`'s pieces: data-parallel rank 0 for the dense model (tp_rank 0 for
+    replicated tensors); for a routed expert, the first replica of its expert-parallel rank (experts of
+    different EP ranks live on different data-parallel ranks)."""
+    par = actor.par
+    if layout.expert is not None:
+        return par.edp_rank == 0
+    return par.dp_rank == 0 and (layout.kind is not LayoutKind.REPLICATED or par.tp_rank == 0)
+
+
 def snapshot_sizes(actor: Any) -> list[int]:
     """Byte sizes of the tensors this rank's checkpoint snapshot will hold, the optimizer's included.
 
@@ -157,14 +165,12 @@ def snapshot_sizes(actor: Any) -> list[int]:
         split_tensors(dict(payload.shared), "shared", loose)
     sizes = [p.tensor.numel() * p.tensor.element_size() for p in payload.pieces]
     sizes += [t.numel() * t.element_size() for t in loose.values()]
-    tp_rank, dp_rank = actor.par.tp_rank, actor.par.dp_rank
     layouts: Mapping[str, ParamLayout] = actor.trained_layouts
     for sub, names in zip(_optimizers(actor), optimizer_param_names(actor), strict=True):
         stepped = [p for group in sub.optimizer.param_groups for p in group["params"]]
         for param, name in zip(stepped, names, strict=True):
             layout = layouts[name]
-            writes = dp_rank == 0 and (layout.kind is not LayoutKind.REPLICATED or tp_rank == 0)
-            if sub.optimizer.state.get(param) or not writes:
+            if sub.optimizer.state.get(param) or not _writes(actor, layout):
                 continue
             piece_bytes = [part.numel() * param.element_size() for _, part in layout.split(param.detach())]
             sizes += piece_bytes * len(ADAM_MOMENTS)
@@ -175,19 +181,35 @@ def _optimizer_state(actor: Any, reader: CheckpointReader, shared_opt: list[dict
     layouts: Mapping[str, ParamLayout] = actor.trained_layouts
     model_names = {id(p): n for n, p in actor.trained.named_parameters()}
     keys = sorted({n[len(OPTIM_PREFIX):].split("/", 1)[0] for n in reader.global_names(OPTIM_PREFIX)} - {"master"})
+    subs = _optimizers(actor)
+    # Expert parallelism puts routed experts in an optimizer of their own (megatron-core), so the number of
+    # sub-optimizers changes with trainer.ep, and a parameter's saved step may come from a rank that did not
+    # write the shared tree: every parameter steps together, so one whose moments were saved takes the step.
+    same_structure = len(subs) == len(shared_opt)
+    all_steps = [v for saved in shared_opt for v in saved["step"].values()]
+    common_step = max(all_steps, key=lambda v: float(v)) if all_steps else None
     out = []
-    for sub, names, saved in zip(_optimizers(actor), optimizer_param_names(actor), shared_opt, strict=True):
+    for k, (sub, names) in enumerate(zip(subs, optimizer_param_names(actor), strict=True)):
+        saved = shared_opt[k] if same_structure else {"step": {}, "param_groups": None, "grad_scaler": None}
         state: dict[int, dict[str, Any]] = {}
         for idx, name in enumerate(names):
             layout = layouts[name]
-            if name not in saved["step"]:
+            step = saved["step"].get(name)
+            if step is None and common_step is not None and reader.has_global(
+                    f"{OPTIM_PREFIX}{ADAM_MOMENTS[0]}/{layout.hf_names[0]}"):
+                # A copy each: torch's Adam increments its step tensor in place.
+                step = common_step.clone() if isinstance(common_step, Tensor) else common_step
+            if step is None:
                 continue  # never stepped when saved: keeps no state
-            entry: dict[str, Any] = {"step": saved["step"][name]}
+            entry: dict[str, Any] = {"step": step}
             for key in keys:
                 if reader.has_global(f"{OPTIM_PREFIX}{key}/{layout.hf_names[0]}"):
                     entry[key] = assemble(reader, f"{OPTIM_PREFIX}{key}/", layout)
             state[idx] = entry
-        torch_sd = {"state": state, "param_groups": saved["param_groups"]}
+        # Another optimizer structure (EP changed): this one's groups; the LR schedule comes back on its own.
+        groups = saved["param_groups"] if saved["param_groups"] is not None else \
+            _torch_state_dict(sub)["param_groups"]
+        torch_sd = {"state": state, "param_groups": groups}
         if not hasattr(sub, "fp32_from_float16_groups"):
             out.append(torch_sd)
             continue
@@ -198,6 +220,10 @@ def _optimizer_state(actor: Any, reader: CheckpointReader, shared_opt: list[dict
             sub_sd["grad_scaler"] = saved["grad_scaler"]
         out.append(sub_sd)
     return out[0] if len(out) == 1 else out
+
+
+def _torch_state_dict(sub: Any) -> dict[str, Any]:
+    return sub.optimizer.state_dict()
 
 
 def restore_actor(actor: Any, reader: CheckpointReader) -> dict[str, Any]:

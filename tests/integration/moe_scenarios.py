@@ -131,3 +131,46 @@ def scenario_replay(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out["stats_off"] = actor.train_step(dataclasses.replace(forced, rollout_logprobs=out["off_forced"]))
     actor.close()
     return out
+
+
+def scenario_moe_resume(rank: int, world_size: int, root: str, save: dict[str, int], resume: dict[str, int]
+                        ) -> dict[str, Any]:
+    """A layout `save` (trainer tp/dp/ep) trains a step and checkpoints; layout `resume` resumes it. Also the
+    HF export of the trained model, loaded by transformers."""
+    import torch.distributed as dist
+    from trainer_scenarios import hf_logits, make_batch, make_config, megatron_logits
+
+    from miles_lite.checkpoint import AsyncCheckpointer, CheckpointReader, newest_complete
+    from miles_lite.checkpoint.trainer_state import checkpoint_payload, restore_actor
+    from miles_lite.trainer.actor import TrainerActor
+    from miles_lite.trainer.hf_convert import save_hf_checkpoint
+
+    path = _checkpoint(rank, root)
+    batch = make_batch(500)
+    ckpt, export = Path(root) / "ckpt", Path(root) / "export"
+    out: dict[str, Any] = {}
+    actor = TrainerActor(make_config(path, **save), rank, world_size)
+    actor.train_step(batch)
+    saver = AsyncCheckpointer(str(ckpt))
+    saver.save(1, checkpoint_payload(actor))
+    saver.finalize()
+    saver.close()
+    out["saved_logprobs"] = actor.compute_logprobs(batch)
+    out["saved_next"] = actor.train_step(batch)
+    out["saved_after"] = actor.compute_logprobs(batch)
+    # HF export of the trained model (every expert gathered over EP), loaded by transformers.
+    seq = batch.tokens[0]
+    logits = megatron_logits(actor, seq)
+    exported = actor.export_hf_state_dict()
+    if rank == 0:
+        save_hf_checkpoint(exported, actor.hf_config, export)
+        out["export_logits_diff"] = float((logits - hf_logits(str(export), seq)).abs().max())
+    actor.close()
+    dist.barrier()
+    actor = TrainerActor(make_config(path, **resume), rank, world_size)
+    restore_actor(actor, CheckpointReader(newest_complete(str(ckpt))))  # type: ignore[arg-type]
+    out["resumed_logprobs"] = actor.compute_logprobs(batch)
+    out["resumed_next"] = actor.train_step(batch)
+    out["resumed_after"] = actor.compute_logprobs(batch)
+    actor.close()
+    return out
