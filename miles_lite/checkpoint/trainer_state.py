@@ -25,6 +25,7 @@ from torch import Tensor
 from miles_lite.checkpoint.payload import CheckpointPayload, GlobalPiece
 from miles_lite.checkpoint.resume import CheckpointReader
 from miles_lite.checkpoint.tensor_io import split_tensors
+from miles_lite.trainer.dist_optimizer import DistributedOptimizerState, ParamState, group_steps, is_distributed
 from miles_lite.trainer.layout import LayoutKind, ParamLayout
 
 MODEL_PREFIX = "model/"
@@ -95,6 +96,7 @@ def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
     sd = actor.state_dict_for_checkpoint()
     par = sd["parallel"]
     layouts: Mapping[str, ParamLayout] = actor.trained_layouts
+
     def mine(layout: ParamLayout) -> bool:
         return _writes(actor, layout)
 
@@ -102,6 +104,10 @@ def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
     for name, tensor in sd["model"].items():
         if mine(layouts[name]):
             pieces += layout_pieces(MODEL_PREFIX, layouts[name], tensor)
+    if isinstance(sd["optimizer"], DistributedOptimizerState):
+        opt_pieces, shared_opt_tree = _distributed_pieces(sd["optimizer"], actor, mine)
+        pieces += opt_pieces
+        return _payload(pieces, sd, par, shared_opt_tree, driver_tree, assets, meta, actor.lora_checkpoint_info())
     subs = sd["optimizer"] if isinstance(sd["optimizer"], list) else [sd["optimizer"]]
     index_names = optimizer_param_names(actor)
     model_names = {id(p): n for n, p in actor.trained.named_parameters()}
@@ -127,12 +133,39 @@ def checkpoint_payload(actor: Any, driver_tree: Mapping[str, Any] | None = None,
                     pieces += layout_pieces(f"{OPTIM_PREFIX}master/", layouts[name], master)
         shared_opt.append({"param_groups": torch_sd["param_groups"], "step": steps,
                            "grad_scaler": rest.get("grad_scaler")})
+    return _payload(pieces, sd, par, shared_opt, driver_tree, assets, meta, actor.lora_checkpoint_info())
+
+
+def _distributed_pieces(state: DistributedOptimizerState, actor: Any,
+                        mine: Any) -> tuple[list[GlobalPiece], dict[str, Any]]:
+    """Pieces of a distributed optimizer's whole per-parameter states (data-parallel rank 0 holds them), under
+    the plain optimizer's names: fp32 main values (`optim/master/`, only for parameters kept in another dtype)
+    and Adam moments; the shared tree marks the format and keeps the step counts."""
+    pieces: list[GlobalPiece] = []
+    steps: dict[str, Any] = {}
+    params = dict(actor.policy.model.named_parameters())
+    for name, ps in (state.params or {}).items():
+        layout = actor.layouts[name]
+        if not mine(layout):
+            continue
+        if params[name].dtype != ps.master.dtype:
+            pieces += layout_pieces(f"{OPTIM_PREFIX}master/", layout, ps.master)
+        for key, moment in ps.moments.items():
+            pieces += layout_pieces(f"{OPTIM_PREFIX}{key}/", layout, moment)
+        if ps.step is not None:
+            steps[name] = ps.step
+    return pieces, {"distributed": True, "step": steps, "group_steps": state.group_steps}
+
+
+def _payload(pieces: list[GlobalPiece], sd: Mapping[str, Any], par: Mapping[str, Any], shared_opt: Any,
+             driver_tree: Mapping[str, Any] | None, assets: Mapping[str, bytes | Path] | None,
+             meta: Mapping[str, Any] | None, lora: Mapping[str, Any] | None) -> CheckpointPayload:
     shared = None
     if par["tp_rank"] == 0 and par["dp_rank"] == 0:
         shared = {"optimizer": shared_opt, "scheduler": sd["scheduler"], "counters": sd["counters"],
                   "parallel": {"tp_size": par["tp_size"], "dp_size": par["dp_size"]},
                   "driver": dict(driver_tree) if driver_tree is not None else None,
-                  "lora": actor.lora_checkpoint_info()}
+                  "lora": lora}
     meta_all = {"tp": par["tp_size"], "dp": par["dp_size"], "tensor_names": "hf", **dict(meta or {})}
     return CheckpointPayload(pieces=pieces, local={"rng": sd["rng"], "parallel": par}, shared=shared,
                              assets=assets if shared is not None else None,
@@ -166,6 +199,14 @@ def snapshot_sizes(actor: Any) -> list[int]:
     sizes = [p.tensor.numel() * p.tensor.element_size() for p in payload.pieces]
     sizes += [t.numel() * t.element_size() for t in loose.values()]
     layouts: Mapping[str, ParamLayout] = actor.trained_layouts
+    if is_distributed(actor.optimizer):
+        # Moments not there yet are predicted fp32, shaped like each parameter, on the rank that writes them.
+        written = {p.name.split("/", 2)[-1] for p in payload.pieces if p.name.startswith(f"{OPTIM_PREFIX}exp_avg/")}
+        for name, param in actor.trained.named_parameters():
+            layout = layouts[name]
+            if _writes(actor, layout) and layout.hf_names[0] not in written:
+                sizes += [part.numel() * 4 for _, part in layout.split(param.detach())] * len(ADAM_MOMENTS)
+        return sizes
     for sub, names in zip(_optimizers(actor), optimizer_param_names(actor), strict=True):
         stepped = [p for group in sub.optimizer.param_groups for p in group["params"]]
         for param, name in zip(stepped, names, strict=True):
@@ -177,7 +218,28 @@ def snapshot_sizes(actor: Any) -> list[int]:
     return sizes
 
 
-def _optimizer_state(actor: Any, reader: CheckpointReader, shared_opt: list[dict[str, Any]]) -> Any:
+def _distributed_state(actor: Any, reader: CheckpointReader, saved: Mapping[str, Any]) -> DistributedOptimizerState:
+    """Whole per-parameter states for this rank's TP layout, from a distributed optimizer's checkpoint."""
+    states: dict[str, ParamState] = {}
+    for name, layout in actor.layouts.items():
+        master = None
+        if reader.has_global(f"{OPTIM_PREFIX}master/{layout.hf_names[0]}"):
+            master = assemble(reader, f"{OPTIM_PREFIX}master/", layout)
+        moments = {key: assemble(reader, f"{OPTIM_PREFIX}{key}/", layout) for key in ADAM_MOMENTS
+                   if reader.has_global(f"{OPTIM_PREFIX}{key}/{layout.hf_names[0]}")}
+        if master is None:  # kept in fp32: the weights are the main values
+            master = assemble(reader, MODEL_PREFIX, layout).float()
+        states[name] = ParamState(master, moments, saved["step"].get(name))
+    return DistributedOptimizerState(states, saved["group_steps"])
+
+
+def _optimizer_state(actor: Any, reader: CheckpointReader, shared_opt: Any) -> Any:
+    distributed_saved = isinstance(shared_opt, dict) and shared_opt.get("distributed")
+    if distributed_saved != is_distributed(actor.optimizer):
+        raise ValueError(f"the checkpoint was saved with trainer.use_distributed_optimizer="
+                         f"{str(bool(distributed_saved)).lower()}; resume with that setting")
+    if distributed_saved:
+        return _distributed_state(actor, reader, shared_opt)
     layouts: Mapping[str, ParamLayout] = actor.trained_layouts
     model_names = {id(p): n for n, p in actor.trained.named_parameters()}
     keys = sorted({n[len(OPTIM_PREFIX):].split("/", 1)[0] for n in reader.global_names(OPTIM_PREFIX)} - {"master"})
@@ -249,13 +311,16 @@ def restore_actor(actor: Any, reader: CheckpointReader) -> dict[str, Any]:
     par = actor.par
     layouts: Mapping[str, ParamLayout] = actor.trained_layouts
     model = {name: assemble(reader, MODEL_PREFIX, layout) for name, layout in layouts.items()}
-    has_optim = bool(reader.global_names(OPTIM_PREFIX)) and "optimizer" in shared
+    distributed = is_distributed(actor.optimizer)
+    has_optim = "optimizer" in shared and (distributed or bool(reader.global_names(OPTIM_PREFIX)))
+    if distributed and not has_optim:  # weights only: a fresh distributed optimizer over them
+        fresh: Any = DistributedOptimizerState({}, group_steps(actor.optimizer))
     same_layout = shared.get("parallel") == {"tp_size": par.tp_size, "dp_size": par.dp_size}
     local = reader.local(par.rank) if same_layout else None
     state = {
         "model": model,
         "optimizer": _optimizer_state(actor, reader, shared["optimizer"]) if has_optim
-        else actor.optimizer.state_dict(),
+        else fresh if distributed else actor.optimizer.state_dict(),
         "scheduler": shared["scheduler"] if "scheduler" in shared else actor.scheduler.state_dict(),
         "rng": local["rng"] if local is not None else capture_rank_rng(),
         "counters": shared.get("counters", {"steps_done": 0, "nonfinite_in_a_row": 0, "nonfinite_total": 0}),

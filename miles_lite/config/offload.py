@@ -16,6 +16,9 @@ class OffloadConfig:
     grads: bool = True
     # The optimizer: fp32 main parameters (bf16 training), Adam moments, the divergence guard's snapshot.
     optimizer: bool = True
+    # Megatron's optimizer CPU offload (any placement; GPU trainers, with trainer.use_distributed_optimizer):
+    # the optimizer state lives in host memory for the whole run and the Adam step runs on the CPU.
+    optimizer_cpu: bool = False
 
     def parts(self) -> tuple[str, ...]:
         """The parts switched on, in `OFFLOAD_PARTS` order."""

@@ -136,7 +136,7 @@ class TrainerConfig:
     logprob_recompute: bool = False
     # auto | compiled | eager: fuse the memory-bound softmax passes with torch.compile (auto: on CUDA).
     logprob_kernel: str = one_of("auto", "compiled", "eager")
-    use_distributed_optimizer: bool = False  # refused at start until checkpoints can map its flat shards
+    use_distributed_optimizer: bool = False  # Megatron's: optimizer state sharded over the data-parallel ranks
     offload: OffloadConfig = field(default_factory=OffloadConfig)  # colocated handoff: see config/offload.py
     # LR schedule length in optimizer steps (cosine/linear decay); None: experiment.steps.
     lr_decay_steps: int | None = bounded(None, ge=1)

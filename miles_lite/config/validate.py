@@ -316,13 +316,21 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
             f"rollout.max_staleness={cfg.rollout.max_staleness} must be >= 1 with rollout.async_steps="
             f"{cfg.rollout.async_steps}, or every asynchronous rollout would be dropped"
         )
-    if cfg.trainer.use_distributed_optimizer:
-        # Every run writes a checkpoint (at least the final one), and the checkpoint format maps each
-        # optimizer state to its parameter: Megatron's distributed optimizer steps flat per-rank shards
-        # that have no such mapping (its first save failed on an H200).
-        problems.append("trainer.use_distributed_optimizer=true: checkpoints do not support Megatron's distributed "
-                        "optimizer yet; set trainer.use_distributed_optimizer=false (with trainer.dp=1 it saves no "
-                        "memory anyway)")
+    if cfg.trainer.offload.optimizer_cpu:
+        from miles_lite.config.weight_sync_choice import trainer_on_gpu
+
+        if not trainer_on_gpu(cfg):
+            problems.append("trainer.offload.optimizer_cpu=true keeps the optimizer in host memory instead of the "
+                            "GPU's; the trainer runs on CPU, where it has nothing to move: set it to false")
+        if not cfg.trainer.use_distributed_optimizer:
+            problems.append("trainer.offload.optimizer_cpu=true is Megatron's distributed optimizer's CPU offload; "
+                            "set trainer.use_distributed_optimizer=true with it")
+    if cfg.trainer.use_distributed_optimizer and (cfg.trainer.lora.rank > 0 or cfg.trainer.ep > 1):
+        # Its checkpoints gather whole per-parameter states over the data-parallel group; adapters and routed
+        # experts (sharded over expert-parallel ranks) are not mapped that way yet.
+        what = "trainer.lora.rank > 0" if cfg.trainer.lora.rank > 0 else f"trainer.ep={cfg.trainer.ep}"
+        problems.append(f"trainer.use_distributed_optimizer=true with {what} is not supported; set "
+                        "trainer.use_distributed_optimizer=false")
     from miles_lite.config.colocation import handoff_problems
     from miles_lite.config.weight_sync_choice import weight_sync_problems
 

@@ -21,6 +21,14 @@ from torch import Tensor
 from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.trainer import cpu_compat
+from miles_lite.trainer.dist_optimizer import (
+    DistributedOptimizerState,
+    gather_state,
+    group_steps,
+    is_distributed,
+    scatter_state,
+    set_group_steps,
+)
 from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignment, scale_expert_grads
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
@@ -29,7 +37,7 @@ from miles_lite.trainer.hf_convert import gather_hf_state, mark_tensor_parallel
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
 from miles_lite.trainer.lora import attach_lora, base_reference
-from miles_lite.trainer.offload import TrainerOffload, optimizer_tensors
+from miles_lite.trainer.offload import actor_offload, memory_stats
 from miles_lite.trainer.optim import build_optimizer, build_scheduler, current_lr, set_lr, wrap_ddp
 from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batches, split_for_data_parallel
 from miles_lite.trainer.parallel import ParallelInfo, init_parallel, shutdown_parallel
@@ -107,8 +115,7 @@ class TrainerActor:
             self.optimizer = build_optimizer(self.ddp, trainer, self.runtime)
             self.scheduler = build_scheduler(self.optimizer, trainer, total_steps or self.cfg.experiment.steps)
             self.guard = UpdateGuard(self.optimizer, trainer.max_update_ratio) if trainer.max_update_ratio > 0 else None
-            self.offloader = TrainerOffload({"params": self._param_tensors, "grads": self._grad_tensors,
-                                             "optimizer": self._optimizer_tensors})
+            self.offloader = actor_offload(self)
             self.reference: dict[str, Tensor] | None = None
             if (trainer.keep_reference or self.cfg.algo.kl_coef > 0) and self.lora is None:
                 # (A LoRA run's reference is its frozen base: the adapters switched off.)
@@ -144,17 +151,6 @@ class TrainerActor:
 
     # ---- offload (colocated roles) --------------------------------------------------------------
 
-    def _param_tensors(self) -> list[Tensor | None]:
-        buffers = getattr(self.ddp, "buffers", [])
-        return [*self.policy.model.parameters(), *(getattr(b, "param_data", None) for b in buffers)]
-
-    def _grad_tensors(self) -> list[Tensor | None]:
-        buffers = [*getattr(self.ddp, "buffers", []), *getattr(self.ddp, "expert_parallel_buffers", [])]
-        return [*(b.grad_data for b in buffers), *(p.grad for p in self.policy.model.parameters())]
-
-    def _optimizer_tensors(self) -> list[Tensor]:
-        return optimizer_tensors(self.optimizer, self.policy.model.parameters(), self.guard)
-
     def offload(self, parts: tuple[str, ...] = OFFLOAD_PARTS) -> dict[str, float]:
         """Move `parts` of the trainer's state to host memory (see `trainer/offload.py`); bytes and seconds."""
         self._require_ready()
@@ -168,16 +164,9 @@ class TrainerActor:
         return {**{f"{p}_bytes": float(b) for p, b in stats.bytes.items()}, "seconds": stats.seconds}
 
     def memory_stats(self, reset_peak: bool = True) -> dict[str, float]:
-        """Bytes of trainer state resident in compute memory; on a GPU also this process's peak allocation since
-        the last reset and the device memory in use (every process: the engines too)."""
-        out = {"trainer_state_bytes": float(self.offloader.resident_bytes())}
-        if self.policy.device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(self.policy.device)
-            out.update(trainer_peak_bytes=float(torch.cuda.max_memory_allocated(self.policy.device)),
-                       device_used_bytes=float(total - free))
-            if reset_peak:
-                torch.cuda.reset_peak_memory_stats(self.policy.device)
-        return out
+        """Trainer state in compute memory; on a GPU also the peak allocation since the last call (see
+        `trainer/offload.py`)."""
+        return memory_stats(self.offloader, self.policy.device, reset_peak)
 
     # ---- batches --------------------------------------------------------------------------------
 
@@ -437,6 +426,9 @@ class TrainerActor:
                 out["update_ratio"] = check.ratio
             if check.diverged:
                 self.guard.restore()
+                if is_distributed(self.optimizer):
+                    # Each rank restored its own range of the weights: gather the others' again.
+                    self.ddp.start_param_sync(force_sync=True)
                 self._skip_diverged(check.ratio)
                 out["skipped"] = 1.0
                 return out
@@ -518,9 +510,14 @@ class TrainerActor:
         """
         self._require_ready()
         self.offloader.require_resident(OFFLOAD_PARTS, "a checkpoint")
+        if is_distributed(self.optimizer):  # its ranges gathered per parameter: any DP size resumes them
+            optimizer: Any = DistributedOptimizerState(
+                gather_state(self.optimizer, self.policy.model, self.par.dp_group), group_steps(self.optimizer))
+        else:
+            optimizer = self.optimizer.state_dict()
         return {
             "model": {n: p.detach() for n, p in self.trained.named_parameters()},
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": optimizer,
             "scheduler": self.scheduler.state_dict(),
             "rng": capture_rank_rng(),
             "counters": {"steps_done": self.steps_done, "nonfinite_in_a_row": self.nonfinite_in_a_row,
@@ -554,7 +551,15 @@ class TrainerActor:
         # the schedule reads, betas, eps, weight decay) stay the configured ones, so a resume can change them.
         configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         with cpu_compat.device_mode():
-            self.optimizer.load_state_dict(state["optimizer"])
+            saved = state["optimizer"]
+            if isinstance(saved, DistributedOptimizerState) != is_distributed(self.optimizer):
+                raise ValueError("the checkpoint's optimizer state and this trainer's optimizer differ in "
+                                 "trainer.use_distributed_optimizer; resume with the setting it was saved with")
+            if isinstance(saved, DistributedOptimizerState):
+                scatter_state(self.optimizer, self.policy.model, saved.params or {})
+                set_group_steps(self.optimizer, saved.group_steps)
+            else:
+                self.optimizer.load_state_dict(saved)
         for group, hyper in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(hyper)
         self.scheduler.load_state_dict(state["scheduler"])  # built with override: the configured schedule

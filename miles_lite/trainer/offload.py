@@ -24,6 +24,7 @@ import enum
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -167,6 +168,37 @@ def _checked(parts: Sequence[str]) -> list[str]:
 def _synchronize(moved: Sequence[_Moved]) -> None:
     if any(m.device.type == "cuda" for m in moved):
         torch.cuda.synchronize()
+
+
+def actor_offload(actor: Any) -> TrainerOffload:
+    """The offload of a `TrainerActor`: its model, Megatron DDP buffers, optimizer and update guard."""
+    model = actor.policy.model
+    buffers = getattr(actor.ddp, "buffers", [])
+
+    def params() -> list[Tensor | None]:
+        return [*model.parameters(), *(getattr(b, "param_data", None) for b in buffers)]
+
+    def grads() -> list[Tensor | None]:
+        every = [*buffers, *getattr(actor.ddp, "expert_parallel_buffers", [])]
+        return [*(b.grad_data for b in every), *(p.grad for p in model.parameters())]
+
+    def optimizer() -> list[Tensor]:
+        return optimizer_tensors(actor.optimizer, model.parameters(), actor.guard)
+
+    return TrainerOffload({"params": params, "grads": grads, "optimizer": optimizer})
+
+
+def memory_stats(offload: TrainerOffload, device: torch.device, reset_peak: bool) -> dict[str, float]:
+    """Bytes of trainer state resident in compute memory; on a GPU also this process's peak allocation since
+    the last reset and the device memory in use (every process's: the engines' too)."""
+    out = {"trainer_state_bytes": float(offload.resident_bytes())}
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        out.update(trainer_peak_bytes=float(torch.cuda.max_memory_allocated(device)),
+                   device_used_bytes=float(total - free))
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+    return out
 
 
 def optimizer_tensors(optimizer: object, model_params: Iterable[Tensor], guard: object | None) -> list[Tensor]:

@@ -21,11 +21,9 @@ def wrap_ddp(model: torch.nn.Module, config: Any, trainer: TrainerConfig, runtim
     """
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-    if trainer.use_distributed_optimizer and runtime.device == "cpu":
-        raise ValueError(
-            "trainer.use_distributed_optimizer=true is GPU-only here (its checkpoints do not restore on gloo); "
-            "set trainer.use_distributed_optimizer=false on CPU"
-        )
+    if trainer.offload.optimizer_cpu and runtime.device == "cpu":
+        raise ValueError("trainer.offload.optimizer_cpu=true moves the optimizer off the GPU; the trainer runs on "
+                         "CPU: set it to false")
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,
@@ -57,6 +55,9 @@ def build_optimizer(ddp_model: Any, trainer: TrainerConfig, runtime: Runtime) ->
         fp16=False,
         params_dtype=runtime.params_dtype,
         use_distributed_optimizer=trainer.use_distributed_optimizer,
+        # Megatron's CPU offload: all of the optimizer state on the host (HybridDeviceOptimizer).
+        optimizer_cpu_offload=trainer.offload.optimizer_cpu,
+        optimizer_offload_fraction=1.0 if trainer.offload.optimizer_cpu else 0.0,
     )
     return get_megatron_optimizer(opt_config, [ddp_model])
 

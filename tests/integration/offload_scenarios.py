@@ -17,8 +17,9 @@ VOCAB = 500
 def _state(actor: Any) -> dict[str, torch.Tensor]:
     """Copies of everything offload moves: parameters, gradient buffers, optimizer tensors."""
     out = {f"param/{n}": p.detach().clone() for n, p in actor.policy.model.named_parameters()}
-    out.update({f"grad/{i}": t.detach().clone() for i, t in enumerate(actor._grad_tensors()) if t is not None})
-    out.update({f"opt/{i}": t.detach().clone() for i, t in enumerate(actor._optimizer_tensors())})
+    grads, optimizer = actor.offloader.collectors["grads"](), actor.offloader.collectors["optimizer"]()
+    out.update({f"grad/{i}": t.detach().clone() for i, t in enumerate(grads) if t is not None})
+    out.update({f"opt/{i}": t.detach().clone() for i, t in enumerate(optimizer)})
     return out
 
 
@@ -33,7 +34,8 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
         moved = actor.offload(OFFLOAD_PARTS)
         out["moved"] = moved
         out["freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.policy.model.parameters())
-        out["grads_freed"] = all(t.untyped_storage().nbytes() == 0 for t in actor._grad_tensors() if t is not None)
+        grads = [t for t in actor.offloader.collectors["grads"]() if t is not None]
+        out["grads_freed"] = all(t.untyped_storage().nbytes() == 0 for t in grads)
         out["resident_while_offloaded"] = actor.memory_stats()["trainer_state_bytes"]
         try:
             actor.compute_logprobs(batch)

@@ -105,10 +105,20 @@ def test_more_demonstrations_than_synthetic_problems_is_refused():
     validate(load_config(["data.synthetic.train_size=100", "experiment.warmup_demos=100"]))
 
 
-def test_distributed_optimizer_is_refused_until_checkpoints_support_it():
-    assert "trainer.use_distributed_optimizer=false" in _problems(["trainer.use_distributed_optimizer=true"])
+def test_distributed_optimizer_is_accepted_and_its_cpu_offload_needs_it_and_a_gpu():
+    validate(load_config(["trainer.use_distributed_optimizer=true", "trainer.dp=2"]))
+    msg = _problems(["trainer.offload.optimizer_cpu=true", "trainer.device=cpu"])
+    assert "trainer.offload.optimizer_cpu=true keeps the optimizer in host memory" in msg and "runs on CPU" in msg
+    assert "set trainer.use_distributed_optimizer=true with it" in msg
     for trainer in ("gpu_bf16", "gpu_fp8"):
         assert load_config([f"trainer={trainer}"]).trainer.use_distributed_optimizer is False
+
+
+def test_colocated_handoff_refuses_async_rollouts():
+    msg = _problems(["cluster.placement=colocated", "rollout.async_steps=1"])
+    assert "rollout.async_steps=1" in msg and "cluster.colocated_memory=resident" in msg
+    validate(load_config(["cluster.placement=colocated", "rollout.async_steps=1", "cluster.colocated_memory=resident"]))
+    validate(load_config(["cluster.placement=colocated"]))
 
 
 def test_cli_prints_resolved_job_config(capsys):
