@@ -1,14 +1,18 @@
 """The embedded default (`experiment=tiny_cpu`) with LoRA adapters against full fine-tuning, on CPU.
 
-    python benchmarks/lora_cpu.py                          # seeds 0-2, rank 16, both LRs x10
+    python benchmarks/lora_cpu.py                          # seeds 0-2, rank 16, RL from the SFT'd model
+    python benchmarks/lora_cpu.py --base random            # LoRA from the random model, SFT warm-up included
     python benchmarks/lora_cpu.py --seeds 0 --rank 8 --lr-scale 5
     python benchmarks/lora_cpu.py --table DIR/lora_cpu.json   # the table of a saved run
 
-Per seed, one `miles-lite train experiment.seed=S` run with full fine-tuning and one with
-`trainer.lora.rank=R trainer.lora.alpha=2R`, whose learning rates (`trainer.lr` for RL and
-`experiment.warmup_lr` for the SFT warm-up) are the full fine-tune's times `--lr-scale` (default 10: LoRA's
-best learning rate sits about ten times above full fine-tuning's, largely independent of rank, in the
-"LoRA without regret" sweeps; alpha = 2r keeps the adapters' scale fixed across ranks). Held-out exact
+`--base sft` (default; LoRA RL as it is used, on a trained base): per seed, the default's SFT warm-up runs
+once with full weights (`experiment.steps=0`), its checkpoint becomes an HF directory (`miles-lite convert
+--to-hf`), and both arms start RL from it (`model.hf_path=... experiment.warmup=none`): full fine-tuning, and
+`trainer.lora.rank=R trainer.lora.alpha=2R`. `--base random`: both arms are the whole default, so LoRA also
+does the SFT warm-up of the random model. LoRA's learning rates (`trainer.lr`, and `experiment.warmup_lr`
+for its warm-up) are the full fine-tune's times `--lr-scale` (default 10: LoRA's best learning rate sits
+about ten times above full fine-tuning's, largely independent of rank, in the "LoRA without regret"
+sweeps; alpha = 2r keeps the adapters' scale fixed across ranks). Held-out exact
 accuracy after the warm-up and after RL comes from each run's `summary.json`; push bytes and seconds are the
 mean `sync/bytes` and `sync/seconds` of the RL steps' pushes (`metrics.jsonl`). "The same wall time": when the
 LoRA run's RL loop took a different time than the full fine-tune's (by more than `--wall-tolerance`), LoRA
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
@@ -47,6 +52,7 @@ def main() -> int:
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--lr-scale", type=float, default=10.0)
+    parser.add_argument("--base", choices=("sft", "random"), default="sft")
     parser.add_argument("--wall-tolerance", type=float, default=0.1,
                         help="relative RL-loop time difference above which LoRA runs again at equal time")
     parser.add_argument("--out", type=Path, default=None)
@@ -64,6 +70,8 @@ def main() -> int:
     rows = []
     for seed in args.seeds:
         base = [f"experiment.seed={seed}", *args.overrides]
+        if args.base == "sft":
+            base += [f"model.hf_path={sft_model(out, seed, args.overrides)}", "experiment.warmup=none"]
         full = run_train(out, f"full-seed{seed}", base, out / f"full-seed{seed}.log")
         lo = run_train(out, f"lora-seed{seed}", [*base, *lora], out / f"lora-seed{seed}.log")
         row = {"seed": seed, "full": asdict(full), "lora": asdict(lo), "full_push": push_stats(full.run_dir),
@@ -79,6 +87,17 @@ def main() -> int:
         (out / "lora_cpu.json").write_text(json.dumps(rows, indent=2))
         print(table(rows), flush=True)
     return 0
+
+
+def sft_model(out: Path, seed: int, overrides: list[str]) -> Path:
+    """The default's SFT warm-up alone (full weights), as an HF directory."""
+    hf = out / f"sft-seed{seed}-hf"
+    if not (hf / "config.json").is_file():
+        sft = run_train(out, f"sft-seed{seed}", [f"experiment.seed={seed}", *overrides, "experiment.steps=0"],
+                        out / f"sft-seed{seed}.log")
+        subprocess.run([sys.executable, "-m", "miles_lite.cli", "convert", "--to-hf",
+                        str(Path(sft.run_dir) / "checkpoints"), str(hf)], check=True, capture_output=True)
+    return hf
 
 
 def _gain(run: dict) -> tuple[float, float]:

@@ -102,7 +102,11 @@ class LoraAdapters(nn.Module):
             for path, targets in FUSED.items():
                 mine = [t for t in targets if t in lora.targets]
                 if mine:
-                    module = layer.get_submodule(path)
+                    try:
+                        module = layer.get_submodule(path)
+                    except AttributeError:
+                        raise ValueError(f"trainer.lora.targets {mine}: layer {i} has no {path} (expert layers are not "
+                                         "adapted); target only the attention projections") from None
                     self._hooks.append(module.register_forward_hook(self._hook(i, path, module)))
 
     # ---- parameters -----------------------------------------------------------------------------

@@ -4,6 +4,7 @@ pushes, each verified by the probe, and the run's checkpoint holding only adapte
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +16,23 @@ from miles_lite.checkpoint import CheckpointReader, newest_complete
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 SHORT = ["experiment.warmup_steps=10", "data.presample.enabled=false", "rollout.prompts_per_step=2",
-         "rollout.group_size=2", "rollout.max_new_tokens=16", "data.synthetic.eval_size=4",
-         "observability.progress=false", "experiment.steps=2", "trainer.lora.rank=4", "trainer.lora.alpha=8"]
+         "rollout.group_size=4", "rollout.max_new_tokens=16", "data.synthetic.eval_size=4",
+         "observability.progress=false", "experiment.steps=2", "trainer.lora.rank=4", "trainer.lora.alpha=8",
+         "rollout.engines=1", "rewards.set=correctness_only", "rewards.custom=lora_signal:varied",
+         "+rewards.weights.varied=1.0"]
+# A short LoRA warm-up on a random model earns no task reward yet; this one differs between any two
+# completions that use different characters, so every group has signal and RL trains.
+SIGNAL = ("def varied(completions, *, answers, questions, steps):\n"
+          "    return [len(set(c)) / 64 for c in completions]\n")
 
 
 def _train(tmp_path: Path, name: str, *extra: str) -> Path:
     cmd = [sys.executable, "-m", "miles_lite.cli", "train", f"experiment.output_dir={tmp_path}",
            f"experiment.run_name={name}", *SHORT, *extra]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1100)
+    (tmp_path / "plugins").mkdir(exist_ok=True)
+    (tmp_path / "plugins" / "lora_signal.py").write_text(SIGNAL)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path / "plugins"), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1100, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return tmp_path / name
 
@@ -32,7 +42,8 @@ def _metrics(run: Path) -> list[dict]:
 
 
 def test_adapter_push_moves_only_the_adapter(tmp_path: Path) -> None:
-    run = _train(tmp_path, "adapter", "rollout.async_steps=1", "rollout.max_staleness=1")
+    # One-step-off rollouts, and a KL penalty whose reference is the frozen base (the adapters switched off).
+    run = _train(tmp_path, "adapter", "rollout.async_steps=1", "rollout.max_staleness=1", "algo.kl_coef=0.01")
     reader = CheckpointReader(newest_complete(run / "checkpoints"))  # type: ignore[arg-type]
     adapters = {n[len("model/"):]: reader.global_tensor(n) for n in reader.global_names("model/")}
     assert adapters and all(".lora_A.weight" in n or ".lora_B.weight" in n for n in adapters)
@@ -42,6 +53,8 @@ def test_adapter_push_moves_only_the_adapter(tmp_path: Path) -> None:
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
     steps = _metrics(run)
     assert [m["step"] for m in steps] == [0, 1]
+    # RL trained on every step (groups with signal), with the KL term against the base.
+    assert all(m["algo/trained_sequences"] > 0 and "loss/kl" in m for m in steps), steps
     for m in steps:
         assert m["sync/bytes"] == adapter_bytes
         # The engines never received base weights: they serve the initial base plus the pushed adapter, so the
@@ -56,7 +69,7 @@ def test_adapter_push_moves_only_the_adapter(tmp_path: Path) -> None:
 
 
 def test_merged_push_sends_full_weights(tmp_path: Path) -> None:
-    run = _train(tmp_path, "merged", "weight_sync.lora=merged", "experiment.steps=1")
+    run = _train(tmp_path, "merged", "weight_sync.lora=merged", "experiment.steps=1", "algo=gspo")
     reader = CheckpointReader(newest_complete(run / "checkpoints"))  # type: ignore[arg-type]
     adapter_bytes = sum(reader.global_tensor(n).numel() * 4 for n in reader.global_names("model/"))
     model_bytes = sum(p.stat().st_size for p in (run / "initial_model").glob("*.safetensors"))
