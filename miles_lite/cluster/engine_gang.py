@@ -28,6 +28,7 @@ from typing import Any
 from miles_lite.cluster.engine_actor import EngineLocation, EngineServer
 from miles_lite.cluster.gang import reserve, rollout_gang
 from miles_lite.config.schema import MilesConfig
+from miles_lite.config.validate import model_dims
 from miles_lite.engines.fleet_launch import populate
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.engine_state import EngineHandle
@@ -53,8 +54,10 @@ class GangEngine(HttpEngine):
     once, with the reason, instead of after an HTTP timeout.
     """
 
-    def __init__(self, location: EngineLocation, actor: Any, request_timeout_s: float) -> None:
-        super().__init__(location.engine_id, location.url, request_timeout_s=request_timeout_s)
+    def __init__(self, location: EngineLocation, actor: Any, request_timeout_s: float,
+                 vocab_size: int | None = None) -> None:
+        super().__init__(location.engine_id, location.url, request_timeout_s=request_timeout_s,
+                         vocab_size=vocab_size)
         self.location = location
         self.actor = actor
 
@@ -137,7 +140,7 @@ class RolloutGang:
             self._kill(slot)
             raise
         self._record(location)
-        client = GangEngine(location, actor, rollout.request_timeout_s)
+        client = GangEngine(location, actor, rollout.request_timeout_s, vocab_size=model_dims(self.cfg).vocab_size)
 
         async def stop() -> None:
             await self.stop(slot, actor)
