@@ -29,6 +29,7 @@ from miles_lite.cluster.engine_actor import EngineLocation, EngineServer
 from miles_lite.cluster.gang import GangSpec, reserve, rollout_gang
 from miles_lite.config.colocation import engine_rollout
 from miles_lite.config.schema import MilesConfig
+from miles_lite.config.validate import model_dims
 from miles_lite.engines.fleet_launch import populate
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.engine_state import EngineHandle
@@ -55,8 +56,9 @@ class GangEngine(HttpEngine):
     """
 
     def __init__(self, location: EngineLocation, actor: Any, request_timeout_s: float,
-                 api_key: str | None = None) -> None:
-        super().__init__(location.engine_id, location.url, request_timeout_s=request_timeout_s, api_key=api_key)
+                 api_key: str | None = None, vocab_size: int | None = None) -> None:
+        super().__init__(location.engine_id, location.url, request_timeout_s=request_timeout_s, api_key=api_key,
+                         vocab_size=vocab_size)
         self.location = location
         self.actor = actor
 
@@ -142,7 +144,8 @@ class RolloutGang:
             self._kill(slot)
             raise
         self._record(location)
-        client = GangEngine(location, actor, rollout.request_timeout_s, self.api_key)
+        client = GangEngine(location, actor, rollout.request_timeout_s, self.api_key,
+                            vocab_size=model_dims(self.cfg).vocab_size)
 
         async def stop() -> None:
             await self.stop(slot, actor)

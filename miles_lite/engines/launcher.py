@@ -27,6 +27,7 @@ from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.reference.engine import build_reference_command
 from miles_lite.engines.sglang.command import (
     build_sglang_command,
+    check_flags_known,
     check_sglang_command,
     for_installed_sglang,
     plugin_env,
@@ -120,11 +121,15 @@ class EngineLauncher:
                                                python=self.python, api_key_file=key_file)
 
             return reference
-        args = for_installed_sglang(self.rollout.sglang_args, self.sglang_options())
+        known = self.sglang_options()
+        args = for_installed_sglang(self.rollout.sglang_args, known)
         args["custom_weight_loader"] = with_weight_loader(args.get("custom_weight_loader"))
         args.setdefault("base_gpu_id", index * self.rollout.engine_tp)
-        check_sglang_command(build_sglang_command(self.model_path, 0, self.rollout.engine_tp, args,
-                                                  python=self.python))
+        probe_cmd = build_sglang_command(self.model_path, 0, self.rollout.engine_tp, args, python=self.python)
+        if known is not None:  # the engines' own SGLang (it may be installed apart from this process's)
+            check_flags_known(probe_cmd, known)
+        else:
+            check_sglang_command(probe_cmd)
 
         def sglang(port: int, fd: int | None) -> list[str]:
             return build_sglang_command(self.model_path, port, self.rollout.engine_tp, args, host=self.host,

@@ -247,7 +247,7 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> Iterator[World]:
         old = Policy(model_a, layouts)
         new = Policy(build_tiny_hf_model("qwen2", QWEN25_05B_SHAPE, QWEN25_VOCAB, seed=1), layouts)
         process.wait_ready(STARTUP_S)
-        client = HttpEngine(launcher.engine_id(0), process.url, request_timeout_s=300.0)
+        client = HttpEngine(launcher.engine_id(0), process.url, request_timeout_s=300.0, vocab_size=QWEN25_VOCAB)
         loop = EngineLoop(loop_thread.loop, timeout_s=300.0)
         w = World(root=root, a_dir=Path(a_dir), loop=loop, client=client,
                   fleet=[FleetEngine(client, EngineSpec(client.engine_id, 1))],

@@ -254,9 +254,13 @@ FAKE_SERVER_ARGS = """
 class ServerArgs:
     @staticmethod
     def add_cli_args(parser):
-        parser.add_argument("--model-path")
+        for name in ("--model-path", "--host", "--port", "--tp-size", "--base-gpu-id"):
+            parser.add_argument(name)
+        parser.add_argument("--custom-weight-loader", nargs="*")
         parser.add_argument("{flag}", action="store_true")
 """
+FAKE_OPTIONS = {"-h", "--help", "--model-path", "--host", "--port", "--tp-size", "--base-gpu-id",
+                "--custom-weight-loader"}
 
 
 @pytest.mark.parametrize("flag", ["--disable-piecewise-cuda-graph", "--disable-prefill-cuda-graph"])
@@ -269,9 +273,14 @@ def test_launcher_asks_the_engines_sglang_for_its_flags(tmp_path, flag: str) -> 
     (package / "server_args.py").write_text(FAKE_SERVER_ARGS.format(flag=flag))
     sg = EngineLauncher(RolloutConfig(backend="sglang", sglang_args={"disable_piecewise_cuda_graph": True}),
                         str(tmp_path), str(tmp_path / "logs"), env={"PYTHONPATH": str(tmp_path / "site")})
-    assert sg.sglang_options() == frozenset({"-h", "--help", "--model-path", flag})
+    assert sg.sglang_options() == frozenset({*FAKE_OPTIONS, flag})
     cmd = sg.command_factory(0)(40000, None)
     assert flag in cmd and len([c for c in cmd if "cuda-graph" in c]) == 1
+    # The engines' SGLang is the one that judges the flags.
+    bad = EngineLauncher(RolloutConfig(backend="sglang", sglang_args={"no_such_flag": 1}), str(tmp_path),
+                         str(tmp_path / "logs"), env={"PYTHONPATH": str(tmp_path / "site")})
+    with pytest.raises(ValueError, match=r"engines' SGLang does not know the flags \['--no-such-flag'\]"):
+        bad.command_factory(0)
     # Without SGLang where the engines run, flags pass as given.
     plain = EngineLauncher(RolloutConfig(backend="sglang", sglang_args={"disable_prefill_cuda_graph": True}),
                            str(tmp_path), str(tmp_path / "logs"), env={"PYTHONPATH": str(tmp_path / "none")})

@@ -209,8 +209,15 @@ def sglang_option_names() -> frozenset[str] | None:
     return frozenset(o for action in parser._actions for o in action.option_strings)
 
 
-_PROBE = ("import json; from miles_lite.engines.sglang.command import sglang_option_names as names; "
-          "found = names(); print(json.dumps(None if found is None else sorted(found)))")
+# Looks for SGLang before importing anything heavy (this module imports torch), so an engine environment
+# without SGLang answers at once.
+_PROBE = ("import importlib.util, json\n"
+          "if importlib.util.find_spec('sglang') is None:\n"
+          "    print('null')\n"
+          "else:\n"
+          "    from miles_lite.engines.sglang.command import sglang_option_names as names\n"
+          "    found = names()\n"
+          "    print(json.dumps(None if found is None else sorted(found)))\n")
 
 
 def probe_sglang_option_names(python: str, env: Mapping[str, str] | None) -> frozenset[str] | None:
@@ -224,3 +231,15 @@ def probe_sglang_option_names(python: str, env: Mapping[str, str] | None) -> fro
     except (OSError, subprocess.TimeoutExpired, ValueError, IndexError):
         return None
     return frozenset(found) if isinstance(found, list) else None
+
+
+def check_flags_known(cmd: list[str], known: frozenset[str]) -> None:
+    """Every `--flag` of a `launch_server` command is one the engines' SGLang declares (`known`: its option
+    strings, from `probe_sglang_option_names`); raises ValueError naming the others."""
+    try:
+        start = cmd.index("sglang.launch_server") + 1
+    except ValueError as exc:
+        raise ValueError(f"not a sglang.launch_server command: {cmd[:4]}") from exc
+    unknown = [a for a in cmd[start:] if a.startswith("--") and a.split("=", 1)[0] not in known]
+    if unknown:
+        raise ValueError(f"the engines' SGLang does not know the flags {unknown}; check rollout.sglang_args")

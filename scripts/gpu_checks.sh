@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU checks of the SGLang stack, the divergence guard and the GSM8K recipe, on one GPU, in one batch.
+#
+#   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
+#
+# Parts: versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs.
+# Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
+# TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
+# apart (then MILES_TEST_TRANSPORT=ipc_handles if its torch is another build). Each part writes
+# OUT_DIR/<part>.log (benchmarks also OUT_DIR/<part>.json); a failing part does not stop the others; the exit
+# status is the number of parts that failed.
+set -u
+out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [PART...]}
+shift
+py=${PYTHON:-python3}
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$out"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)
+failed=0
+
+part() {
+  local name=$1
+  shift
+  echo "== $name: $*"
+  local start=$SECONDS
+  if "$@" >"$out/$name.log" 2>&1; then
+    echo "   ok ($((SECONDS - start)) s)"
+  else
+    echo "   FAILED ($((SECONDS - start)) s): $out/$name.log"
+    failed=$((failed + 1))
+  fi
+  tail -n 4 "$out/$name.log" | sed 's/^/   /'
+}
+
+# An engine from the shipped defaults but with prefill CUDA graphs on, on the small shape that crashed
+# SGLang 0.5.10: whether the installed SGLang still needs them off.
+PREFILL_GRAPHS='
+import asyncio, sys, tempfile, yaml
+from pathlib import Path
+from miles_lite.config.schema import RolloutConfig, TinyModelShape
+from miles_lite.engines.launcher import EngineLauncher
+from miles_lite.trainer.tiny_hf import make_tiny_hf_model
+from miles_lite.types import SamplingParams
+shape = TinyModelShape(hidden_size=256, ffn_hidden_size=512, num_layers=2, num_attention_heads=4, num_kv_heads=2,
+                       max_position_embeddings=1024)
+root = Path(tempfile.mkdtemp())
+model = make_tiny_hf_model("qwen2", shape, 512, root / "model", seed=3)
+args = yaml.safe_load(Path("conf/rollout/sglang.yaml").read_text())["sglang_args"]
+args.update(disable_prefill_cuda_graph=False, mem_fraction_static=0.3, dtype="bfloat16")
+rollout = RolloutConfig(backend="sglang", startup_timeout_s=600.0, sglang_args=args)
+async def main():
+    launcher = EngineLauncher(rollout, str(model), str(root / "logs"))
+    engine = await launcher.start(0)
+    try:
+        gen = await engine.client.generate(list(range(1, 40)), SamplingParams(max_new_tokens=16, temperature=0.0))
+        print("prefill graphs on: started and generated", len(gen.output_ids), "tokens")
+    finally:
+        await launcher.stop(engine)
+asyncio.run(main())
+'
+
+for p in "${parts[@]}"; do
+  case $p in
+    versions) part versions "$py" -c "
+import importlib.metadata as md, sys, torch
+print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())
+for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flashinfer-python'):
+    try: print(d, md.version(d))
+    except md.PackageNotFoundError: print(d, 'absent here')" ;;
+    unit) part unit "$py" -m pytest -q tests/unit/test_sglang_args.py tests/unit/test_sglang_payloads.py \
+            tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py ;;
+    engine) part engine "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py ;;
+    multiturn) part multiturn "$py" -m pytest -q -s tests/integration/test_multi_turn_engines.py ;;
+    trainer) part trainer "$py" -m pytest -q -s tests/gpu/test_trainer_gpu.py ;;
+    recipe) part recipe "$py" -m pytest -q -s tests/gpu/test_gsm8k_recipe_gpu.py ;;
+    guard-0.5b) part guard-0.5b "$py" benchmarks/train_step.py --guard --configs bf16,fp8-delayed --steps 20 \
+                  --warmup 2 --out "$out/guard-0.5b.json" ;;
+    guard-7b) part guard-7b "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 \
+                --configs bf16,fp8-delayed,fp8-tensorwise --steps 20 --warmup 2 --out "$out/guard-7b.json" ;;
+    prefill-graphs) part prefill-graphs "$py" -c "$PREFILL_GRAPHS" ;;
+    *) echo "unknown part $p (versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)"
+       failed=$((failed + 1)) ;;
+  esac
+done
+exit "$failed"
