@@ -111,3 +111,44 @@ def test_an_attached_engine_restarted_between_health_checks_is_left_out_of_the_p
     finally:
         for proc in procs:
             proc.stop()
+
+
+def test_a_running_system_follows_its_engine_list(tmp_path: Path):
+    # The operator's scaling edit, seen from the trainer: the engine list file gains an engine (admitted stale,
+    # healthy after the next push, which re-forms the weight-update group with it), then loses it again (retired:
+    # no request, push or replacement, not counted as a restart). The trainer runs on throughout.
+    overrides = [f"experiment.output_dir={tmp_path}"]
+    ports = [free_port(LOCAL_HOST), free_port(LOCAL_HOST)]
+    urls = [f"http://{LOCAL_HOST}:{p}" for p in ports]
+    procs = [_engine_at(p, tmp_path, f"engine-{i}", overrides) for i, p in enumerate(ports)]
+    listing = tmp_path / "engines"
+    listing.write_text(f"{urls[0]}\n")
+    try:
+        cfg = load_config([*overrides, f"rollout.engine_urls=[{urls[0]}]", "rollout.engines=1",
+                           f"rollout.engine_urls_file={listing}", "fault_tolerance.health_interval_s=0.5"])
+        validate(cfg)
+        with System.start(cfg, tmp_path / "run") as system:
+            fleet = system.fleet
+            assert fleet is not None
+            system.push_weights()
+            listing.write_text(f"{urls[0]}\n{urls[1]}\n")
+            deadline = time.monotonic() + 120
+            while len(fleet.records) < 2 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            first, added = fleet.records
+            assert added.engine_id == "engine-1" and added.state is EngineState.STALE, added.state
+            report, _ = system.push_weights()
+            assert set(report.push.engines) == {"engine-0", "engine-1"} and added.state is EngineState.HEALTHY
+            assert report.verify is not None and report.verify.logp_diff_mean < 1e-3
+
+            listing.write_text(f"{urls[0]}\n")
+            deadline = time.monotonic() + 30
+            while added.state is not EngineState.RETIRED and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert added.state is EngineState.RETIRED and fleet.restarts == 0
+            report, _ = system.push_weights()
+            assert report.push.engines == ("engine-0",) and first.state is EngineState.HEALTHY
+            assert procs[1].alive()  # removed from this job's fleet, not stopped by it (the operator deletes the pod)
+    finally:
+        for proc in procs:
+            proc.stop()
