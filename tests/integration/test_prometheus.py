@@ -67,8 +67,13 @@ def _dashboard_exprs() -> list[tuple[str, str]]:
 def _run_driver(workdir: Path, run: str, port: int) -> str:
     """Run `miles-lite train` to the end with its exporter on `port`; returns its output."""
     log_path = workdir / "driver.log"
+    # An evaluation set (GSM8K-format questions) feeds the dashboard's evaluation-set panel.
+    dev = workdir / "dev.jsonl"
+    dev.write_text("".join(json.dumps({"question": f"What is {a} + {b}?", "answer": f"{a} + {b}\n#### {a + b}"}) + "\n"
+                           for a, b in ((2, 3), (4, 1), (6, 2))))
     cmd = [sys.executable, "-m", "miles_lite.cli", "train", f"experiment.output_dir={workdir}",
-           f"experiment.run_name={run}", f"observability.metrics_port={port}", *SHORT]
+           f"experiment.run_name={run}", f"observability.metrics_port={port}", *SHORT,
+           f"+data.eval_sets={{dev: {{path: {dev}, k: 2, temperature: 1.0}}}}"]
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
         try:

@@ -33,8 +33,8 @@ async def _fleet(*engines: FakeEngine, launcher=None) -> EngineFleet:
 
 
 def test_sleeping_is_in_the_transition_table():
-    assert TRANSITIONS[S.HEALTHY] == {S.DEAD, S.SLEEPING}
-    assert TRANSITIONS[S.SLEEPING] == {S.HEALTHY, S.DEAD}
+    assert TRANSITIONS[S.HEALTHY] == {S.DEAD, S.SLEEPING, S.RETIRED}
+    assert TRANSITIONS[S.SLEEPING] == {S.HEALTHY, S.DEAD, S.RETIRED}
     assert S.SLEEPING not in TRANSITIONS[S.STALE] and S.SLEEPING not in TRANSITIONS[S.STARTING]
 
 

@@ -134,7 +134,7 @@ def test_a_checkpoint_without_a_record_is_resumed_without_comparison(tmp_path: P
 
 
 def test_data_identity_by_source(tmp_path: Path) -> None:
-    assert set(IDENTITY_BY_SOURCE) == {"gsm8k", "synthetic"}
+    assert set(IDENTITY_BY_SOURCE) == {"gsm8k", "records", "synthetic"}
     a = data_identity(DataConfig(synthetic=SyntheticDataConfig(seed=1)))
     assert a["source"] == "synthetic" and a["key"]["seed"] == 1 and a["key"]["ops"] == ["+", "-", "*"]
     assert same_data(a, data_identity(DataConfig(synthetic=SyntheticDataConfig(seed=1, eval_size=3))))
