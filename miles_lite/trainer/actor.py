@@ -21,13 +21,9 @@ from torch import Tensor
 from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.trainer import cpu_compat
+from miles_lite.trainer.actor_checkpoint import ActorCheckpoint
 from miles_lite.trainer.dist_optimizer import (
-    DistributedOptimizerState,
-    gather_state,
-    group_steps,
     is_distributed,
-    scatter_state,
-    set_group_steps,
 )
 from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignment, scale_expert_grads
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
@@ -36,13 +32,12 @@ from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, Upda
 from miles_lite.trainer.hf_convert import gather_hf_state, mark_tensor_parallel
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
-from miles_lite.trainer.lora import attach_lora, base_reference
+from miles_lite.trainer.lora import attach_lora
 from miles_lite.trainer.offload import actor_offload, memory_stats
 from miles_lite.trainer.optim import build_optimizer, build_scheduler, current_lr, set_lr, wrap_ddp
 from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batches, split_for_data_parallel
 from miles_lite.trainer.parallel import ParallelInfo, init_parallel, shutdown_parallel
 from miles_lite.trainer.rl_loss import BatchTotals, reduce_stats, rl_micro_loss, sft_micro_loss
-from miles_lite.trainer.rng import capture_rank_rng, restore_rank_rng
 from miles_lite.trainer.routing import ModelRouting, RoutingStats, check_routed
 from miles_lite.trainer.updates import combine_update_stats, minibatch_plan
 from miles_lite.types import TrainBatch
@@ -60,7 +55,7 @@ class ActorState(StrEnum):
 MicroLoss = Callable[[PackedMicroBatch], tuple[Tensor, dict[str, float], float]]
 
 
-class TrainerActor:
+class TrainerActor(ActorCheckpoint):
     """One trainer rank: a Megatron `GPTModel` shard, its optimizer, and optional reference/teacher.
 
     Args:
@@ -503,69 +498,3 @@ class TrainerActor:
                                     self.policy.spec.num_experts)
         return state if self.par.rank == 0 else {}
 
-    def state_dict_for_checkpoint(self) -> dict[str, Any]:
-        """This rank's model shard, optimizer and LR-schedule state, RNG streams and counters.
-
-        Tensors are live references (the checkpointer snapshots them to host memory).
-        """
-        self._require_ready()
-        self.offloader.require_resident(OFFLOAD_PARTS, "a checkpoint")
-        if is_distributed(self.optimizer):  # its ranges gathered per parameter: any DP size resumes them
-            optimizer: Any = DistributedOptimizerState(
-                gather_state(self.optimizer, self.policy.model, self.par.dp_group), group_steps(self.optimizer))
-        else:
-            optimizer = self.optimizer.state_dict()
-        return {
-            "model": {n: p.detach() for n, p in self.trained.named_parameters()},
-            "optimizer": optimizer,
-            "scheduler": self.scheduler.state_dict(),
-            "rng": capture_rank_rng(),
-            "counters": {"steps_done": self.steps_done, "nonfinite_in_a_row": self.nonfinite_in_a_row,
-                         "nonfinite_total": self.nonfinite_total, "diverged_total": self.diverged_total},
-            "parallel": {"tp_rank": self.par.tp_rank, "tp_size": self.par.tp_size,
-                         "dp_rank": self.par.dp_rank, "dp_size": self.par.dp_size},
-        }
-
-    def lora_checkpoint_info(self) -> dict[str, Any] | None:
-        """What a checkpoint records of the LoRA setup: the adapter's PEFT config and the base it sits on."""
-        if self.lora is None:
-            return None
-        return {"adapter": self.lora.lora.peft_config(None), "base": base_reference(self.cfg)}
-
-    @torch.no_grad()
-    def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
-        """Restore what `state_dict_for_checkpoint` returned on a rank with the same TP/DP coordinates."""
-        self._require_ready()
-        self.offloader.require_resident(OFFLOAD_PARTS, "restoring a checkpoint")
-        mine = {"tp_rank": self.par.tp_rank, "tp_size": self.par.tp_size}
-        saved = {k: state["parallel"][k] for k in mine}
-        if saved != mine:
-            raise ValueError(f"checkpoint shard is for {saved}, this rank is {mine}; resume with the same trainer.tp")
-        params = dict(self.trained.named_parameters())
-        missing = sorted(set(params) - set(state["model"]))
-        if missing:
-            raise KeyError(f"checkpoint lacks parameters {missing[:4]}")
-        for name, p in params.items():
-            p.copy_(state["model"][name])
-        # The optimizer's state (moments, steps) comes from the checkpoint; its hyperparameters (the LR bounds
-        # the schedule reads, betas, eps, weight decay) stay the configured ones, so a resume can change them.
-        configured = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-        with cpu_compat.device_mode():
-            saved = state["optimizer"]
-            if isinstance(saved, DistributedOptimizerState) != is_distributed(self.optimizer):
-                raise ValueError("the checkpoint's optimizer state and this trainer's optimizer differ in "
-                                 "trainer.use_distributed_optimizer; resume with the setting it was saved with")
-            if isinstance(saved, DistributedOptimizerState):
-                scatter_state(self.optimizer, self.policy.model, saved.params or {})
-                set_group_steps(self.optimizer, saved.group_steps)
-            else:
-                self.optimizer.load_state_dict(saved)
-        for group, hyper in zip(self.optimizer.param_groups, configured, strict=True):
-            group.update(hyper)
-        self.scheduler.load_state_dict(state["scheduler"])  # built with override: the configured schedule
-        restore_rank_rng(state["rng"])
-        counters = state["counters"]
-        self.steps_done = int(counters["steps_done"])
-        self.nonfinite_in_a_row = int(counters["nonfinite_in_a_row"])
-        self.nonfinite_total = int(counters["nonfinite_total"])
-        self.diverged_total = int(counters.get("diverged_total", 0))

@@ -13,7 +13,6 @@ bumps the version) but keeps the old weights; `fail_mode` hang/error stops answe
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -23,6 +22,7 @@ from aiohttp import web
 
 from miles_lite.api_key import bearer_matches
 from miles_lite.engines.reference import request_fields as rf
+from miles_lite.engines.reference.http_io import bad_request, json_error, json_result, read_body, split_batch
 from miles_lite.engines.reference.memory import EngineMemory, MemoryRequestError, requested_tags
 from miles_lite.engines.reference.model import ReferenceModel, deserialize_named_tensors, read_safetensors
 from miles_lite.engines.reference.ranks import EngineRanks
@@ -78,45 +78,6 @@ class ServerOptions:
                              f"{self.max_request_bytes}")
         if not self.idle_timeout_s > 0:
             raise ValueError(f"--idle-timeout-s must be > 0 seconds, got {self.idle_timeout_s}")
-
-
-def _error(message: str, status: int = 400) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)
-
-
-def _result(success: bool, message: str, **extra: Any) -> web.Response:
-    return web.json_response({"success": success, "message": message, **extra}, status=200 if success else 400)
-
-
-def _bad_request(message: str) -> web.HTTPBadRequest:
-    return web.HTTPBadRequest(text=json.dumps({"error": {"message": message}}), content_type="application/json")
-
-
-def _too_large(limit: int, size: int | None, what: str) -> web.HTTPRequestEntityTooLarge:
-    return web.HTTPRequestEntityTooLarge(
-        max_size=limit, actual_size=size or limit + 1, content_type="application/json",
-        text=json.dumps({"error": {"message": f"the request body is larger than {limit} bytes, the most {what}"}}))
-
-
-async def _read_body(request: web.Request, limit: int, idle_timeout_s: float, what: str) -> bytes:
-    """The body, refused (413) beyond `limit` bytes before reading what the headers announce, and read
-    chunk by chunk with `idle_timeout_s` per chunk (a sender that stalls is dropped)."""
-    if request.content_length is not None and request.content_length > limit:
-        raise _too_large(limit, request.content_length, what)
-    chunks, size = [], 0
-    while True:
-        try:
-            chunk = await asyncio.wait_for(request.content.readany(), idle_timeout_s)
-        except TimeoutError:
-            raise web.HTTPRequestTimeout(text=json.dumps({"error": {"message": (
-                f"the request body stopped arriving for {idle_timeout_s:g} s")}}), content_type="application/json"
-            ) from None
-        if not chunk:
-            return b"".join(chunks)
-        size += len(chunk)
-        if size > limit:
-            raise _too_large(limit, size, what)
-        chunks.append(chunk)
 
 
 class ReferenceServer:
@@ -187,11 +148,11 @@ class ReferenceServer:
         else:
             limit, what = self.request_limit, "a request can need here (--max-request-bytes)"
         try:
-            data = rf.parse_json(await _read_body(request, limit, self.opts.idle_timeout_s, what))
+            data = rf.parse_json(await read_body(request, limit, self.opts.idle_timeout_s, what))
         except rf.FieldError as exc:
-            raise _bad_request(str(exc)) from None
+            raise bad_request(str(exc)) from None
         if not isinstance(data, dict):
-            raise _bad_request("the request body must be a JSON object")
+            raise bad_request("the request body must be a JSON object")
         return data
 
     async def _on_startup(self, _app: web.Application) -> None:
@@ -212,21 +173,21 @@ class ReferenceServer:
         if self.opts.fail_mode == "none" or self._generate_count <= self.opts.fail_after:
             return None
         if self.opts.fail_mode == "error":
-            return _error(f"injected failure after {self.opts.fail_after} generate requests", status=500)
+            return json_error(f"injected failure after {self.opts.fail_after} generate requests", status=500)
         await self._hang.wait()  # hang: accept the connection, answer only when the server shuts down
-        return _error("server shutting down", status=503)
+        return json_error("server shutting down", status=503)
 
     async def generate(self, request: web.Request) -> web.Response:
         """SGLang `/generate` with token ids: a single request (input_ids: list[int]) or a batch (list of lists)."""
         try:
             body = await self._body(request)
-            batch = _split_batch(body)
+            batch = split_batch(body)
             reqs = [self._make_request(item) for item in batch]
         except (ValueError, TypeError) as exc:
-            return _error(str(exc))
+            return json_error(str(exc))
         refusal = self.memory.serving_refusal()
         if refusal is not None:
-            return _error(refusal, status=503)
+            return json_error(refusal, status=503)
         self._generate_count += 1
         failure = await self._injected_failure()
         if failure is not None:
@@ -234,9 +195,9 @@ class ReferenceServer:
         try:
             outs = await asyncio.gather(*(self.scheduler.submit(r) for r in reqs))
         except ValueError as exc:
-            return _error(str(exc))
+            return json_error(str(exc))
         except RuntimeError as exc:
-            return _error(str(exc), status=500)
+            return json_error(str(exc), status=500)
         return web.json_response(outs if isinstance(body.get("input_ids", [None])[0], list) else outs[0])
 
     def _make_request(self, item: dict[str, Any]) -> GenRequest:
@@ -294,7 +255,7 @@ class ReferenceServer:
         try:
             mode = PauseMode(body.get("mode", "abort"))
         except ValueError:
-            return _error(f"Invalid mode: {body.get('mode')!r}. Expected one of {[m.value for m in PauseMode]}.")
+            return json_error(f"Invalid mode: {body.get('mode')!r}. Expected one of {[m.value for m in PauseMode]}.")
         self.scheduler.pause(mode)
         return web.json_response({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -333,12 +294,12 @@ class ReferenceServer:
     async def get_weights_by_name(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         if (refusal := self.memory.weights_refusal()) is not None:
-            return _error(refusal)
+            return json_error(refusal)
         try:
             values = await self.scheduler.run_on_model(self.model.get_weights_by_name, str(body.get("name")),
                                                        int(body.get("truncate_size", 100)))
         except ValueError as exc:
-            return _error(str(exc))
+            return json_error(str(exc))
         return web.json_response(values)
 
     # ---- LoRA adapters (SGLang's LoRAUpdateOutput answers) --------------------------------------------------
@@ -394,21 +355,21 @@ class ReferenceServer:
     async def update_weight_version(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         if body.get("new_version") is None:
-            return _result(False, "new_version is required")
+            return json_result(False, "new_version is required")
         if body.get("abort_all_requests", True):
             self.scheduler.abort(None)
         self.weight_version = str(body["new_version"])
-        return _result(True, f"Weight version updated to {self.weight_version}", new_version=self.weight_version)
+        return json_result(True, f"Weight version updated to {self.weight_version}", new_version=self.weight_version)
 
     async def update_weights_from_disk(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         if (refusal := self.memory.weights_refusal()) is not None:
-            return _result(False, f"Failed to update weights: {refusal}", num_paused_requests=0)
+            return json_result(False, f"Failed to update weights: {refusal}", num_paused_requests=0)
         if body.get("load_format") not in (None, "auto", "safetensors"):
-            return _result(False, f"load_format {body['load_format']!r} is not supported; use None",
+            return json_result(False, f"load_format {body['load_format']!r} is not supported; use None",
                            num_paused_requests=0)
         ok, msg = await self._load(body, self._load_disk, str(body.get("model_path")))
-        return _result(ok, msg, num_paused_requests=0)
+        return json_result(ok, msg, num_paused_requests=0)
 
     def _load_disk(self, model_path: str) -> int:
         return self.weights.load_full(read_safetensors(model_path))
@@ -419,30 +380,30 @@ class ReferenceServer:
         parameters with entry r decoded, as SGLang's TP workers do."""
         body = await self._body(request, weights=True)
         if (refusal := self.memory.weights_refusal()) is not None:
-            return _result(False, f"Failed to update weights: {refusal}")
+            return json_result(False, f"Failed to update weights: {refusal}")
         payloads = body.get("serialized_named_tensors") or []
         if len(payloads) != self.opts.tp:
-            return _result(False, f"serialized_named_tensors needs {self.opts.tp} entries (one per TP rank), "
+            return json_result(False, f"serialized_named_tensors needs {self.opts.tp} entries (one per TP rank), "
                                   f"got {len(payloads)}")
         load_format = body.get("load_format")
         if load_format is not None:
             if load_format not in self.opts.custom_weight_loader:
-                return _result(False, f"Unknown load_format={load_format!r}: start the engine with "
+                return json_result(False, f"Unknown load_format={load_format!r}: start the engine with "
                                       f"--custom-weight-loader {load_format} to use it")
             try:
                 per_rank = await self.scheduler.run_on_model(self.ranks.custom_load, load_format, list(payloads))
             except Exception as exc:  # anything the plugin raises is reported in the answer
-                return _result(False, f"Failed to update weights: {exc}")
+                return json_result(False, f"Failed to update weights: {exc}")
             ok, msg = await self._load(body, self.weights.commit, [n for names in per_rank for n in names])
-            return _result(ok, msg)
+            return json_result(ok, msg)
         per_rank = []
         for i, payload in enumerate(payloads):
             try:
                 per_rank.append(deserialize_named_tensors(payload))
             except Exception as exc:  # any decoding failure is the client's payload
-                return _result(False, f"cannot decode serialized_named_tensors[{i}]: {exc}")
+                return json_result(False, f"cannot decode serialized_named_tensors[{i}]: {exc}")
         ok, msg = await self._load(body, self.weights.load_full_per_rank, per_rank)
-        return _result(ok, msg)
+        return json_result(ok, msg)
 
     async def init_weights_update_group(self, request: web.Request) -> web.Response:
         """Every TP rank r joins as `rank_offset + r`; answers once the whole world has joined."""
@@ -456,25 +417,26 @@ class ReferenceServer:
                 self.ranks.join, name, str(body.get("backend", "gloo")), str(body["master_address"]),
                 int(body["master_port"]), int(body["rank_offset"]), int(body["world_size"]), self.opts.group_timeout_s)
         except Exception as exc:  # any rendezvous failure is reported in the answer, as SGLang does
-            return _result(False, f"Failed to initialize custom process group: {exc!r}.")
-        return _result(True, "Succeeded to initialize custom process group.")
+            return json_result(False, f"Failed to initialize custom process group: {exc!r}.")
+        return json_result(True, "Succeeded to initialize custom process group.")
 
     async def update_weights_from_distributed(self, request: web.Request) -> web.Response:
         """Every TP rank receives the broadcast full tensors and keeps its slices, as SGLang's loaders do."""
         body = await self._body(request)
         name = str(body.get("group_name", "weight_update_group"))
         if (refusal := self.memory.weights_refusal()) is not None:
-            return _result(False, f"Failed to receive parameters: {refusal}")
+            return json_result(False, f"Failed to receive parameters: {refusal}")
         load_format = body.get("load_format")
         if load_format is not None:
-            return _result(False, f"load_format {load_format!r} is not supported; use None (one broadcast per tensor)")
+            return json_result(False, f"load_format {load_format!r} is not supported; use None (one broadcast per "
+                                      "tensor)")
         try:
             per_rank = await self.scheduler.run_on_model(
                 self.ranks.receive, name, list(body["names"]), list(body["dtypes"]), list(body["shapes"]))
         except (KeyError, ValueError, RuntimeError) as exc:
-            return _result(False, f"Failed to receive parameters: {exc}")
+            return json_result(False, f"Failed to receive parameters: {exc}")
         ok, msg = await self._load(body, self.weights.load_rank_shards, per_rank)
-        return _result(ok, msg)
+        return json_result(ok, msg)
 
     # ---- memory (sleep / wake) --------------------------------------------------------------------------------
 
@@ -486,7 +448,7 @@ class ReferenceServer:
             load = self.scheduler.load()
             self.memory.check_release(tags, load["num_reqs"] + load["num_waiting_reqs"])
         except MemoryRequestError as exc:
-            return _error(str(exc))
+            return json_error(str(exc))
         if "weights" in tags:
             await self.scheduler.run_on_model(self.weights.release)
         self.memory.released.update(tags)
@@ -500,7 +462,7 @@ class ReferenceServer:
             tags = requested_tags(body.get("tags"))
             self.memory.check_resume(tags)
         except MemoryRequestError as exc:
-            return _error(str(exc))
+            return json_error(str(exc))
         if "weights" in tags:
             await self.scheduler.run_on_model(self.weights.resume)
         self.memory.released.difference_update(tags)
@@ -512,27 +474,10 @@ class ReferenceServer:
         try:
             existed = await asyncio.to_thread(self.ranks.destroy, str(body.get("group_name", "weight_update_group")))
         except RuntimeError as exc:
-            return _result(False, f"Failed to destroy custom process group: {exc}")
+            return json_result(False, f"Failed to destroy custom process group: {exc}")
         if not existed:
-            return _result(False, "The group to be destroyed does not exist.")
-        return _result(True, "Succeeded to destroy custom process group.")
-
-
-def _split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """One dict per request from a single or batched `/generate` body."""
-    ids = body.get("input_ids")
-    if not isinstance(ids, list) or not ids or not isinstance(ids[0], list):
-        return [body]
-    n = len(ids)
-
-    def pick(key: str, i: int) -> Any:
-        value = body.get(key)
-        if key == "sampling_params":
-            return value[i] if isinstance(value, list) else value
-        return value[i] if isinstance(value, list) and len(value) == n else value
-
-    keys = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "return_routed_experts", "lora_path")
-    return [{"input_ids": ids[i], "_field": f"input_ids[{i}]", **{k: pick(k, i) for k in keys}} for i in range(n)]
+            return json_result(False, "The group to be destroyed does not exist.")
+        return json_result(True, "Succeeded to destroy custom process group.")
 
 
 def _load_tokenizer(model_path: str) -> Any | None:
