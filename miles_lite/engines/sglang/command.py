@@ -236,10 +236,10 @@ def probe_sglang_option_names(python: str, env: Mapping[str, str] | None) -> fro
 def check_flags_known(cmd: list[str], known: frozenset[str]) -> None:
     """Every `--flag` of a `launch_server` command is one the engines' SGLang declares (`known`: its option
     strings, from `probe_sglang_option_names`); raises ValueError naming the others."""
-    try:
-        start = cmd.index("sglang.launch_server") + 1
-    except ValueError as exc:
-        raise ValueError(f"not a sglang.launch_server command: {cmd[:4]}") from exc
-    unknown = [a for a in cmd[start:] if a.startswith("--") and a.split("=", 1)[0] not in known]
+    modules = [i for i, part in enumerate(cmd) if part in ("sglang.launch_server", LAUNCH_MODULE)]
+    if not modules:
+        raise ValueError(f"not a sglang.launch_server command: {cmd[:4]}")
+    flags = split_own_flags(cmd[modules[0] + 1:])[1]  # the key launcher's own flags are not SGLang's
+    unknown = [a for a in flags if a.startswith("--") and a.split("=", 1)[0] not in known]
     if unknown:
         raise ValueError(f"the engines' SGLang does not know the flags {unknown}; check rollout.sglang_args")
