@@ -78,8 +78,8 @@ class ProcessSenders:
         return LOCAL_HOST, free_port(LOCAL_HOST)
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout_s: float) -> None:
-        args = (master_address, master_port, world_size, group_name, backend, timeout_s)
+                          backend: str, timeout_s: float, key: str | None = None) -> None:
+        args = (master_address, master_port, world_size, group_name, backend, timeout_s, key)
         self._all([("join", args)] * len(self.conns))
 
     def send_weight_bucket(self, schedules: Sequence[RankSchedule]) -> list[SendStats]:

@@ -117,14 +117,16 @@ def test_a_running_system_follows_its_engine_list(tmp_path: Path):
     # The operator's scaling edit, seen from the trainer: the engine list file gains an engine (admitted stale,
     # healthy after the next push, which re-forms the weight-update group with it), then loses it again (retired:
     # no request, push or replacement, not counted as a restart). The trainer runs on throughout.
+    key_file = write_key_file(tmp_path / "api-key", new_key())
     overrides = [f"experiment.output_dir={tmp_path}"]
     ports = [free_port(LOCAL_HOST), free_port(LOCAL_HOST)]
     urls = [f"http://{LOCAL_HOST}:{p}" for p in ports]
-    procs = [_engine_at(p, tmp_path, f"engine-{i}", overrides) for i, p in enumerate(ports)]
+    procs = [_engine_at(p, tmp_path, f"engine-{i}", overrides, key_file) for i, p in enumerate(ports)]
     listing = tmp_path / "engines"
     listing.write_text(f"{urls[0]}\n")
     try:
-        cfg = load_config([*overrides, f"rollout.engine_urls=[{urls[0]}]", "rollout.engines=1",
+        cfg = load_config([*overrides, f"cluster.api_key_file={key_file}", f"rollout.engine_urls=[{urls[0]}]",
+                           "rollout.engines=1",
                            f"rollout.engine_urls_file={listing}", "fault_tolerance.health_interval_s=0.5"])
         validate(cfg)
         with System.start(cfg, tmp_path / "run") as system:

@@ -158,5 +158,6 @@ def test_an_unplaceable_rollout_gang_fails_at_start_naming_what_is_missing(clust
                           env={**os.environ, "RAY_AUTH_MODE": "disabled"})
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
-    assert "the rollout gang (3 bundles" in out and "'miles_rollout': 1.0" in out, out[-3000:]
+    assert "the rollout gang (3 bundles) asks" in out and "miles_rollout 3" in out, out[-3000:]
+    assert "miles_rollout 2 in total" in out, out[-3000:]
     assert not _placements(tmp_path / "run"), "no engine starts when its gang cannot be placed"

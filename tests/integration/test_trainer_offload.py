@@ -23,8 +23,8 @@ def test_offload_frees_every_part_and_the_state_round_trips_exactly(runs: dict[s
     assert off["freed"] and off["grads_freed"] and off["resident_while_offloaded"] == 0.0
     moved = off["moved"]
     assert moved["params_bytes"] > 0 and moved["grads_bytes"] > 0 and moved["optimizer_bytes"] > 0
-    if precision == "bf16":  # fp32 main params + two fp32 Adam moments + the guard's copies, per bf16 param
-        assert moved["optimizer_bytes"] >= 6 * moved["params_bytes"]
+    if precision == "bf16":  # fp32 main params + two fp32 Adam moments: 12 bytes per 2-byte bf16 parameter
+        assert 5.9 * moved["params_bytes"] <= moved["optimizer_bytes"] <= 6 * moved["params_bytes"]
     assert off["again"] == {"seconds": pytest.approx(off["again"]["seconds"])}  # nothing moved twice
     assert {k: v for k, v in off["onloaded"].items() if k != "seconds"} == {
         k: v for k, v in moved.items() if k != "seconds"}

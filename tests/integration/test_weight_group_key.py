@@ -70,7 +70,8 @@ def test_an_intruder_cannot_take_a_members_place(intruder_key: str | None) -> No
     key = new_key()
     intruder = new_key() if intruder_key == "wrong" else None
     # The intruder dials first, as rank 1; the real rank 1 arrives later and the group forms with it.
-    results = _run([(1, intruder, 10.0), (0, key, 60.0), (1, key, 60.0)], world=2, delays=[0.5, 0.5, 0.0])
+    # Its timeout leaves room for the master's start on a loaded machine (spawned processes import torch).
+    results = _run([(1, intruder, 30.0), (0, key, 60.0), (1, key, 60.0)], world=2, delays=[0.5, 0.5, 0.0])
     joined = [r for r in results if r[2] == "joined"]
     assert sorted((r[0], r[1]) for r in joined) == [(0, key), (1, key)]
     assert all(r[3] == [0.0, 1.0, 2.0, 3.0] for r in joined)
