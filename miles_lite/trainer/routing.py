@@ -10,7 +10,7 @@ Which tokens replay. A sample carries, per MoE layer, the experts the engine cho
 `P .. P + R - 2` of its `P` prompt and `R` response tokens: the generated tokens the engine fed back
 through the model while decoding (SGLang's `routed_experts` row `t` is position `t`). Prompt positions
 `0 .. P - 1` route with the trainer's router: the engine computed them in a prefill, possibly in
-another request's batch or from its prefix cache, and the issue of replay is the tokens the policy
+another request's batch or from its prefix cache, and replay is about the tokens the policy
 generated. The last response token is never fed to the engine and its output predicts nothing the
 loss reads. Padding positions route too (the padded layout), and are left out of the metrics.
 
