@@ -11,7 +11,7 @@ to resume is declared dead and replaced. A request while every engine sleeps is 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from miles_lite.rollout.engine import MEMORY_TAGS, EngineError
 from miles_lite.rollout.engine_state import EngineRecord, EngineState
@@ -24,12 +24,8 @@ class FleetMemory:
     """Sleep/wake of `EngineFleet` (a mixin: it uses the fleet's records and transitions)."""
 
     records: list[EngineRecord]
-
-    def _set_state(self, rec: EngineRecord, new: EngineState, reason: str) -> None:
-        raise NotImplementedError
-
-    def _declare_dead(self, rec: EngineRecord, reason: str) -> None:
-        raise NotImplementedError
+    _set_state: Callable[[EngineRecord, EngineState, str], None]
+    _declare_dead: Callable[[EngineRecord, str], None]
 
     def sleeping(self) -> list[EngineRecord]:
         """The engines that have released memory."""

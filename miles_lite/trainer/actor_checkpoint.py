@@ -3,7 +3,7 @@ rank, and putting it back. The checkpoint layer (`checkpoint/trainer_state.py`) 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -38,9 +38,7 @@ class ActorCheckpoint:
     nonfinite_in_a_row: int
     nonfinite_total: int
     diverged_total: int
-
-    def _require_ready(self) -> None:
-        raise NotImplementedError
+    _require_ready: Callable[[], None]
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """This rank's model shard, optimizer and LR-schedule state, RNG streams and counters.
