@@ -17,12 +17,12 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 
-from engine_auth import Endpoint, call, statuses  # noqa: E402
+from engine_auth import Endpoint, call, keyed_engine, statuses  # noqa: E402
 from engine_contract import SGLANG_TEST_ARGS, save_tiny_qwen2  # noqa: E402
 
 from miles_lite.api_key import ApiKey, authorization, new_key  # noqa: E402
 from miles_lite.config.schema import RolloutConfig  # noqa: E402
-from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine  # noqa: E402
+from miles_lite.engines.launcher import LaunchedEngine  # noqa: E402
 from miles_lite.engines.sglang.command import sglang_available  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not sglang_available(), reason="needs sglang and a CUDA GPU")]
@@ -34,16 +34,10 @@ SGLANG_OPEN = [Endpoint("GET", "/metrics"), Endpoint("GET", "/ready"), Endpoint(
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LaunchedEngine, ApiKey, str]]:
     model = save_tiny_qwen2(str(tmp_path_factory.mktemp("model")), seed=0)
-    key = ApiKey.private(new_key(), parent=str(tmp_path_factory.mktemp("keys")))
     rollout = RolloutConfig(backend="sglang", engines=1, engine_tp=1, startup_timeout_s=600, request_timeout_s=120,
                             sglang_args={**SGLANG_TEST_ARGS, "enable_metrics": True})
-    launcher = EngineLauncher(rollout, model, str(tmp_path_factory.mktemp("logs")), api_key=key)
-    launched = asyncio.run(launcher.start(0))
-    try:
+    with keyed_engine(rollout, model, tmp_path_factory.mktemp("engine")) as (launched, key):
         yield launched, key, model
-    finally:
-        asyncio.run(launcher.stop(launched))
-        key.close()
 
 
 def test_every_sglang_endpoint_asks_for_the_key(keyed) -> None:

@@ -6,13 +6,19 @@ engines serve with a request that is valid or harmless with the key: the point i
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from miles_lite.api_key import authorization, new_key
+from miles_lite.api_key import ApiKey, authorization, new_key
+from miles_lite.config.schema import RolloutConfig
+from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine
 
 
 @dataclass(frozen=True)
@@ -70,3 +76,18 @@ def statuses(url: str, key: str, model_path: str) -> dict[str, tuple[int, int, i
         good = call(url, endpoint, authorization(key))[0]
         out[f"{endpoint.method} {endpoint.path}"] = (none, bad, good)
     return out
+
+
+@contextmanager
+def keyed_engine(rollout: RolloutConfig, model: str, root: Path) -> Iterator[tuple[LaunchedEngine, ApiKey]]:
+    """Engine 0 of `rollout` serving `model` behind a fresh private key (files under `root`); stopped after."""
+    for sub in ("keys", "logs"):
+        (root / sub).mkdir(exist_ok=True)
+    key = ApiKey.private(new_key(), parent=str(root / "keys"))
+    launcher = EngineLauncher(rollout, model, str(root / "logs"), api_key=key)
+    launched = asyncio.run(launcher.start(0))
+    try:
+        yield launched, key
+    finally:
+        asyncio.run(launcher.stop(launched))
+        key.close()

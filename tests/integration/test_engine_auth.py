@@ -12,12 +12,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from engine_auth import Endpoint, call, statuses  # noqa: E402
+from engine_auth import Endpoint, call, keyed_engine, statuses  # noqa: E402
 from engine_contract import GREEDY, PROMPT, save_tiny_qwen2  # noqa: E402
 
-from miles_lite.api_key import ApiKey, authorization, new_key  # noqa: E402
+from miles_lite.api_key import authorization, new_key  # noqa: E402
 from miles_lite.config.schema import RolloutConfig  # noqa: E402
-from miles_lite.engines.launcher import EngineLauncher  # noqa: E402
 from miles_lite.rollout.engine import EngineError  # noqa: E402
 from miles_lite.rollout.http_client import HttpEngine  # noqa: E402
 
@@ -29,16 +28,10 @@ SERVED = {"POST /update_weights_from_tensor": 400, "POST /init_weights_update_gr
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory):
     model = save_tiny_qwen2(str(tmp_path_factory.mktemp("model")), seed=0)
-    key = ApiKey.private(new_key(), parent=str(tmp_path_factory.mktemp("keys")))
     rollout = RolloutConfig(backend="reference", engines=1, startup_timeout_s=300, request_timeout_s=120,
                             reference_args={"threads": 1})
-    launcher = EngineLauncher(rollout, model, str(tmp_path_factory.mktemp("logs")), api_key=key)
-    launched = asyncio.run(launcher.start(0))
-    try:
+    with keyed_engine(rollout, model, tmp_path_factory.mktemp("engine")) as (launched, key):
         yield launched, key, model
-    finally:
-        asyncio.run(launcher.stop(launched))
-        key.close()
 
 
 def test_every_endpoint_asks_for_the_key(keyed) -> None:
