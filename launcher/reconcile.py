@@ -133,9 +133,9 @@ class Reconciler:
         except ValueError as err:
             raise SpecError([f"spec.image: unset, and {err}"]) from err
         m = body["metadata"]
-        self.api.patch(API_VERSION, KIND, m["namespace"], m["name"], {"spec": {"image": image}})
+        stored = self.api.patch(API_VERSION, KIND, m["namespace"], m["name"], {"spec": {"image": image}})
         self.log.info("%s/%s: spec.image set to the operator's default %s", m["namespace"], m["name"], image)
-        return {**body, "spec": {**spec, "image": image}}
+        return stored
 
     # ---- which spec a pass applies ----
     def _dry_run(self, objs: list[dict[str, Any]]) -> None:
@@ -194,7 +194,12 @@ class Reconciler:
         fresh = self.api.get_job(meta["namespace"], meta["name"])
         if fresh is None or fresh["metadata"].get("uid") != meta.get("uid"):
             return {}
-        body = fresh
+        try:
+            # First: the write bumps metadata.generation, and the status must record the bumped one, or the
+            # next pass would take the operator's own write for a user's edit and run the job again.
+            body = self.stamp_image(fresh)
+        except SpecError:
+            body = fresh  # _desired raises it again, and the job fails naming it
         status = dict(body.get("status") or {})
         phase = status.get("phase")
         generation = int(body["metadata"].get("generation") or 0)

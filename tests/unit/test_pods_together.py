@@ -38,7 +38,8 @@ class RecordingApi:
 
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: dict) -> dict:
         self.patches.append((kind, f"{namespace}/{name}", patch))
-        return {}
+        # As the server answers: the object as stored, its spec edit counted in metadata.generation.
+        return {"metadata": {"name": name, "namespace": namespace, "generation": 2}, "spec": patch["spec"]}
 
 
 def test_examples_name_no_image_and_the_kustomization_names_it_once():
@@ -59,6 +60,7 @@ def test_operator_writes_its_image_into_jobs_without_one():
     cpu = example("tiny-cpu.yaml")
     stamped = rec.stamp_image(cpu)
     assert stamped["spec"]["image"] == "reg.example/ml:2.0"
+    assert stamped["metadata"]["generation"] == 2  # the stored object, which the status's generation follows
     assert api.patches == [("MilesJob", "ns/tiny-cpu", {"spec": {"image": "reg.example/ml:2.0"}})]
     assert rec.stamp_image(example("gsm8k-gpu.yaml"))["spec"]["image"] == "reg.example/ml:2.0-gpu"
     # A job that names its image keeps it; nothing is written.
