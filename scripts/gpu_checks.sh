@@ -9,7 +9,7 @@
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
 # apart (then MILES_TEST_TRANSPORT=ipc_handles if its torch is another build). Each part writes
 # OUT_DIR/<part>.log (benchmarks also OUT_DIR/<part>.json); a failing part does not stop the others; the exit
-# status is the number of parts that failed.
+# status is the number of parts that failed. PART_TIMEOUT_S (default 3600) bounds each part.
 set -u
 out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [PART...]}
 shift
@@ -26,7 +26,8 @@ part() {
   shift
   echo "== $name: $*"
   local start=$SECONDS
-  if "$@" >"$out/$name.log" 2>&1; then
+  # PART_TIMEOUT_S bounds each part (a hung engine must not eat the rest of a lease).
+  if timeout --kill-after=10 "${PART_TIMEOUT_S:-3600}" "$@" >"$out/$name.log" 2>&1; then
     echo "   ok ($((SECONDS - start)) s)"
   else
     echo "   FAILED ($((SECONDS - start)) s): $out/$name.log"
