@@ -72,6 +72,8 @@ class HttpEngine:
         # Memory tags this client released on the engine: SGLang itself would take a request while its
         # KV cache is released (and fail it badly), so generation is refused here first.
         self.released: set[str] = set()
+        # Generate/score requests of this client awaiting their answer (a release waits for none).
+        self.inflight = 0
 
         # The LoRA adapter every generate/score request names (SGLang's per-request `lora_path`); None: the base.
         self.lora_name: str | None = None
@@ -135,8 +137,15 @@ class HttpEngine:
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
         start = time.monotonic()
-        data = await self._request("POST", "/generate", payload, self.request_timeout_s)
+        data = await self._counted("/generate", payload)
         return self._parse_generation(data, time.monotonic() - start)
+
+    async def _counted(self, path: str, payload: dict[str, Any]) -> Any:
+        self.inflight += 1
+        try:
+            return await self._request("POST", path, payload, self.request_timeout_s)
+        finally:
+            self.inflight -= 1
 
     def _refuse_while_released(self, path: str) -> None:
         if self.released:
@@ -182,7 +191,7 @@ class HttpEngine:
         self._refuse_while_released("score")
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
-        data = await self._request("POST", "/generate", payload, self.request_timeout_s)
+        data = await self._counted("/generate", payload)
         try:
             entries = data["meta_info"]["input_token_logprobs"]
         except (KeyError, TypeError) as exc:
@@ -254,24 +263,45 @@ class HttpEngine:
         await self._post_checked("/update_weight_version", {"new_version": new_version,
                                                             "abort_all_requests": abort_all_requests})
 
-    # ---- memory (sleep / wake) -------------------------------------------------------------------------------
+    # ---- memory (sleep / wake)
+    #
+    # SGLang (0.5.10 through 0.5.23) serves these only when started with `--enable-memory-saver`; its scheduler
+    # (`SchedulerWeightUpdater.release_memory_occupation` / `resume_memory_occupation`) handles each tag
+    # (`kv_cache`, `weights`, `cuda_graph`) through torch_memory_saver and checks almost nothing: a release
+    # while a request runs fails an assertion, a resume of a tag not released fails `offload_tags.remove`, and
+    # torch_memory_saver refuses to pause memory already paused or resume memory not paused. Any of these
+    # stops the scheduler and with it the server. So the client refuses them itself, before sending: it
+    # releases only tags it holds, with no request of its own in flight, and resumes only tags it released.
+    # Nothing on SGLang's side refuses a generation or a weight load into released memory either (they would
+    # touch unmapped device memory): generation is refused here until every tag is resumed, and a push
+    # resumes `weights` first. Weights come back with their values only with `--enable-weights-cpu-backup`;
+    # otherwise a push must load them before the engine generates (`FleetPusher`).
 
     async def release_memory(self, tags: Sequence[str]) -> None:
         """`/release_memory_occupation` of `tags` (SGLang started with `--enable-memory-saver`)."""
+        tags = _memory_tags(tags)
+        again = [t for t in tags if t in self.released]
+        if again:
+            raise EngineError(f"{self.engine_id} /release_memory_occupation: {again} already released; "
+                              "resume_memory them first")
+        if self.inflight:
+            raise EngineError(f"{self.engine_id} /release_memory_occupation: {self.inflight} request(s) in flight; "
+                              "SGLang releases memory only while idle (finish or abort them first)")
         await self._memory_call("/release_memory_occupation", tags)
         self.released |= set(tags)
 
     async def resume_memory(self, tags: Sequence[str]) -> None:
-        """`/resume_memory_occupation` of `tags` (each released before)."""
+        """`/resume_memory_occupation` of `tags` (each released by this client before)."""
+        tags = _memory_tags(tags)
+        held = [t for t in tags if t not in self.released]
+        if held:
+            raise EngineError(f"{self.engine_id} /resume_memory_occupation: {held} not released by this client; "
+                              "resume only released tags")
         await self._memory_call("/resume_memory_occupation", tags)
         self.released -= set(tags)
 
-    async def _memory_call(self, path: str, tags: Sequence[str]) -> None:
-        tags = list(tags)
-        unknown = [t for t in tags if t not in MEMORY_TAGS]
-        if not tags or unknown:
-            raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {tags}")
-        # SGLang answers 200 with no body; a refusal (e.g. requests in flight) is a non-200 answer.
+    async def _memory_call(self, path: str, tags: list[str]) -> None:
+        # SGLang answers 200 with no body; a refusal is a non-200 answer.
         await self._request("POST", path, {"tags": tags}, self.request_timeout_s, expect_json=False)
 
     # ---- weights ---------------------------------------------------------------------------------------------
@@ -350,3 +380,13 @@ class HttpEngine:
             await self._session.close()
         self._session = None
         self._session_loop = None
+
+
+def _memory_tags(tags: Sequence[str]) -> list[str]:
+    """`tags` without repeats, in `MEMORY_TAGS` order; ValueError unless a non-empty subset of `MEMORY_TAGS`
+    (SGLang reads an empty list as every tag and ignores unknown ones)."""
+    given = list(tags)
+    unknown = [t for t in given if t not in MEMORY_TAGS]
+    if not given or unknown:
+        raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {given}")
+    return [t for t in MEMORY_TAGS if t in given]
