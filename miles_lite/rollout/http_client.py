@@ -74,6 +74,10 @@ class HttpEngine:
         self.released: set[str] = set()
         # Generate/score requests of this client awaiting their answer (a release waits for none).
         self.inflight = 0
+        # Tags being released now: generation and health probes are refused from the moment a release starts.
+        self._releasing: set[str] = set()
+        # `/health_generate` probes awaiting their answer: each runs a one-token generation on the engine.
+        self._probing: set[asyncio.Future] = set()
 
         # The LoRA adapter every generate/score request names (SGLang's per-request `lora_path`); None: the base.
         self.lora_name: str | None = None
@@ -148,9 +152,10 @@ class HttpEngine:
             self.inflight -= 1
 
     def _refuse_while_released(self, path: str) -> None:
-        if self.released:
+        gone = self.released | self._releasing
+        if gone:
             raise EngineError(f"{self.engine_id} {path}: refused, the engine's memory is released "
-                              f"({', '.join(t for t in MEMORY_TAGS if t in self.released)}); resume_memory first")
+                              f"({', '.join(t for t in MEMORY_TAGS if t in gone)}); resume_memory first")
 
     def _parse_generation(self, data: Any, latency_s: float) -> Generation:
         try:
@@ -212,11 +217,17 @@ class HttpEngine:
     # ---- health and control ----------------------------------------------------------------------------------
 
     async def health(self, timeout_s: float) -> bool:
-        """True if `/health_generate` answers 200 within `timeout_s` (False at once while memory is released)."""
-        if self.released:
+        """True if `/health_generate` answers 200 within `timeout_s` (False at once while memory is released
+        or being released: the probe is a generation)."""
+        if self.released or self._releasing:
             return False
+        # Shielded: a caller giving up does not take the probe back from the engine, so a release still waits
+        # for its answer (SGLang answers a second after it ran the probe's generation).
+        probe = asyncio.ensure_future(self._request("GET", "/health_generate", None, timeout_s, expect_json=False))
+        self._probing.add(probe)
+        probe.add_done_callback(_probe_done(self._probing))
         try:
-            await self._request("GET", "/health_generate", None, timeout_s, expect_json=False)
+            await asyncio.shield(probe)
         except EngineError:
             return False
         return True
@@ -265,8 +276,8 @@ class HttpEngine:
 
     # ---- memory (sleep / wake)
     #
-    # SGLang (0.5.10 through 0.5.23) serves these only when started with `--enable-memory-saver`; its scheduler
-    # (`SchedulerWeightUpdater.release_memory_occupation` / `resume_memory_occupation`) handles each tag
+    # SGLang (as of 0.5.23) serves these only when started with `--enable-memory-saver`; its scheduler
+    # (`SchedulerWeightUpdaterManager.release_memory_occupation` / `resume_memory_occupation`) handles each tag
     # (`kv_cache`, `weights`, `cuda_graph`) through torch_memory_saver and checks almost nothing: a release
     # while a request runs fails an assertion, a resume of a tag not released fails `offload_tags.remove`, and
     # torch_memory_saver refuses to pause memory already paused or resume memory not paused. Any of these
@@ -274,21 +285,34 @@ class HttpEngine:
     # releases only tags it holds, with no request of its own in flight, and resumes only tags it released.
     # Nothing on SGLang's side refuses a generation or a weight load into released memory either (they would
     # touch unmapped device memory): generation is refused here until every tag is resumed, and a push
-    # resumes `weights` first. Weights come back with their values only with `--enable-weights-cpu-backup`;
-    # otherwise a push must load them before the engine generates (`FleetPusher`).
+    # resumes `weights` first. A health probe (`/health_generate`) is a one-token generation too: a release
+    # waits for the probes in flight, and probes answer False, unsent, from its start. Weights come back with
+    # their values only with `--enable-weights-cpu-backup`; otherwise a push must load them before the engine
+    # generates (`FleetPusher`).
 
     async def release_memory(self, tags: Sequence[str]) -> None:
-        """`/release_memory_occupation` of `tags` (SGLang started with `--enable-memory-saver`)."""
+        """`/release_memory_occupation` of `tags` (SGLang started with `--enable-memory-saver`).
+
+        From the start generation is refused and health probes answer False at once; the health probes
+        already sent are waited for first (each is a generation on the engine)."""
         tags = _memory_tags(tags)
-        again = [t for t in tags if t in self.released]
+        again = [t for t in tags if t in self.released or t in self._releasing]
         if again:
             raise EngineError(f"{self.engine_id} /release_memory_occupation: {again} already released; "
                               "resume_memory them first")
         if self.inflight:
             raise EngineError(f"{self.engine_id} /release_memory_occupation: {self.inflight} request(s) in flight; "
                               "SGLang releases memory only while idle (finish or abort them first)")
-        await self._memory_call("/release_memory_occupation", tags)
-        self.released |= set(tags)
+        self._releasing |= set(tags)
+        try:
+            loop = asyncio.get_running_loop()
+            probes = [p for p in self._probing if p.get_loop() is loop]
+            if probes:
+                await asyncio.wait(probes)
+            await self._memory_call("/release_memory_occupation", tags)
+            self.released |= set(tags)
+        finally:
+            self._releasing -= set(tags)
 
     async def resume_memory(self, tags: Sequence[str]) -> None:
         """`/resume_memory_occupation` of `tags` (each released by this client before)."""
@@ -380,6 +404,17 @@ class HttpEngine:
             await self._session.close()
         self._session = None
         self._session_loop = None
+
+
+def _probe_done(probing: set[asyncio.Future]) -> Any:
+    """Done callback of a health probe: forget it, and take its outcome (nobody may be waiting for it)."""
+
+    def done(probe: asyncio.Future) -> None:
+        probing.discard(probe)
+        if not probe.cancelled():
+            probe.exception()
+
+    return done
 
 
 def _memory_tags(tags: Sequence[str]) -> list[str]:

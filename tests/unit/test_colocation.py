@@ -111,6 +111,8 @@ class _MemoryServer:
     def __init__(self) -> None:
         self.calls: list[tuple[str, list[str]]] = []
         self.hold = asyncio.Event()
+        self.probe_hold = asyncio.Event()
+        self.probe_seen = asyncio.Event()
         self.runner: web.AppRunner | None = None
 
     async def start(self) -> str:
@@ -123,7 +125,14 @@ class _MemoryServer:
             return web.json_response({"output_ids": [1], "meta_info": {
                 "output_token_logprobs": [[-0.5, 1, None]], "finish_reason": {"type": "length"}}})
 
+        async def health(request: web.Request) -> web.Response:
+            self.calls.append((request.path, []))
+            self.probe_seen.set()
+            await self.probe_hold.wait()
+            return web.Response(text="")
+
         app = web.Application()
+        app.router.add_get("/health_generate", health)
         app.router.add_post("/release_memory_occupation", memory)
         app.router.add_post("/resume_memory_occupation", memory)
         app.router.add_post("/generate", generate)
@@ -171,3 +180,36 @@ def test_the_client_sends_only_what_sglang_can_take() -> None:
     assert calls == [("/release_memory_occupation", ["weights", "kv_cache", "cuda_graph"]),
                      ("/resume_memory_occupation", ["weights"]),
                      ("/resume_memory_occupation", ["kv_cache", "cuda_graph"])]
+
+
+def test_a_release_waits_for_the_health_probes_in_flight_and_refuses_new_ones() -> None:
+    from miles_lite.types import SamplingParams
+
+    async def scenario() -> tuple[list[tuple[str, list[str]]], bool]:
+        server = _MemoryServer()
+        client = HttpEngine("sglang-0", await server.start())
+        try:
+            probe = asyncio.create_task(client.health(30.0))
+            await server.probe_seen.wait()
+            release = asyncio.create_task(client.release_memory(["kv_cache", "weights"]))
+            # The release waits for the probe's answer (SGLang's probe runs a generation) ...
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(release), 0.3)
+            assert server.calls == [("/health_generate", [])]
+            # ... and meanwhile new probes and generations are refused without reaching the engine.
+            assert await client.health(30.0) is False
+            with pytest.raises(EngineError, match="memory is released"):
+                await client.generate([1, 2], SamplingParams(max_new_tokens=1))
+            server.probe_hold.set()
+            healthy = await probe
+            await release
+            assert client.released == {"kv_cache", "weights"} and await client.health(30.0) is False
+            return server.calls, healthy
+        finally:
+            await client.close()
+            assert server.runner is not None
+            await server.runner.cleanup()
+
+    calls, healthy = asyncio.run(scenario())
+    assert healthy is True
+    assert calls == [("/health_generate", []), ("/release_memory_occupation", ["weights", "kv_cache"])]
