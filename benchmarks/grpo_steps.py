@@ -300,7 +300,8 @@ class StepReport:
         os.replace(tmp, self.out)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[str]]:
+    """The flags, with the `--shape` profile's defaults filled in, and the extra Hydra overrides."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="tiny model, reference engines, CPU trainer")
     p.add_argument("--shape", choices=sorted(PROFILES), default=None,
@@ -344,7 +345,11 @@ def main(argv: list[str] | None = None) -> int:
         offload_parts(args.offload)
     except ValueError as exc:
         p.error(str(exc))
+    return args, extra
 
+
+def main(argv: list[str] | None = None) -> int:
+    args, extra = parse_args(argv)
     out_dir = Path(tempfile.mkdtemp(prefix="grpo-steps-"))
     shape = "tiny_cpu" if args.cpu else args.shape or "qwen2.5-0.5b"
     report = StepReport(out_dir, args.out, args.skip, {"shape": shape, "memory": args.memory})
