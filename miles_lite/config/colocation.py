@@ -12,6 +12,8 @@ scheduler processes are spawned with torch_memory_saver's hook library in LD_PRE
   (`_sanity_checks`); in PYTORCH_ALLOC_CONF (torch's newer name) torch would allocate past the hook, so
   nothing would be released. The engines of a hand-off run get the run's environment without it
   (`memory_saver_env`); setting it in `rollout.engine_env` is an error.
+- `--weight-cache-mode daemon|client`: weights shared with SGLang's weight-cache daemon cannot be released
+  (its scheduler raises, which stops the engine); an error here.
 - CUDA-graph memory joins the `cuda_graph` tag only with SGLANG_MEMORY_SAVER_CUDA_GRAPH=1, which SGLang's
   breakable (prefill) graph backend refuses at start-up; without it graphs stay resident (releasing the tag
   frees nothing and is harmless), which is what hand-off runs do.
@@ -102,6 +104,14 @@ def handoff_problems(cfg: MilesConfig) -> list[str]:
         problems.append(f"rollout.sglang_args.enable_memory_saver={setting!r}: cluster.colocated_memory=handoff puts "
                         "the engines to sleep through SGLang's memory saver (/release_memory_occupation), which "
                         "needs it on; remove the setting (hand-off runs turn it on) or set "
+                        "cluster.colocated_memory=resident")
+    cache_keys = _flag_keys(cfg.rollout.sglang_args, "weight_cache_mode")
+    cache = cfg.rollout.sglang_args[cache_keys[-1]] if cache_keys else None
+    if cache not in (None, "off"):
+        # SGLang refuses to release or resume weights shared with its weight-cache daemon, and the refusal
+        # (an exception in its scheduler) stops the engine.
+        problems.append(f"rollout.sglang_args.weight_cache_mode={cache!r}: SGLang cannot release weights it shares "
+                        "with its weight-cache daemon; remove the setting (or set it to off) or set "
                         "cluster.colocated_memory=resident")
     for var in ALLOC_CONF_VARS:
         value = cfg.rollout.engine_env.get(var)

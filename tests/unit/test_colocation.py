@@ -81,6 +81,12 @@ def test_expandable_segments_in_the_engines_env_is_an_error() -> None:
     assert handoff_problems(_cfg(*HANDOFF, f"{env}='max_split_size_mb:128'")) == []
 
 
+def test_sglang_weight_cache_in_a_handoff_run_is_an_error() -> None:
+    problems = handoff_problems(_cfg(*HANDOFF, "+rollout.sglang_args.weight_cache_mode=daemon"))
+    assert len(problems) == 1 and "rollout.sglang_args.weight_cache_mode='daemon'" in problems[0]
+    assert handoff_problems(_cfg(*HANDOFF, "+rollout.sglang_args.weight_cache_mode=off")) == []
+
+
 def test_memory_saver_env_drops_only_expandable_segments() -> None:
     assert expandable_segments("max_split_size_mb:64, expandable_segments:True")
     assert not expandable_segments("expandable_segments:False")
