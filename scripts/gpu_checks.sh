@@ -75,7 +75,8 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     try: print(d, md.version(d))
     except md.PackageNotFoundError: print(d, 'absent here')" ;;
     unit) part unit "$py" -m pytest -q tests/unit/test_sglang_args.py tests/unit/test_sglang_payloads.py \
-            tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py ;;
+            tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py \
+            tests/unit/test_colocation.py ;;
     engine) part engine "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py ;;
     multiturn) part multiturn "$py" -m pytest -q -s tests/integration/test_multi_turn_engines.py ;;
     trainer) part trainer "$py" -m pytest -q -s tests/gpu/test_trainer_gpu.py ;;
