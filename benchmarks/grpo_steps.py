@@ -152,9 +152,9 @@ def overrides(args: argparse.Namespace, model_dir: Path | None, out_dir: Path) -
             "weight_sync.max_probe_logp_diff=0.1", *trainer, *env]
 
 
-def gpu_model_dir(shape_name: str, root: Path, init_std: float) -> Path:
-    """A random bf16 HF checkpoint of `shape_name`, made on the GPU (a 7B one takes seconds there, minutes on
-    the CPU) and saved under `root` once; the offline tokenizer beside it."""
+def gpu_model_dir(shape_name: str, root: Path, init_std: float, device: str = "cuda") -> Path:
+    """A random bf16 HF checkpoint of `shape_name`, made on `device` (a 7B one takes seconds on the GPU,
+    minutes on the CPU) and saved under `root` once; the offline tokenizer beside it."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -166,12 +166,13 @@ def gpu_model_dir(shape_name: str, root: Path, init_std: float) -> Path:
         shape, vocab = SHAPES[shape_name]
         partial = Path(tempfile.mkdtemp(prefix=f".{shape_name}-", dir=root))  # renamed once complete
         torch.manual_seed(0)
-        with torch.device("cuda"):
+        with torch.device(device):
             model = AutoModelForCausalLM.from_config(tiny_hf_config("qwen2", shape, vocab, init_std),
                                                      dtype=torch.bfloat16)
         model.save_pretrained(str(partial), safe_serialization=True)
         del model
-        torch.cuda.empty_cache()
+        if device == "cuda":
+            torch.cuda.empty_cache()  # the trainer in this process and the engine take the GPU next
         partial.rename(out)
     if not (out / "tokenizer.json").is_file():
         load_or_build_tokenizer(root / ".tokenizers").save_pretrained(str(out))
