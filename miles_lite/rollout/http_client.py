@@ -157,6 +157,12 @@ class HttpEngine:
             raise EngineError(f"{self.engine_id} {path}: refused, the engine's memory is released "
                               f"({', '.join(t for t in MEMORY_TAGS if t in gone)}); resume_memory first")
 
+    def _refuse_while_weights_released(self, path: str) -> None:
+        # SGLang would read or write the unmapped weights (and stop); a push resumes `weights` first.
+        if "weights" in self.released or "weights" in self._releasing:
+            raise EngineError(f"{self.engine_id} {path}: refused, the engine's weights are released; "
+                              "resume_memory(['weights']) first")
+
     def _parse_generation(self, data: Any, latency_s: float) -> Generation:
         try:
             output_ids = [int(t) for t in data["output_ids"]]
@@ -332,6 +338,7 @@ class HttpEngine:
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         """Load HF safetensors from `model_path` (`/update_weights_from_disk`)."""
+        self._refuse_while_weights_released("/update_weights_from_disk")
         await self._post_checked("/update_weights_from_disk", {"model_path": model_path,
                                                                "weight_version": weight_version},
                                  self.request_timeout_s)
@@ -363,6 +370,7 @@ class HttpEngine:
         }
         if load_format is not None:
             body["load_format"] = load_format
+        self._refuse_while_weights_released("/update_weights_from_distributed")
         await self._post_checked("/update_weights_from_distributed", body, self.request_timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
@@ -378,6 +386,7 @@ class HttpEngine:
         SGLang takes `MultiprocessingSerializer.serialize(named_tensors, output_str=True)` strings; the reference
         engine takes `engines.reference.model.serialize_named_tensors` strings.
         """
+        self._refuse_while_weights_released("/update_weights_from_tensor")
         await self._post_checked("/update_weights_from_tensor", {
             "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
             "weight_version": weight_version, "flush_cache": flush_cache,
@@ -395,6 +404,7 @@ class HttpEngine:
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of a parameter (`/get_weights_by_name`)."""
+        self._refuse_while_weights_released("/get_weights_by_name")
         return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size},
                                    self.control_timeout_s)
 

@@ -172,6 +172,12 @@ def test_the_client_sends_only_what_sglang_can_take() -> None:
                 await client.release_memory(["kv_cache"])
             with pytest.raises(ValueError, match="non-empty subset"):
                 await client.resume_memory([])
+            # Nothing reads or writes released weights (SGLang would touch unmapped memory).
+            for call in (client.update_weights_from_tensor(["x"], "direct", "v1"),
+                         client.update_weights_from_disk("/m", "v1"), client.get_weights_by_name("w"),
+                         client.update_weights_from_distributed(["w"], ["bfloat16"], [[1]], "g", "v1")):
+                with pytest.raises(EngineError, match="weights are released"):
+                    await call
             await client.resume_memory(["weights"])
             await client.resume_memory(["kv_cache", "cuda_graph"])
             assert client.released == set()
