@@ -3,13 +3,16 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
-# Parts: versions unit engine contract auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs.
+# Parts: versions unit engine contract auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs, and the
+# colocated hand-off ones (not in the default list): colocated-0.5b resident-0.5b colocated-7b.
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
 # Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
 # apart (then MILES_TEST_TRANSPORT=ipc_handles if its torch is another build). Each part writes
 # OUT_DIR/<part>.log (benchmarks also OUT_DIR/<part>.json); a failing part does not stop the others; the exit
-# status is the number of parts that failed. PART_TIMEOUT_S (default 3600) bounds each part.
+# status is the number of parts that failed. PART_TIMEOUT_S (default 3600) bounds each part. The GRPO parts
+# (benchmarks/grpo_steps.py) rewrite their JSON after every step and print unbuffered, so a part cut short
+# still leaves the steps it finished.
 set -u
 out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [PART...]}
 shift
@@ -20,6 +23,9 @@ mkdir -p "$out"
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)
 failed=0
+# The GRPO parts' engines see SGLang installed apart, and push as the other GPU checks do.
+grpo=(-u benchmarks/grpo_steps.py --transport "${MILES_TEST_TRANSPORT:-ipc_handles}")
+[ -n "${MILES_ENGINE_PYTHONPATH:-}" ] && grpo+=(--engine-env "PYTHONPATH=$MILES_ENGINE_PYTHONPATH")
 
 part() {
   local name=$1
@@ -72,7 +78,8 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     try: print(d, md.version(d))
     except md.PackageNotFoundError: print(d, 'absent here')" ;;
     unit) part unit "$py" -m pytest -q tests/unit/test_sglang_args.py tests/unit/test_sglang_payloads.py \
-            tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py ;;
+            tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py \
+            tests/unit/test_colocation.py ;;
     engine) part engine "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py ;;
     contract) part contract "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py -k TestSGLangContract ;;
     auth) part auth "$py" -m pytest -q -s tests/gpu/test_sglang_auth_gpu.py ;;
@@ -84,7 +91,15 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     guard-7b) part guard-7b "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 \
                 --configs bf16,fp8-delayed,fp8-tensorwise --steps 20 --warmup 2 --out "$out/guard-7b.json" ;;
     prefill-graphs) part prefill-graphs "$py" -c "$PREFILL_GRAPHS" ;;
-    *) echo "unknown part $p (versions unit engine contract auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)"
+    # GRPO steps of the GSM8K shape, trainer and SGLang on one GPU: handing the GPU over, then both resident.
+    colocated-0.5b) part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 8 --skip 2 \
+                      --out "$out/colocated-0.5b.json" ;;
+    resident-0.5b) part resident-0.5b "$py" "${grpo[@]}" --memory resident --steps 8 --skip 2 \
+                     --out "$out/resident-0.5b.json" ;;
+    colocated-7b) part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
+                    --steps 3 --skip 1 --out "$out/colocated-7b.json" ;;
+    *) echo "unknown part $p (versions unit engine contract auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
+            "colocated-0.5b resident-0.5b colocated-7b)"
        failed=$((failed + 1)) ;;
   esac
 done

@@ -46,8 +46,9 @@ def shipped_sglang_args() -> dict[str, Any]:
 
 
 # SGLang flags for a token-in/token-out server on one GPU (no tokenizer in the tiny model directory), over the
-# shipped defaults. The memory saver with a host copy of the weights: sleep/wake keeps them without a push in
-# between.
+# shipped defaults. The memory saver (what /release_memory_occupation needs; the launcher also drops
+# expandable_segments from its environment) with a host copy of the weights: sleep/wake keeps them without a
+# push in between.
 SGLANG_TEST_ARGS: dict[str, Any] = {**shipped_sglang_args(), "skip_tokenizer_init": True, "mem_fraction_static": 0.3,
                                     "attention_backend": "triton", "sampling_backend": "pytorch",
                                     "disable_cuda_graph": True, "dtype": "float32", "enable_memory_saver": True,
@@ -305,7 +306,8 @@ class EngineContract:
                 with pytest.raises(EngineError, match="memory is released.*kv_cache"):
                     await engine.client.generate(PROMPT, GREEDY)
             finally:
-                await engine.client.resume_memory([t for t in MEMORY_TAGS if t in engine.client.released])
+                if engine.client.released:  # leave the module's shared engine awake, whatever failed
+                    await engine.client.resume_memory([t for t in MEMORY_TAGS if t in engine.client.released])
             after = await engine.client.score(tokens, len(PROMPT))
             return before, after, refusals
 
