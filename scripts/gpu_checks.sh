@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
-# Parts: versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs.
+# Parts: versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora.
 # Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
 # apart (then MILES_TEST_TRANSPORT=ipc_handles if its torch is another build). Each part writes
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)
+[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora)
 failed=0
 
 part() {
@@ -61,6 +61,37 @@ async def main():
 asyncio.run(main())
 '
 
+# After the LoRA GRPO steps: each push's bytes and seconds (the run's metrics.jsonl) into the part's JSON.
+LORA_PUSH='
+import json, sys
+from pathlib import Path
+path = Path(sys.argv[1])
+result = json.loads(path.read_text())
+rows = [json.loads(x) for x in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+result["push"] = [{"step": m["step"] + 1, "bytes": m["sync/bytes"], "seconds": m["sync/seconds"],
+                   "probe_logp_diff_mean": m.get("sync/probe_logp_diff_mean")} for m in rows if "sync/bytes" in m]
+path.write_text(json.dumps(result, indent=1))
+print("LoRA push bytes:", [p["bytes"] for p in result["push"]], "seconds:", [round(p["seconds"], 3) for p in result["push"]])
+'
+
+# LoRA: the adapter-serving checks against a stock SGLang (the test must run, not skip), then GRPO steps of
+# the recipe's shape with rank-16 adapters on every projection, pushed as adapters.
+lora_part() {
+  local log
+  log=$("$py" -m pytest -q -s -rs -k sglang tests/integration/test_lora_engine.py 2>&1)
+  local rc=$?
+  echo "$log"
+  if [ $rc -ne 0 ] || ! grep -q " passed" <<<"$log" || grep -q " skipped" <<<"$log"; then
+    echo "the SGLang LoRA check did not pass"
+    return 1
+  fi
+  local env=()
+  [ -n "${MILES_ENGINE_PYTHONPATH:-}" ] && env=(--engine-env "PYTHONPATH=$MILES_ENGINE_PYTHONPATH:$PWD")
+  "$py" benchmarks/grpo_steps.py ${env[@]+"${env[@]}"} --steps 5 --out "$out/lora.json" \
+    trainer.lora.rank=16 trainer.lora.alpha=32 || return 1
+  "$py" -c "$LORA_PUSH" "$out/lora.json"
+}
+
 for p in "${parts[@]}"; do
   case $p in
     versions) part versions "$py" -c "
@@ -80,7 +111,8 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     guard-7b) part guard-7b "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 \
                 --configs bf16,fp8-delayed,fp8-tensorwise --steps 20 --warmup 2 --out "$out/guard-7b.json" ;;
     prefill-graphs) part prefill-graphs "$py" -c "$PREFILL_GRAPHS" ;;
-    *) echo "unknown part $p (versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)"
+    lora) part lora lora_part ;;
+    *) echo "unknown part $p (versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora)"
        failed=$((failed + 1)) ;;
   esac
 done
