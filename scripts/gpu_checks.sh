@@ -3,8 +3,8 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
-# Parts: versions unit engine contract auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs, and the
-# colocated hand-off ones (not in the default list): colocated-0.5b resident-0.5b colocated-7b.
+# Parts: versions unit engine contract auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora, and
+# the colocated hand-off ones (not in the default list): colocated-0.5b resident-0.5b colocated-7b.
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
 # Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)
+[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora)
 failed=0
 # The GRPO parts' engines see SGLang installed apart, and push as the other GPU checks do.
 grpo=(-u benchmarks/grpo_steps.py --transport "${MILES_TEST_TRANSPORT:-ipc_handles}")
@@ -69,6 +69,37 @@ async def main():
 asyncio.run(main())
 '
 
+# After the LoRA GRPO steps: each push's bytes and seconds (the run's metrics.jsonl) into the part's JSON.
+LORA_PUSH='
+import json, sys
+from pathlib import Path
+path = Path(sys.argv[1])
+result = json.loads(path.read_text())
+rows = [json.loads(x) for x in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+result["push"] = [{"step": m["step"] + 1, "bytes": m["sync/bytes"], "seconds": m["sync/seconds"],
+                   "probe_logp_diff_mean": m.get("sync/probe_logp_diff_mean")} for m in rows if "sync/bytes" in m]
+path.write_text(json.dumps(result, indent=1))
+print("LoRA push bytes:", [p["bytes"] for p in result["push"]], "seconds:", [round(p["seconds"], 3) for p in result["push"]])
+'
+
+# LoRA: the adapter-serving checks against a stock SGLang (the test must run, not skip), then GRPO steps of
+# the recipe's shape with rank-16 adapters on every projection, pushed as adapters.
+lora_part() {
+  local log
+  log=$("$py" -m pytest -q -s -rs -k sglang tests/integration/test_lora_engine.py 2>&1)
+  local rc=$?
+  echo "$log"
+  if [ $rc -ne 0 ] || ! grep -q " passed" <<<"$log" || grep -q " skipped" <<<"$log"; then
+    echo "the SGLang LoRA check did not pass"
+    return 1
+  fi
+  local env=()
+  [ -n "${MILES_ENGINE_PYTHONPATH:-}" ] && env=(--engine-env "PYTHONPATH=$MILES_ENGINE_PYTHONPATH:$PWD")
+  "$py" benchmarks/grpo_steps.py ${env[@]+"${env[@]}"} --steps 5 --out "$out/lora.json" \
+    trainer.lora.rank=16 trainer.lora.alpha=32 || return 1
+  "$py" -c "$LORA_PUSH" "$out/lora.json"
+}
+
 for p in "${parts[@]}"; do
   case $p in
     versions) part versions "$py" -c "
@@ -98,8 +129,9 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
                      --out "$out/resident-0.5b.json" ;;
     colocated-7b) part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
                     --steps 3 --skip 1 --out "$out/colocated-7b.json" ;;
+    lora) part lora lora_part ;;
     *) echo "unknown part $p (versions unit engine contract auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
-            "colocated-0.5b resident-0.5b colocated-7b)"
+            "lora colocated-0.5b resident-0.5b colocated-7b)"
        failed=$((failed + 1)) ;;
   esac
 done

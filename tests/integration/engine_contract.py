@@ -92,12 +92,14 @@ def hf_logprobs(model_path: str, tokens: list[int], prompt_len: int, temperature
 
 @contextlib.contextmanager
 def running_engine(kind: str, model_path: str, log_dir: str, reference_args: dict[str, Any] | None = None,
-                   request_timeout_s: float = 120.0) -> Iterator[LaunchedEngine]:
-    """Start one engine server of `kind` and stop it (its whole process group) afterwards."""
+                   request_timeout_s: float = 120.0,
+                   sglang_args: dict[str, Any] | None = None) -> Iterator[LaunchedEngine]:
+    """Start one engine server of `kind` and stop it (its whole process group) afterwards; `reference_args` /
+    `sglang_args` add to (and override) the test flags of that kind."""
     rollout = RolloutConfig(backend=kind, engines=1, engine_tp=1, startup_timeout_s=600.0,
                             request_timeout_s=request_timeout_s,
                             reference_args={"max_batch_size": 32, "threads": 1, **(reference_args or {})},
-                            sglang_args=dict(SGLANG_TEST_ARGS))
+                            sglang_args={**SGLANG_TEST_ARGS, **(sglang_args or {})})
     launcher = EngineLauncher(rollout, model_path, log_dir)
     launched = run(launcher.start(0))
     try:
