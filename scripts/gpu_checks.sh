@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU checks of the SGLang stack, the divergence guard and the GSM8K recipe, on one GPU, in one batch.
+# The GPU checks of the SGLang stack (dense and MoE), the divergence guard and the GSM8K recipe, on one GPU, in one batch.
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
-# Parts: versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs.
+# Parts: versions unit engine moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs.
 # Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
 # apart (then MILES_TEST_TRANSPORT=ipc_handles if its torch is another build). Each part writes
@@ -17,7 +17,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)
+[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)
 failed=0
 
 part() {
@@ -72,6 +72,7 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     unit) part unit "$py" -m pytest -q tests/unit/test_sglang_args.py tests/unit/test_sglang_payloads.py \
             tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py ;;
     engine) part engine "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py ;;
+    moe) part moe "$py" -m pytest -q -s tests/gpu/test_sglang_moe_gpu.py ;;
     multiturn) part multiturn "$py" -m pytest -q -s tests/integration/test_multi_turn_engines.py ;;
     trainer) part trainer "$py" -m pytest -q -s tests/gpu/test_trainer_gpu.py ;;
     recipe) part recipe "$py" -m pytest -q -s tests/gpu/test_gsm8k_recipe_gpu.py ;;
@@ -80,7 +81,7 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     guard-7b) part guard-7b "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 \
                 --configs bf16,fp8-delayed,fp8-tensorwise --steps 20 --warmup 2 --out "$out/guard-7b.json" ;;
     prefill-graphs) part prefill-graphs "$py" -c "$PREFILL_GRAPHS" ;;
-    *) echo "unknown part $p (versions unit engine multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)"
+    *) echo "unknown part $p (versions unit engine moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)"
        failed=$((failed + 1)) ;;
   esac
 done
