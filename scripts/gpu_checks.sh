@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks of the SGLang stack, the divergence guard and the GSM8K recipe, on one GPU, in one batch.
+# The GPU checks of the SGLang stack (dense and MoE), the divergence guard and the GSM8K recipe, on one GPU, in one batch.
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
-# Parts: versions unit engine contract auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora, and
-# the colocated hand-off ones (not in the default list): colocated-0.5b resident-0.5b colocated-7b.
+# Parts: versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora,
+# and the colocated hand-off ones (not in the default list): colocated-0.5b resident-0.5b colocated-7b.
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
 # Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora)
+[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora)
 failed=0
 # The GRPO parts' engines see SGLang installed apart, and push as the other GPU checks do.
 grpo=(-u benchmarks/grpo_steps.py --transport "${MILES_TEST_TRANSPORT:-ipc_handles}")
@@ -114,6 +114,7 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     engine) part engine "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py ;;
     contract) part contract "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py -k TestSGLangContract ;;
     auth) part auth "$py" -m pytest -q -s tests/gpu/test_sglang_auth_gpu.py ;;
+    moe) part moe "$py" -m pytest -q -s tests/gpu/test_sglang_moe_gpu.py ;;
     multiturn) part multiturn "$py" -m pytest -q -s tests/integration/test_multi_turn_engines.py ;;
     trainer) part trainer "$py" -m pytest -q -s tests/gpu/test_trainer_gpu.py ;;
     recipe) part recipe "$py" -m pytest -q -s tests/gpu/test_gsm8k_recipe_gpu.py ;;
@@ -130,7 +131,7 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     colocated-7b) part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
                     --steps 3 --skip 1 --out "$out/colocated-7b.json" ;;
     lora) part lora lora_part ;;
-    *) echo "unknown part $p (versions unit engine contract auth multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
+    *) echo "unknown part $p (versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
             "lora colocated-0.5b resident-0.5b colocated-7b)"
        failed=$((failed + 1)) ;;
   esac

@@ -40,6 +40,12 @@ stats key                               metric (and how the value is applied)
                                         ``experiment.eval_every`` steps; measures in ``EVAL_MEASURES``)
 ``eval/<set>/<measure>``                ``miles_lite_eval_set_value{set=<set>,measure=<measure>}`` (set; an
                                         evaluation set's reward_mean, avg@k, pass@j; also `set_eval_sets`)
+``moe/router_agreement``                ``miles_lite_moe_router_agreement_ratio`` (set, 0..1; MoE models)
+``moe/layer<i>/load_max_share``         ``miles_lite_moe_expert_load_max_share_ratio{layer=<i>}`` (set)
+``moe/load_max_share``                  ``miles_lite_moe_expert_load_max_share_ratio{layer="mean"}`` (set)
+``moe/layer<i>/load_cv``                ``miles_lite_moe_expert_load_cv{layer=<i>}`` (set)
+``moe/load_cv``                         ``miles_lite_moe_expert_load_cv{layer="mean"}`` (set)
+``moe/aux_loss``                        ``miles_lite_moe_aux_loss`` (set; 1.0 when balanced)
 ======================================  ==========================================================
 
 The trainer-side keys (``entropy``, ``grad_norm``, ``skipped``, ``kl/ref_k3``) are the names the
@@ -52,6 +58,7 @@ retries come from the rollout manager's per-call stats (`rl_batch.rollout_stats`
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -111,10 +118,18 @@ _SCALAR_KEYS: dict[str, _Scalar] = {
     "weight_version": _Scalar("weight_version"),
     **{f"eval/{m}": _Scalar("held_out_accuracy", (("measure", m),)) for m in EVAL_MEASURES},
     **{f"time/{p}_seconds": _Scalar("phase_seconds", (("phase", p),)) for p in PHASES},
+    "moe/router_agreement": _Scalar("moe_router_agreement"),
+    "moe/load_max_share": _Scalar("moe_load_max_share", (("layer", "mean"),)),
+    "moe/load_cv": _Scalar("moe_load_cv", (("layer", "mean"),)),
+    "moe/aux_loss": _Scalar("moe_aux_loss"),
 }
+# Per-layer expert load of an MoE model (`trainer/routing.py`): `moe/layer<i>/<measure>` -> metric attribute.
+_MOE_LAYER_KEY = re.compile(r"^moe/layer(\d+)/(load_max_share|load_cv)$")
+_MOE_LAYER_METRICS = {"load_max_share": "moe_load_max_share", "load_cv": "moe_load_cv"}
 _LIST_KEYS = ("rollout/request_latency_seconds",)
 REWARD_VALUES_PREFIX = "reward/values/"
-STEP_KEYS: tuple[str, ...] = (*_SCALAR_KEYS, *_LIST_KEYS, REWARD_VALUES_PREFIX + "<name>")
+STEP_KEYS: tuple[str, ...] = (*_SCALAR_KEYS, *_LIST_KEYS, REWARD_VALUES_PREFIX + "<name>",
+                               "moe/layer<i>/load_max_share", "moe/layer<i>/load_cv")
 
 
 def _as_float(key: str, value: object) -> float:
@@ -209,6 +224,16 @@ class MetricsRegistry:
         self.ckpt_step = gauge("checkpoint_step", "Step of the newest committed checkpoint")
         self.engines = gauge("engines", "Rollout engines per lifecycle state", "state")
         self.engine_restarts = counter("engine_restarts", "Rollout engines replaced after a failure")
+        self.moe_router_agreement = gauge("moe_router_agreement_ratio",
+                                          "Share of token-layer top-k expert sets the trainer's router picks as the "
+                                          "rollout's did (MoE models)")
+        self.moe_load_max_share = gauge("moe_expert_load_max_share_ratio",
+                                        "Share of routed tokens taken by the busiest expert, per MoE layer "
+                                        "(layer=\"mean\": over layers)", "layer")
+        self.moe_load_cv = gauge("moe_expert_load_cv",
+                                 "Coefficient of variation of the experts' routed tokens, per MoE layer "
+                                 "(layer=\"mean\": over layers)", "layer")
+        self.moe_aux_loss = gauge("moe_aux_loss", "Load-balancing loss of the routers (1.0 when balanced)")
         self._extra: list[Collector] = []
 
     # -- step ---------------------------------------------------------------------------------
@@ -244,6 +269,9 @@ class MetricsRegistry:
                     child.set(number)
             elif key.startswith("eval/") and key.count("/") == 2:
                 self.set_eval_sets({key: value})
+            elif (moe := _MOE_LAYER_KEY.match(key)) is not None:
+                metric = getattr(self, _MOE_LAYER_METRICS[moe.group(2)])
+                metric.labels(self.run, self.role, moe.group(1)).set(_as_float(key, value))
             elif key == "rollout/request_latency_seconds":
                 for seconds in _as_floats(key, value):
                     self.request_latency.labels(self.run, self.role).observe(seconds)

@@ -68,11 +68,38 @@ def test_every_scalar_key_reaches_its_metric() -> None:
         **{f"time/{p}_seconds": ("miles_lite_step_phase_seconds", lab(phase=p)) for p in PHASES},
         **{f"eval/{m}": ("miles_lite_held_out_accuracy_ratio", lab(measure=m))
            for m in ("exact", "exact_format", "right_number_in_solution", "right_number_anywhere")},
+        "moe/router_agreement": ("miles_lite_moe_router_agreement_ratio", lab()),
+        "moe/load_max_share": ("miles_lite_moe_expert_load_max_share_ratio", lab(layer="mean")),
+        "moe/load_cv": ("miles_lite_moe_expert_load_cv", lab(layer="mean")),
+        "moe/aux_loss": ("miles_lite_moe_aux_loss", lab()),
     }
     assert set(expected) == set(_SCALAR_KEYS)
     for key, sample in expected.items():
         assert got[sample] == stats[key], key
     assert got[("miles_lite_step", lab())] == 7
+
+
+def test_moe_layer_keys_become_layer_labels_on_the_scraped_endpoint() -> None:
+    """The router statistics the trainer returns every step, as `/metrics` serves them."""
+    reg = MetricsRegistry("r1", "driver")
+    stats = {"moe/router_agreement": 0.875, "moe/layer1/load_max_share": 0.25, "moe/layer1/load_cv": 0.5,
+             "moe/layer2/load_max_share": 0.375, "moe/layer2/load_cv": 0.75, "moe/load_max_share": 0.3125,
+             "moe/load_cv": 0.625, "moe/aux_loss": 1.125, "moe/layer3/other": 9.0}
+    reg.publish_step(3, stats)
+    with MetricsExporter(reg) as exp:
+        with urllib.request.urlopen(exp.url, timeout=5) as resp:
+            text = resp.read().decode()
+    got = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("run", "role")))): s.value
+           for family in text_string_to_metric_families(text) for s in family.samples}
+    assert got[("miles_lite_moe_router_agreement_ratio", ())] == 0.875
+    assert got[("miles_lite_moe_aux_loss", ())] == 1.125
+    for layer, share, cv in (("1", 0.25, 0.5), ("2", 0.375, 0.75), ("mean", 0.3125, 0.625)):
+        assert got[("miles_lite_moe_expert_load_max_share_ratio", (("layer", layer),))] == share
+        assert got[("miles_lite_moe_expert_load_cv", (("layer", layer),))] == cv
+    # Only the two per-layer measures map; another key under a layer is left to metrics.jsonl.
+    assert not any(labels == (("layer", "3"),) for _, labels in got)
+    with pytest.raises(TypeError, match="moe/layer1/load_cv"):
+        reg.publish_step(4, {"moe/layer1/load_cv": "high"})
 
 
 def test_counters_accumulate_and_gauges_overwrite() -> None:
