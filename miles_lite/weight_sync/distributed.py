@@ -103,6 +103,7 @@ class DistributedTransport(WeightTransport):
         self._group_key = group_key
         self.engine_warm_up = engine_warm_up
         self._formed: FormedGroup | None = None
+        self.endpoint: tuple[str, int] | None = None  # the current group's rendezvous (address, port)
         self.device = torch.device(device)
         self.full_plan = full_tensor_plan(self.specs, trainer_tp)
         self.plan: ReshardPlan | None = None
@@ -145,6 +146,7 @@ class DistributedTransport(WeightTransport):
         else:
             assert self.senders is not None
             address, port = self.senders.weight_group_endpoint()
+        self.endpoint = (address, port)
         if self.mode == "full":
             futures = {f.engine_id: self.loop.submit(f.engine.init_weights_update_group(
                 address, port, self.rank_offsets[f.engine_id], world, self.group_name, self.backend))
