@@ -61,7 +61,7 @@ class TrainerRank:
         from miles_lite.weight_sync.senders import RankSender
 
         if self.sender is None:
-            self.sender = RankSender(self.actor.par.tp_rank)
+            self.sender = RankSender(self.actor.par.tp_rank, self.actor.par.tp_size)
         self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s, key)
 
     def send_weight_bucket(self, schedule: Any) -> Any:

@@ -77,3 +77,90 @@ def test_an_intruder_cannot_take_a_members_place(intruder_key: str | None) -> No
     assert all(r[3] == [0.0, 1.0, 2.0, 3.0] for r in joined)
     (stray,) = [r for r in results if r[1] == intruder]
     assert stray[2] == ("refused" if intruder_key == "wrong" else "failed")
+
+
+# ---- formation: the store listens only while the group forms ------------------------------------------------
+
+
+def _pushing_member(rank: int, world: int, port: int, key: str, senders: int, go: Any, out: Any) -> None:
+    """Form the group, report, then (on `go`) run two pushes of the kind `senders` names and report what arrived."""
+    import torch
+
+    from miles_lite.weight_sync.weight_group import WarmUp, init_custom_process_group
+
+    try:
+        group = init_custom_process_group("gloo", LOCAL_HOST, port, rank, world, GROUP, 60.0, key=key,
+                                          warm_up=WarmUp(senders=senders))
+    except Exception as exc:
+        out.put((rank, "failed", repr(exc)))
+        return
+    out.put((rank, "formed", None))
+    if not go.wait(120):
+        out.put((rank, "failed", "no go"))
+        return
+    received = []
+    try:
+        for push in (1, 2):
+            if senders == 0:  # full mode: every tensor broadcast from rank 0
+                tensor = torch.arange(4.0) * push if rank == 0 else torch.zeros(4)
+                torch.distributed.broadcast(tensor, src=0, group=group)
+                received.append(tensor.tolist())
+            elif rank < senders:  # shard mode: every sender sends each receiver its own block
+                handles = [torch.distributed.isend(torch.tensor([float(rank), float(dst), float(push)]), dst=dst,
+                                                   group=group) for dst in range(senders, world)]
+                for handle in handles:
+                    handle.wait()
+            else:
+                bufs = [torch.zeros(3) for _ in range(senders)]
+                handles = [torch.distributed.irecv(buf, src=src, group=group) for src, buf in enumerate(bufs)]
+                for handle in handles:
+                    handle.wait()
+                received.append([buf.tolist() for buf in bufs])
+    except Exception as exc:
+        out.put((rank, "failed", repr(exc)))
+        return
+    out.put((rank, "pushed", received))
+
+
+def _connect_errno(port: int) -> int:
+    """0 when something accepts a TCP connection on the loopback port, else the connect's errno."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        return sock.connect_ex((LOCAL_HOST, port))
+
+
+@pytest.mark.parametrize("senders", [0, 2], ids=["broadcast", "p2p"])
+def test_a_formed_group_no_longer_listens_and_still_pushes(senders: int) -> None:
+    import errno
+
+    key, world = new_key(), 4
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    port = free_port(LOCAL_HOST)
+    procs = [ctx.Process(target=_pushing_member, args=(rank, world, port, key, senders, go, out))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        formed = [out.get(timeout=180) for _ in procs]
+        assert sorted(r[:2] for r in formed) == [(rank, "formed") for rank in range(world)], formed
+        # Rank 0 reports only after closing the store: nothing listens on the rendezvous port any more.
+        assert _connect_errno(port) == errno.ECONNREFUSED
+        go.set()
+        pushed = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r[0])
+        assert [r[1] for r in pushed] == ["pushed"] * world, pushed
+        for rank, _, received in pushed:
+            if senders == 0:
+                assert received == [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]], (rank, received)
+            elif rank >= senders:
+                assert received == [[[float(s), float(rank), float(push)] for s in range(senders)]
+                                    for push in (1, 2)], (rank, received)
+        assert _connect_errno(port) == errno.ECONNREFUSED
+    finally:
+        go.set()
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
