@@ -19,6 +19,9 @@ shift
 py=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# A part cut short by its time bound still leaves what it printed, and its tests' temporary directories (the
+# engines' own logs among them) are under OUT_DIR/tmp-<part>.
+export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora)
@@ -86,7 +89,7 @@ print("LoRA push bytes:", [p["bytes"] for p in result["push"]], "seconds:", [rou
 # the recipe's shape with rank-16 adapters on every projection, pushed as adapters.
 lora_part() {
   local log
-  log=$("$py" -m pytest -q -s -rs -k sglang tests/integration/test_lora_engine.py 2>&1)
+  log=$("$py" -m pytest -q -s -rs --basetemp "$out/tmp-lora" -k sglang tests/integration/test_lora_engine.py 2>&1)
   local rc=$?
   echo "$log"
   if [ $rc -ne 0 ] || ! grep -q " passed" <<<"$log" || grep -q " skipped" <<<"$log"; then
@@ -111,13 +114,13 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     unit) part unit "$py" -m pytest -q tests/unit/test_sglang_args.py tests/unit/test_sglang_payloads.py \
             tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py \
             tests/unit/test_colocation.py ;;
-    engine) part engine "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py ;;
-    contract) part contract "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py -k TestSGLangContract ;;
-    auth) part auth "$py" -m pytest -q -s tests/gpu/test_sglang_auth_gpu.py ;;
-    moe) part moe "$py" -m pytest -q -s tests/gpu/test_sglang_moe_gpu.py ;;
-    multiturn) part multiturn "$py" -m pytest -q -s tests/integration/test_multi_turn_engines.py ;;
-    trainer) part trainer "$py" -m pytest -q -s tests/gpu/test_trainer_gpu.py ;;
-    recipe) part recipe "$py" -m pytest -q -s tests/gpu/test_gsm8k_recipe_gpu.py ;;
+    engine) part engine "$py" -m pytest -q -s --basetemp "$out/tmp-engine" tests/gpu/test_sglang_gpu.py ;;
+    contract) part contract "$py" -m pytest -q -s --basetemp "$out/tmp-contract" tests/gpu/test_sglang_gpu.py -k TestSGLangContract ;;
+    auth) part auth "$py" -m pytest -q -s --basetemp "$out/tmp-auth" tests/gpu/test_sglang_auth_gpu.py ;;
+    moe) part moe "$py" -m pytest -q -s --basetemp "$out/tmp-moe" tests/gpu/test_sglang_moe_gpu.py ;;
+    multiturn) part multiturn "$py" -m pytest -q -s --basetemp "$out/tmp-multiturn" tests/integration/test_multi_turn_engines.py ;;
+    trainer) part trainer "$py" -m pytest -q -s --basetemp "$out/tmp-trainer" tests/gpu/test_trainer_gpu.py ;;
+    recipe) part recipe "$py" -m pytest -q -s --basetemp "$out/tmp-recipe" tests/gpu/test_gsm8k_recipe_gpu.py ;;
     guard-0.5b) part guard-0.5b "$py" benchmarks/train_step.py --guard --configs bf16,fp8-delayed --steps 20 \
                   --warmup 2 --out "$out/guard-0.5b.json" ;;
     guard-7b) part guard-7b "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 \
