@@ -17,8 +17,11 @@ collective traffic itself (gloo TCP, NCCL) is neither authenticated nor encrypte
 Formation (`form_group`): the store listens only while the group forms. After the process group is created,
 every rank runs one collective of each kind the pushes use (`WarmUp`), so every communicator exists, marks
 itself formed, and rank 0 closes the store's server once every mark is in: a later connection to the
-rendezvous port is refused. Nothing the pushes do goes through the store after that; what still polls it
-(NCCL's watchdog, for another rank's flight-recorder dump signal) logs that the store is gone and stops.
+rendezvous port is refused. Nothing the pushes do goes through the store after that (torch's NCCL group
+uses it for communicator creation only, which the warm-up did). What still reaches for it is debugging and
+error signalling across ranks: NCCL's heartbeat monitor polls it for another rank's flight-recorder dump
+signal (it logs that the store is gone and stops polling), and TORCH_NCCL_PROPAGATE_ERROR, off by default,
+would signal errors through it; neither works on a formed group.
 """
 
 from __future__ import annotations
