@@ -176,6 +176,7 @@ class DistributedTransport(WeightTransport):
             self.loop.gather(futures)
         except WeightSyncError:
             self.state = TransportState.FAILED
+            self._close_rendezvous()  # no push will follow on this group: its store has nothing left to do
             raise
         self.state = TransportState.CONNECTED
 

@@ -17,8 +17,11 @@ collective traffic itself (gloo TCP, NCCL) is neither authenticated nor encrypte
 Formation (`form_group`): the store listens only while the group forms. After the process group is created,
 every rank runs one collective of each kind the pushes use (`WarmUp`), so every communicator exists, marks
 itself formed, and rank 0 closes the store's server once every mark is in: a later connection to the
-rendezvous port is refused. Nothing the pushes do goes through the store after that; what still polls it
-(NCCL's watchdog, for another rank's flight-recorder dump signal) logs that the store is gone and stops.
+rendezvous port is refused. Nothing the pushes do goes through the store after that (torch's NCCL group
+uses it for communicator creation only, which the warm-up did). What still reaches for it is debugging and
+error signalling across ranks: NCCL's heartbeat monitor polls it for another rank's flight-recorder dump
+signal (it logs that the store is gone and stops polling), and TORCH_NCCL_PROPAGATE_ERROR, off by default,
+would signal errors through it; neither works on a formed group.
 """
 
 from __future__ import annotations
@@ -153,13 +156,12 @@ def form_group(
         )
         # Group rank == global rank inside this private world, as SGLang records it.
         _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
-        if plan is not None:
-            _run_warm_up(group, plan, rank, world_size, backend)
         if rank != 0:
+            if plan is not None:
+                _run_warm_up(group, plan, rank, world_size, backend)
             store.set(f"{group_name}/{_FORMED}/{rank}", "1")
         elif plan is not None:
-            # Every other rank is done with the store once its mark is there.
-            store.wait([f"{group_name}/{_FORMED}/{r}" for r in range(1, world_size)], timeout)
+            _warm_up_and_wait(store, group, plan, group_name, world_size, backend, timeout)
             assert server is not None
             server.close()
         formed = FormedGroup(group, server if server is not None and server.listening else None)
@@ -183,6 +185,21 @@ def init_custom_process_group(
     """
     return form_group(backend, master_address, master_port, rank, world_size, group_name, timeout_s, key,
                       warm_up).group
+
+
+def _warm_up_and_wait(store: dist.Store, group: dist.ProcessGroup, plan: WarmUp, group_name: str, world_size: int,
+                      backend: str, timeout: timedelta) -> None:
+    """Rank 0's end of formation: its warm-up, then every other rank's mark (each is done with the store then)."""
+    marks = [f"{group_name}/{_FORMED}/{r}" for r in range(1, world_size)]
+    try:
+        _run_warm_up(group, plan, 0, world_size, backend)
+        store.wait(marks, timeout)
+    except RuntimeError as exc:  # a collective or the wait timed out (gloo, NCCL and store errors all are)
+        missing = [r for r, mark in enumerate(marks, start=1) if not store.check([mark])]
+        raise TimeoutError(
+            f"weight-update group {group_name}: ranks {missing} joined but did not finish forming within "
+            f"{timeout.total_seconds():.0f}s ({exc}); ranks that join with SGLang's own init_weights_update_group run "
+            "no warm-up: form the group with warm_up=None, i.e. DistributedTransport(engine_warm_up=False)") from exc
 
 
 def _run_warm_up(group: dist.ProcessGroup, plan: WarmUp, rank: int, world_size: int, backend: str) -> None:

@@ -1,4 +1,5 @@
-"""The weight-update group admits only ranks presenting the run's key (gloo, real processes on CPU)."""
+"""The weight-update group admits only ranks presenting the run's key, and its rendezvous store listens only while
+the group forms (gloo, real processes on CPU)."""
 
 from __future__ import annotations
 
@@ -164,3 +165,81 @@ def test_a_formed_group_no_longer_listens_and_still_pushes(senders: int) -> None
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
+
+
+def _sglang_like_member(port: int, go: Any, out: Any) -> None:
+    """Rank 1 joining as SGLang 0.5.10's `init_custom_process_group` does: a store client, the group, nothing
+    more (no key, no warm-up); then it receives two broadcasts once told to."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    timeout = timedelta(seconds=60)
+    out.put((1, "started", None))  # imports done: it dials rank 0's store now (and retries until it listens)
+    store = dist.TCPStore(LOCAL_HOST, port, 2, False, timeout)
+    group, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), PrefixStore(GROUP, store), group_name=GROUP,
+                                         backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {0: 0, 1: 1}
+    out.put((1, "formed", None))
+    if not go.wait(120):
+        return
+    received = []
+    for _ in (1, 2):
+        tensor = torch.zeros(4)
+        dist.broadcast(tensor, src=0, group=group)
+        received.append(tensor.tolist())
+    out.put((1, "pushed", received))
+
+
+def test_a_group_with_sglangs_own_join_keeps_its_store_until_the_caller_closes_it() -> None:
+    import errno
+
+    import torch
+
+    from miles_lite.weight_sync.weight_group import form_group
+
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    port = free_port(LOCAL_HOST)
+    peer = ctx.Process(target=_sglang_like_member, args=(port, go, out))
+    peer.start()
+    try:
+        assert out.get(timeout=120)[:2] == (1, "started")
+        formed = form_group("gloo", LOCAL_HOST, port, 0, 2, GROUP, 60.0, warm_up=None)
+        assert out.get(timeout=120)[:2] == (1, "formed")
+        assert formed.rendezvous is not None and _connect_errno(port) == 0  # its communicators come at a push
+        go.set()
+        for push in (1, 2):
+            torch.distributed.broadcast(torch.arange(4.0) * push, src=0, group=formed.group)
+            formed.close_rendezvous()  # what the transport does once the first broadcast reached every engine
+            assert _connect_errno(port) == errno.ECONNREFUSED
+        assert out.get(timeout=120) == (1, "pushed", [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]])
+        torch.distributed.destroy_process_group(formed.group)
+    finally:
+        go.set()
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+
+
+def test_a_warm_up_the_other_ranks_never_run_is_a_clear_error_and_closes_the_store() -> None:
+    import errno
+
+    from miles_lite.weight_sync.weight_group import form_group
+
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    port = free_port(LOCAL_HOST)
+    peer = ctx.Process(target=_sglang_like_member, args=(port, go, out))
+    peer.start()
+    try:
+        # Only the missing warm-up may time out here, not a peer still starting on a loaded machine.
+        assert out.get(timeout=120)[:2] == (1, "started")
+        with pytest.raises(TimeoutError, match=r"ranks \[1\] joined but did not finish forming.*warm_up=None"):
+            form_group("gloo", LOCAL_HOST, port, 0, 2, GROUP, 10.0)
+        assert _connect_errno(port) == errno.ECONNREFUSED
+    finally:
+        peer.kill()
+        peer.join(30)
