@@ -45,7 +45,7 @@ def _run(members: list[tuple[int, str | None, float]], world: int, delays: list[
         procs.append(proc)
         if delays:
             time.sleep(delays[i])  # order of arrival: the test's subject, not a readiness wait
-    results = [out.get(timeout=120) for _ in procs]
+    results = [out.get(timeout=180) for _ in procs]
     for proc in procs:
         proc.join(30)
     return sorted(results, key=lambda r: (r[0], r[2]))
@@ -72,7 +72,7 @@ def test_an_intruder_cannot_take_a_members_place(intruder_key: str | None) -> No
     intruder = new_key() if intruder_key == "wrong" else None
     # The intruder dials first, as rank 1; the real rank 1 arrives later and the group forms with it.
     # Its timeout leaves room for the master's start on a loaded machine (spawned processes import torch).
-    results = _run([(1, intruder, 30.0), (0, key, 60.0), (1, key, 60.0)], world=2, delays=[0.5, 0.5, 0.0])
+    results = _run([(1, intruder, 60.0), (0, key, 90.0), (1, key, 90.0)], world=2, delays=[0.5, 0.5, 0.0])
     joined = [r for r in results if r[2] == "joined"]
     assert sorted((r[0], r[1]) for r in joined) == [(0, key), (1, key)]
     assert all(r[3] == [0.0, 1.0, 2.0, 3.0] for r in joined)
