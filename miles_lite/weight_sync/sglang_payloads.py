@@ -1,7 +1,7 @@
 """Request bodies of SGLang's weight-update HTTP endpoints, built as plain dicts.
 
-Field names follow SGLang's `srt/managers/io_struct.py`, 0.5.10 and 0.5.23 alike: every body sent here is
-valid on both. The request dataclasses are built with `Cls(**json)`, so an unknown key is a 400 and a missing
+Field names follow SGLang's `srt/managers/io_struct.py`, 0.5.10, 0.5.17 and 0.5.23 alike: every body sent here
+is valid on each. The request structs are built with `Cls(**json)`, so an unknown key is a 400 and a missing
 required key too. Only fields the caller sets explicitly, or that SGLang requires, are sent;
 SGLang's defaults cover the rest.
 """

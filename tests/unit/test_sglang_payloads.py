@@ -1,8 +1,8 @@
-"""Weight-update request bodies against SGLang 0.5.10's io_struct.py request dataclasses.
+"""Weight-update request bodies against SGLang's io_struct.py request structs (0.5.10, 0.5.17, 0.5.23).
 
 SGLang builds each request as `Cls(**body)`: every required field must be present and no other
-key may appear. The field lists below are copied from SGLang 0.5.10.post1's
-`python/sglang/srt/managers/io_struct.py` (BaseReq's keyword-only `rid`/`http_worker_ipc` omitted).
+key may appear. The field lists below are read off each release's `python/sglang/srt/managers/io_struct.py`
+(dataclasses in 0.5.10.post1, msgspec structs later; BaseReq's keyword-only `rid`/`http_worker_ipc` omitted).
 """
 
 from __future__ import annotations
@@ -48,7 +48,20 @@ IO_STRUCT_0_5_23 = {
     "ContinueGenerationReqInput": (set(), {"torch_empty_cache"}),
     "CheckWeightsReqInput": (set(), {"action", "allow_quant_error", "selector", "skip_tensor_list"}),
 }
-IO_STRUCTS = {"0.5.10": IO_STRUCT_0_5_10, "0.5.23": IO_STRUCT_0_5_23}
+# 0.5.17: `torch_empty_cache` added where 0.5.23 has it, `disable_draft_model` kept, `action` optional.
+IO_STRUCT_0_5_17 = {
+    **IO_STRUCT_0_5_10,
+    "UpdateWeightsFromDistributedReqInput": (
+        {"names", "dtypes", "shapes"},
+        {"group_name", "flush_cache", "abort_all_requests", "weight_version", "load_format", "torch_empty_cache"}),
+    "UpdateWeightsFromTensorReqInput": (
+        {"serialized_named_tensors"},
+        {"load_format", "flush_cache", "abort_all_requests", "weight_version", "disable_draft_model",
+         "torch_empty_cache"}),
+    "ContinueGenerationReqInput": (set(), {"torch_empty_cache"}),
+    "CheckWeightsReqInput": (set(), {"action", "allow_quant_error"}),
+}
+IO_STRUCTS = {"0.5.10": IO_STRUCT_0_5_10, "0.5.17": IO_STRUCT_0_5_17, "0.5.23": IO_STRUCT_0_5_23}
 
 
 def check_fields(request: p.SGLangRequest, cls: str) -> dict:
@@ -124,8 +137,14 @@ def test_fields_match_installed_sglang_when_present():
     if known is None:
         pytest.skip(f"fields recorded for SGLang {sorted(IO_STRUCTS)}, installed {installed}")
     for cls, (required, optional) in known.items():
-        fields = {f.name for f in dataclasses.fields(getattr(io_struct, cls))} - {"rid", "http_worker_ipc"}
-        assert fields == required | optional, cls
+        struct = getattr(io_struct, cls)
+        if dataclasses.is_dataclass(struct):
+            names = {f.name for f in dataclasses.fields(struct)}
+        else:  # later releases declare requests as msgspec structs
+            import msgspec
+
+            names = {f.name for f in msgspec.structs.fields(struct)}
+        assert names - {"rid", "http_worker_ipc"} == required | optional, cls
 
 
 def test_ipc_direct_payload_fuses_each_rank_like_sglang_parameters():
