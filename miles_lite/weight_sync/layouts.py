@@ -56,8 +56,10 @@ def specs_from_layouts(layouts: Iterable[ParamLayout], dtype: str,
             if hf_name in seen:
                 continue
             seen.add(hf_name)
+            # An expert's fc2 is whole on the trainer (holder) and row-split on a TP engine, as a dense down_proj.
+            spec_kind = "row" if holder >= 0 and kind == "replicated" else kind
             specs.append(ParamSpec(
-                name=hf_name, shape=shape, dtype=dtype, kind=kind, source=layout.megatron_name, role=role,
+                name=hf_name, shape=shape, dtype=dtype, kind=spec_kind, source=layout.megatron_name, role=role,
                 num_heads=layout.num_heads or 0, num_kv_heads=layout.num_kv_heads or 0,
                 head_dim=layout.head_dim or 0, trainer_padded_vocab=layout.padded_vocab_size or 0, holder=holder,
             ))

@@ -18,7 +18,8 @@ Trainer side (Megatron-core conventions, TP = `trainer_tp`):
   [r*Vp/tp, (r+1)*Vp/tp); rows >= the real vocab are padding and never sent.
 - replicated (norms, row-parallel biases): every rank holds the whole tensor; rank 0 is the source.
 - routed experts (MoE, expert TP 1): whole on the expert-parallel rank that holds them (`holder`, a
-  sender index): fc1 = [gate; up], fc2 = down, no TP split.
+  sender index): fc1 = [gate; up], fc2 = down, no TP split. Their kind describes the engine side:
+  gate_up (gate and up split on dim 0) and row (down split on dim 1), as SGLang's TP MoE shards w13/w2.
 
 Senders. A transfer's `src_rank` indexes the trainer's *senders*: 0..tp-1 are the TP ranks of
 data-parallel rank 0 (dense parameters are split over them); with expert parallelism, experts whose EP
@@ -70,8 +71,8 @@ class ParamSpec:
     - `role`: q | k | v for qkv, gate | up for gate_up.
     - `num_heads`, `num_kv_heads`, `head_dim`: attention geometry (qkv only).
     - `trainer_padded_vocab`: rows of the trainer's vocab tensor (vocab only; 0 = no padding).
-    - `holder`: the sender holding the whole tensor (routed experts: kind gate_up or replicated, never split
-      by the trainer's TP); -1 for tensors split over (or replicated on) the TP senders 0..tp-1.
+    - `holder`: the sender holding the whole tensor (routed experts: kind gate_up or row, never split by the
+      trainer's TP); -1 for tensors split over (or replicated on) the TP senders 0..tp-1.
     """
 
     name: str
@@ -114,9 +115,9 @@ class ParamSpec:
             raise PlanError(f"{where}: role={self.role!r}; a gate_up tensor needs role in {GATE_UP_ROLES}")
         if self.kind == "vocab" and self.trainer_padded_vocab and self.trainer_padded_vocab < self.shape[0]:
             raise PlanError(f"{where}: trainer_padded_vocab={self.trainer_padded_vocab} < vocab {self.shape[0]}")
-        if self.holder >= 0 and self.kind not in ("gate_up", "replicated"):
+        if self.holder >= 0 and self.kind not in ("gate_up", "row"):
             raise PlanError(f"{where}: holder={self.holder} marks a whole expert tensor, but kind={self.kind!r}; "
-                            "only gate_up (fc1) and replicated (fc2) tensors are held whole by one sender")
+                            "only gate_up (fc1) and row (fc2) tensors are held whole by one sender")
 
     @property
     def dim(self) -> int:
@@ -235,7 +236,7 @@ def trainer_segments(spec: ParamSpec, tp: int) -> list[Segment]:
     """Where each block of the full HF tensor sits in the trainer's local source shards (Megatron layout)."""
     n = spec.shape[spec.dim]
     where = f"{spec.name} (trainer tp={tp})"
-    if spec.holder >= 0:  # a routed expert, whole on one sender: [gate; up] or down
+    if spec.holder >= 0:  # a routed expert, whole on one sender: [gate; up] (dim 0) or down (dim 1)
         return [(0, n, spec.holder, n if spec.role == "up" else 0)]
     if spec.kind == "replicated":
         return [(0, n, 0, 0)]

@@ -102,12 +102,12 @@ def test_push_plan_rebuilds_the_hf_model_from_tp_and_ep_ranks(model, grid: str) 
     assert sources["model.layers.0.mlp.gate_proj.weight"] == set(range(tp))
     out = apply_plan(plan, shards)
     assert all(torch.equal(out["one"][0][n], hf[n]) for n in hf)
-    # A TP=2 engine: an expert's gate/up split on dim 0, down whole; attention as for a dense model.
+    # A TP=2 engine (SGLang's TP MoE): an expert's gate/up split on dim 0, down on dim 1.
     gate = hf["model.layers.1.mlp.experts.3.gate_proj.weight"]
+    down = hf["model.layers.1.mlp.experts.3.down_proj.weight"]
     for r in range(2):
         assert torch.equal(out["two"][r]["model.layers.1.mlp.experts.3.gate_proj.weight"], gate.chunk(2)[r])
-        assert torch.equal(out["two"][r]["model.layers.1.mlp.experts.3.down_proj.weight"],
-                           hf["model.layers.1.mlp.experts.3.down_proj.weight"])
+        assert torch.equal(out["two"][r]["model.layers.1.mlp.experts.3.down_proj.weight"], down.chunk(2, dim=1)[r])
 
 
 def test_senders_cover_every_expert_parallel_rank() -> None:
@@ -126,12 +126,12 @@ def test_senders_cover_every_expert_parallel_rank() -> None:
 
 def test_a_whole_tensor_holder_is_an_expert_kind() -> None:
     with pytest.raises(PlanError, match="holder=1"):
-        ParamSpec("model.layers.0.self_attn.o_proj.weight", (4, 4), kind="row", holder=1)
-    a = ParamSpec("x.experts.0.down_proj.weight", (4, 2), holder=0, source="fc2")
-    b = ParamSpec("x.experts.2.down_proj.weight", (4, 2), holder=1, source="fc2")
+        ParamSpec("model.norm.weight", (4,), kind="replicated", holder=1)
+    a = ParamSpec("x.experts.0.down_proj.weight", (4, 2), kind="row", holder=0, source="fc2")
+    b = ParamSpec("x.experts.2.down_proj.weight", (4, 2), kind="row", holder=1, source="fc2")
     # The same Megatron name on two senders: two tensors, both planned.
     plan = full_tensor_plan([a, b], 1)
     assert [t.src_rank for s in plan.shards for t in s.transfers] == [0, 1]
     with pytest.raises(PlanError, match="2 trainer shards for 3 senders|senders"):
-        apply_plan(build_plan([a, ParamSpec("y", (2,), holder=2)], 1, [EngineSpec("e", 1)]),
+        apply_plan(build_plan([a, ParamSpec("y", (2, 2), kind="row", holder=2)], 1, [EngineSpec("e", 1)]),
                    [{"fc2": torch.zeros(4, 2)}, {"fc2": torch.zeros(4, 2)}])
