@@ -90,7 +90,8 @@ def run_train(out_dir: Path, name: str, overrides: list[str], log: Path) -> Run:
         raise RuntimeError(f"{' '.join(cmd)} exited {code}; log: {log}")
     run_dir = out_dir / name
     summary = json.loads((run_dir / "summary.json").read_text())
-    losses = [json.loads(line)["loss"] for line in (run_dir / "warmup.jsonl").read_text().splitlines()]
+    warmup = run_dir / "warmup.jsonl"  # absent when the run skips the warm-up (experiment.warmup=none)
+    losses = [json.loads(line)["loss"] for line in warmup.read_text().splitlines()] if warmup.is_file() else []
     per_step = float("nan")
     if sft_first and sft_last and sft_last[0] > sft_first[0]:
         per_step = (sft_last[1] - sft_first[1]) / (sft_last[0] - sft_first[0])

@@ -26,6 +26,7 @@ model on the same weights and tokens, in fp32 and bf16.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import random
 import socket
@@ -57,8 +58,10 @@ TINY = TinyModelShape(hidden_size=128, ffn_hidden_size=352, num_layers=2, num_at
 QWEN25_7B_WIDTH_6L = TinyModelShape(hidden_size=3584, ffn_hidden_size=18944, num_layers=6, num_attention_heads=28,
                                     num_kv_heads=4, max_position_embeddings=32768, rope_theta=1_000_000.0,
                                     rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=True)
+# The whole Qwen2.5-7B: the same width, all 28 layers.
+QWEN25_7B = dataclasses.replace(QWEN25_7B_WIDTH_6L, num_layers=28)
 SHAPES = {"qwen2.5-0.5b": (QWEN25_05B_SHAPE, QWEN25_VOCAB), "tiny": (TINY, 1024),
-          "qwen2.5-7b-w6": (QWEN25_7B_WIDTH_6L, 152064)}
+          "qwen2.5-7b-w6": (QWEN25_7B_WIDTH_6L, 152064), "qwen2.5-7b": (QWEN25_7B, 152064)}
 
 
 @dataclass(frozen=True)

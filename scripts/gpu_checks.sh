@@ -3,29 +3,40 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
-# Parts: versions unit engine moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs.
+# Parts: versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora,
+# and the colocated hand-off ones (not in the default list): colocated-0.5b resident-0.5b colocated-7b.
+# (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
 # Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
 # apart (then MILES_TEST_TRANSPORT=ipc_handles if its torch is another build). Each part writes
 # OUT_DIR/<part>.log (benchmarks also OUT_DIR/<part>.json); a failing part does not stop the others; the exit
-# status is the number of parts that failed.
+# status is the number of parts that failed. PART_TIMEOUT_S (default 3600) bounds each part. The GRPO parts
+# (benchmarks/grpo_steps.py) rewrite their JSON after every step and print unbuffered, so a part cut short
+# still leaves the steps it finished.
 set -u
 out=${1:?usage: scripts/gpu_checks.sh OUT_DIR [PART...]}
 shift
 py=${PYTHON:-python3}
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# A part cut short by its time bound still leaves what it printed, and its tests' temporary directories (the
+# engines' own logs among them) are under OUT_DIR/tmp-<part>.
+export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)
+[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora)
 failed=0
+# The GRPO parts' engines see SGLang installed apart, and push as the other GPU checks do.
+grpo=(-u benchmarks/grpo_steps.py --transport "${MILES_TEST_TRANSPORT:-ipc_handles}")
+[ -n "${MILES_ENGINE_PYTHONPATH:-}" ] && grpo+=(--engine-env "PYTHONPATH=$MILES_ENGINE_PYTHONPATH")
 
 part() {
   local name=$1
   shift
   echo "== $name: $*"
   local start=$SECONDS
-  if "$@" >"$out/$name.log" 2>&1; then
+  # PART_TIMEOUT_S bounds each part (a hung engine must not eat the rest of a lease).
+  if timeout --kill-after=10 "${PART_TIMEOUT_S:-3600}" "$@" >"$out/$name.log" 2>&1; then
     echo "   ok ($((SECONDS - start)) s)"
   else
     echo "   FAILED ($((SECONDS - start)) s): $out/$name.log"
@@ -61,6 +72,37 @@ async def main():
 asyncio.run(main())
 '
 
+# After the LoRA GRPO steps: each push's bytes and seconds (the run's metrics.jsonl) into the part's JSON.
+LORA_PUSH='
+import json, sys
+from pathlib import Path
+path = Path(sys.argv[1])
+result = json.loads(path.read_text())
+rows = [json.loads(x) for x in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
+result["push"] = [{"step": m["step"] + 1, "bytes": m["sync/bytes"], "seconds": m["sync/seconds"],
+                   "probe_logp_diff_mean": m.get("sync/probe_logp_diff_mean")} for m in rows if "sync/bytes" in m]
+path.write_text(json.dumps(result, indent=1))
+print("LoRA push bytes:", [p["bytes"] for p in result["push"]], "seconds:", [round(p["seconds"], 3) for p in result["push"]])
+'
+
+# LoRA: the adapter-serving checks against a stock SGLang (the test must run, not skip), then GRPO steps of
+# the recipe's shape with rank-16 adapters on every projection, pushed as adapters.
+lora_part() {
+  local log
+  log=$("$py" -m pytest -q -s -rs --basetemp "$out/tmp-lora" -k sglang tests/integration/test_lora_engine.py 2>&1)
+  local rc=$?
+  echo "$log"
+  if [ $rc -ne 0 ] || ! grep -q " passed" <<<"$log" || grep -q " skipped" <<<"$log"; then
+    echo "the SGLang LoRA check did not pass"
+    return 1
+  fi
+  local env=()
+  [ -n "${MILES_ENGINE_PYTHONPATH:-}" ] && env=(--engine-env "PYTHONPATH=$MILES_ENGINE_PYTHONPATH:$PWD")
+  "$py" benchmarks/grpo_steps.py ${env[@]+"${env[@]}"} --steps 5 --out "$out/lora.json" \
+    trainer.lora.rank=16 trainer.lora.alpha=32 || return 1
+  "$py" -c "$LORA_PUSH" "$out/lora.json"
+}
+
 for p in "${parts[@]}"; do
   case $p in
     versions) part versions "$py" -c "
@@ -70,18 +112,30 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     try: print(d, md.version(d))
     except md.PackageNotFoundError: print(d, 'absent here')" ;;
     unit) part unit "$py" -m pytest -q tests/unit/test_sglang_args.py tests/unit/test_sglang_payloads.py \
-            tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py ;;
-    engine) part engine "$py" -m pytest -q -s tests/gpu/test_sglang_gpu.py ;;
-    moe) part moe "$py" -m pytest -q -s tests/gpu/test_sglang_moe_gpu.py ;;
-    multiturn) part multiturn "$py" -m pytest -q -s tests/integration/test_multi_turn_engines.py ;;
-    trainer) part trainer "$py" -m pytest -q -s tests/gpu/test_trainer_gpu.py ;;
-    recipe) part recipe "$py" -m pytest -q -s tests/gpu/test_gsm8k_recipe_gpu.py ;;
+            tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py \
+            tests/unit/test_colocation.py ;;
+    engine) part engine "$py" -m pytest -q -s --basetemp "$out/tmp-engine" tests/gpu/test_sglang_gpu.py ;;
+    contract) part contract "$py" -m pytest -q -s --basetemp "$out/tmp-contract" tests/gpu/test_sglang_gpu.py -k TestSGLangContract ;;
+    auth) part auth "$py" -m pytest -q -s --basetemp "$out/tmp-auth" tests/gpu/test_sglang_auth_gpu.py ;;
+    moe) part moe "$py" -m pytest -q -s --basetemp "$out/tmp-moe" tests/gpu/test_sglang_moe_gpu.py ;;
+    multiturn) part multiturn "$py" -m pytest -q -s --basetemp "$out/tmp-multiturn" tests/integration/test_multi_turn_engines.py ;;
+    trainer) part trainer "$py" -m pytest -q -s --basetemp "$out/tmp-trainer" tests/gpu/test_trainer_gpu.py ;;
+    recipe) part recipe "$py" -m pytest -q -s --basetemp "$out/tmp-recipe" tests/gpu/test_gsm8k_recipe_gpu.py ;;
     guard-0.5b) part guard-0.5b "$py" benchmarks/train_step.py --guard --configs bf16,fp8-delayed --steps 20 \
                   --warmup 2 --out "$out/guard-0.5b.json" ;;
     guard-7b) part guard-7b "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 \
                 --configs bf16,fp8-delayed,fp8-tensorwise --steps 20 --warmup 2 --out "$out/guard-7b.json" ;;
     prefill-graphs) part prefill-graphs "$py" -c "$PREFILL_GRAPHS" ;;
-    *) echo "unknown part $p (versions unit engine moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs)"
+    # GRPO steps of the GSM8K shape, trainer and SGLang on one GPU: handing the GPU over, then both resident.
+    colocated-0.5b) part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 8 --skip 2 \
+                      --out "$out/colocated-0.5b.json" ;;
+    resident-0.5b) part resident-0.5b "$py" "${grpo[@]}" --memory resident --steps 8 --skip 2 \
+                     --out "$out/resident-0.5b.json" ;;
+    colocated-7b) part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
+                    --steps 3 --skip 1 --out "$out/colocated-7b.json" ;;
+    lora) part lora lora_part ;;
+    *) echo "unknown part $p (versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
+            "lora colocated-0.5b resident-0.5b colocated-7b)"
        failed=$((failed + 1)) ;;
   esac
 done

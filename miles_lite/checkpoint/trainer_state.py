@@ -308,6 +308,13 @@ def restore_actor(actor: Any, reader: CheckpointReader) -> dict[str, Any]:
 
         raise ValueError(f"the checkpoint holds {what(saved_lora)}, the trainer is configured for {what(lora)}; "
                          "resume with the trainer.lora settings the checkpoint was saved with")
+    if lora is not None and saved_lora.get("base_sha256") and lora["base_sha256"]:
+        changed = sorted(n for n, d in saved_lora["base_sha256"].items() if lora["base_sha256"].get(n) != d)
+        changed += sorted(set(lora["base_sha256"]) - set(saved_lora["base_sha256"]))
+        if changed:
+            raise ValueError(f"the LoRA checkpoint's adapters were trained on another base than {lora['base']}: "
+                             f"{len(changed)} base tensors differ (e.g. {changed[0]}); resume with the model.hf_path "
+                             f"(and trainer precision) the checkpoint was saved with: {saved_lora['base']}")
     par = actor.par
     layouts: Mapping[str, ParamLayout] = actor.trained_layouts
     model = {name: assemble(reader, MODEL_PREFIX, layout) for name, layout in layouts.items()}

@@ -102,16 +102,17 @@ class TrainerRank:
     # ---- weight sync, shard mode (`weight_sync.senders.ShardSenders`) -------------------------------
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout_s: float, key: str | None = None, group_rank: int | None = None
-                          ) -> None:
-        """Join the weight-update group as `group_rank` (its sender index; default this rank's TP rank), blocking
-        until all joined."""
+                          backend: str, timeout_s: float, key: str | None = None, group_rank: int | None = None,
+                          senders: int | None = None) -> None:
+        """Join the weight-update group as `group_rank` (its sender index; default this rank's TP rank) of
+        `senders` sending ranks (default the TP size), blocking until all joined."""
         from miles_lite.weight_sync.senders import RankSender
 
         rank = self.actor.par.tp_rank if group_rank is None else group_rank
-        if self.sender is None or self.sender.tp_rank != rank:
+        count = self.actor.par.tp_size if senders is None else senders
+        if self.sender is None or (self.sender.tp_rank, self.sender.tp) != (rank, count):
             self.leave_weight_group()
-            self.sender = RankSender(rank)
+            self.sender = RankSender(rank, count)
         self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s, key)
 
     def send_weight_bucket(self, schedule: Any) -> Any:

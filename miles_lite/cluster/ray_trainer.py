@@ -284,8 +284,9 @@ class RayTrainerGroup:
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str, timeout_s: float, key: str | None = None) -> None:
         """Every sender joins as group rank = its sender index; returns once all joined."""
+        senders = self._senders()
         refs = {i: a.join_weight_group.remote(master_address, master_port, world_size, group_name, backend,
-                                              timeout_s, key, i) for i, a in sorted(self._senders().items())}
+                                              timeout_s, key, i, len(senders)) for i, a in sorted(senders.items())}
         # A rank whose rendezvous fails raises within `timeout_s`; the margin covers the call itself.
         self._collect(refs, "join_weight_group", timeout_s + STRAGGLER_GRACE_S)
 

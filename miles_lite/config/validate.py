@@ -350,6 +350,9 @@ def _check_lora(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append(f"trainer.lora.targets={targets}: {what}; list distinct names from {list(LORA_TARGETS)}")
     if cfg.trainer.transformer.get("sequence_parallel"):
         problems.append("trainer.lora with trainer.transformer.sequence_parallel=true is not supported; drop one")
+    from miles_lite.config.lora_serving import lora_serving_problems
+
+    problems += lora_serving_problems(cfg)
 
 
 def validate(cfg: MilesConfig) -> ModelDims | None:

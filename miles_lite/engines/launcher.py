@@ -11,18 +11,21 @@ through `HttpEngine`; they differ only in the command line:
 
 Both get the project's weight-loader plugin (`--custom-weight-loader`, what `weight_sync.mode=shard`
 pushes through); SGLang processes also get the project root appended to PYTHONPATH, so that SGLang
-installed apart (its own torch first on the path) can import the plugin.
+installed apart (its own torch first on the path) can import the plugin. SGLang engines started with
+`enable_memory_saver` get their environment without `expandable_segments` (`config.colocation`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from miles_lite.api_key import ApiKey
+from miles_lite.config.colocation import ALLOC_CONF_VARS, memory_saver_env, memory_saver_on
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.reference.engine import build_reference_command
 from miles_lite.engines.sglang.command import (
@@ -39,6 +42,7 @@ from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.process import CommandFactory, EngineProcess
 
 BACKENDS = ("reference", "sglang")
+log = logging.getLogger(__name__)
 
 
 def served_vocab_size(model_path: str) -> int | None:
@@ -148,6 +152,13 @@ class EngineLauncher:
         env = self.env
         if self.rollout.backend == "sglang":
             env = plugin_env(os.environ if env is None else {**os.environ, **env})
+            if memory_saver_on(self.rollout):
+                kept = memory_saver_env(env)
+                dropped = [f"{v}={env[v]!r}" for v in ALLOC_CONF_VARS if env.get(v) != kept.get(v)]
+                if dropped:
+                    log.warning("%s: starting without expandable_segments (%s): SGLang's memory saver does not work "
+                                "with it", self.engine_id(index), ", ".join(dropped))
+                env = kept
         return EngineProcess(self.engine_id(index), self.command_factory(index), log_path, host=self.host,
                              pass_socket=self.rollout.backend == "reference", env=env, api_key=self.key_value)
 

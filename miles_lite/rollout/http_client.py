@@ -72,6 +72,12 @@ class HttpEngine:
         # Memory tags this client released on the engine: SGLang itself would take a request while its
         # KV cache is released (and fail it badly), so generation is refused here first.
         self.released: set[str] = set()
+        # Generate/score requests of this client awaiting their answer (a release waits for none).
+        self.inflight = 0
+        # Tags being released now: generation and health probes are refused from the moment a release starts.
+        self._releasing: set[str] = set()
+        # `/health_generate` probes awaiting their answer: each runs a one-token generation on the engine.
+        self._probing: set[asyncio.Future] = set()
 
         # The LoRA adapter every generate/score request names (SGLang's per-request `lora_path`); None: the base.
         self.lora_name: str | None = None
@@ -135,13 +141,27 @@ class HttpEngine:
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
         start = time.monotonic()
-        data = await self._request("POST", "/generate", payload, self.request_timeout_s)
+        data = await self._counted("/generate", payload)
         return self._parse_generation(data, time.monotonic() - start)
 
+    async def _counted(self, path: str, payload: dict[str, Any]) -> Any:
+        self.inflight += 1
+        try:
+            return await self._request("POST", path, payload, self.request_timeout_s)
+        finally:
+            self.inflight -= 1
+
     def _refuse_while_released(self, path: str) -> None:
-        if self.released:
+        gone = self.released | self._releasing
+        if gone:
             raise EngineError(f"{self.engine_id} {path}: refused, the engine's memory is released "
-                              f"({', '.join(t for t in MEMORY_TAGS if t in self.released)}); resume_memory first")
+                              f"({', '.join(t for t in MEMORY_TAGS if t in gone)}); resume_memory first")
+
+    def _refuse_while_weights_released(self, path: str) -> None:
+        # SGLang would read or write the unmapped weights (and stop); a push resumes `weights` first.
+        if "weights" in self.released or "weights" in self._releasing:
+            raise EngineError(f"{self.engine_id} {path}: refused, the engine's weights are released; "
+                              "resume_memory(['weights']) first")
 
     def _parse_generation(self, data: Any, latency_s: float) -> Generation:
         try:
@@ -182,7 +202,7 @@ class HttpEngine:
         self._refuse_while_released("score")
         if self.lora_name is not None:
             payload["lora_path"] = self.lora_name
-        data = await self._request("POST", "/generate", payload, self.request_timeout_s)
+        data = await self._counted("/generate", payload)
         try:
             entries = data["meta_info"]["input_token_logprobs"]
         except (KeyError, TypeError) as exc:
@@ -203,11 +223,17 @@ class HttpEngine:
     # ---- health and control ----------------------------------------------------------------------------------
 
     async def health(self, timeout_s: float) -> bool:
-        """True if `/health_generate` answers 200 within `timeout_s` (False at once while memory is released)."""
-        if self.released:
+        """True if `/health_generate` answers 200 within `timeout_s` (False at once while memory is released
+        or being released: the probe is a generation)."""
+        if self.released or self._releasing:
             return False
+        # Shielded: a caller giving up does not take the probe back from the engine, so a release still waits
+        # for its answer (SGLang answers a second after it ran the probe's generation).
+        probe = asyncio.ensure_future(self._request("GET", "/health_generate", None, timeout_s, expect_json=False))
+        self._probing.add(probe)
+        probe.add_done_callback(_probe_done(self._probing))
         try:
-            await self._request("GET", "/health_generate", None, timeout_s, expect_json=False)
+            await asyncio.shield(probe)
         except EngineError:
             return False
         return True
@@ -254,30 +280,65 @@ class HttpEngine:
         await self._post_checked("/update_weight_version", {"new_version": new_version,
                                                             "abort_all_requests": abort_all_requests})
 
-    # ---- memory (sleep / wake) -------------------------------------------------------------------------------
+    # ---- memory (sleep / wake)
+    #
+    # SGLang (as of 0.5.23) serves these only when started with `--enable-memory-saver`; its scheduler
+    # (`SchedulerWeightUpdaterManager.release_memory_occupation` / `resume_memory_occupation`) handles each tag
+    # (`kv_cache`, `weights`, `cuda_graph`) through torch_memory_saver and checks almost nothing: a release
+    # while a request runs fails an assertion, a resume of a tag not released fails `offload_tags.remove`, and
+    # torch_memory_saver refuses to pause memory already paused or resume memory not paused. Any of these
+    # stops the scheduler and with it the server. So the client refuses them itself, before sending: it
+    # releases only tags it holds, with no request of its own in flight, and resumes only tags it released.
+    # Nothing on SGLang's side refuses a generation or a weight load into released memory either (they would
+    # touch unmapped device memory): generation is refused here until every tag is resumed, and a push
+    # resumes `weights` first. A health probe (`/health_generate`) is a one-token generation too: a release
+    # waits for the probes in flight, and probes answer False, unsent, from its start. Weights come back with
+    # their values only with `--enable-weights-cpu-backup`; otherwise a push must load them before the engine
+    # generates (`FleetPusher`).
 
     async def release_memory(self, tags: Sequence[str]) -> None:
-        """`/release_memory_occupation` of `tags` (SGLang started with `--enable-memory-saver`)."""
-        await self._memory_call("/release_memory_occupation", tags)
-        self.released |= set(tags)
+        """`/release_memory_occupation` of `tags` (SGLang started with `--enable-memory-saver`).
+
+        From the start generation is refused and health probes answer False at once; the health probes
+        already sent are waited for first (each is a generation on the engine)."""
+        tags = _memory_tags(tags)
+        again = [t for t in tags if t in self.released or t in self._releasing]
+        if again:
+            raise EngineError(f"{self.engine_id} /release_memory_occupation: {again} already released; "
+                              "resume_memory them first")
+        if self.inflight:
+            raise EngineError(f"{self.engine_id} /release_memory_occupation: {self.inflight} request(s) in flight; "
+                              "SGLang releases memory only while idle (finish or abort them first)")
+        self._releasing |= set(tags)
+        try:
+            loop = asyncio.get_running_loop()
+            probes = [p for p in self._probing if p.get_loop() is loop]
+            if probes:
+                await asyncio.wait(probes)
+            await self._memory_call("/release_memory_occupation", tags)
+            self.released |= set(tags)
+        finally:
+            self._releasing -= set(tags)
 
     async def resume_memory(self, tags: Sequence[str]) -> None:
-        """`/resume_memory_occupation` of `tags` (each released before)."""
+        """`/resume_memory_occupation` of `tags` (each released by this client before)."""
+        tags = _memory_tags(tags)
+        held = [t for t in tags if t not in self.released]
+        if held:
+            raise EngineError(f"{self.engine_id} /resume_memory_occupation: {held} not released by this client; "
+                              "resume only released tags")
         await self._memory_call("/resume_memory_occupation", tags)
         self.released -= set(tags)
 
-    async def _memory_call(self, path: str, tags: Sequence[str]) -> None:
-        tags = list(tags)
-        unknown = [t for t in tags if t not in MEMORY_TAGS]
-        if not tags or unknown:
-            raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {tags}")
-        # SGLang answers 200 with no body; a refusal (e.g. requests in flight) is a non-200 answer.
+    async def _memory_call(self, path: str, tags: list[str]) -> None:
+        # SGLang answers 200 with no body; a refusal is a non-200 answer.
         await self._request("POST", path, {"tags": tags}, self.request_timeout_s, expect_json=False)
 
     # ---- weights ---------------------------------------------------------------------------------------------
 
     async def update_weights_from_disk(self, model_path: str, weight_version: str) -> None:
         """Load HF safetensors from `model_path` (`/update_weights_from_disk`)."""
+        self._refuse_while_weights_released("/update_weights_from_disk")
         await self._post_checked("/update_weights_from_disk", {"model_path": model_path,
                                                                "weight_version": weight_version},
                                  self.request_timeout_s)
@@ -309,6 +370,7 @@ class HttpEngine:
         }
         if load_format is not None:
             body["load_format"] = load_format
+        self._refuse_while_weights_released("/update_weights_from_distributed")
         await self._post_checked("/update_weights_from_distributed", body, self.request_timeout_s)
 
     async def destroy_weights_update_group(self, group_name: str) -> None:
@@ -324,6 +386,7 @@ class HttpEngine:
         SGLang takes `MultiprocessingSerializer.serialize(named_tensors, output_str=True)` strings; the reference
         engine takes `engines.reference.model.serialize_named_tensors` strings.
         """
+        self._refuse_while_weights_released("/update_weights_from_tensor")
         await self._post_checked("/update_weights_from_tensor", {
             "serialized_named_tensors": serialized_named_tensors, "load_format": load_format,
             "weight_version": weight_version, "flush_cache": flush_cache,
@@ -341,6 +404,7 @@ class HttpEngine:
 
     async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list[Any]:
         """The first `truncate_size` rows of a parameter (`/get_weights_by_name`)."""
+        self._refuse_while_weights_released("/get_weights_by_name")
         return await self._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": truncate_size},
                                    self.control_timeout_s)
 
@@ -350,3 +414,24 @@ class HttpEngine:
             await self._session.close()
         self._session = None
         self._session_loop = None
+
+
+def _probe_done(probing: set[asyncio.Future]) -> Any:
+    """Done callback of a health probe: forget it, and take its outcome (nobody may be waiting for it)."""
+
+    def done(probe: asyncio.Future) -> None:
+        probing.discard(probe)
+        if not probe.cancelled():
+            probe.exception()
+
+    return done
+
+
+def _memory_tags(tags: Sequence[str]) -> list[str]:
+    """`tags` without repeats, in `MEMORY_TAGS` order; ValueError unless a non-empty subset of `MEMORY_TAGS`
+    (SGLang reads an empty list as every tag and ignores unknown ones)."""
+    given = list(tags)
+    unknown = [t for t in given if t not in MEMORY_TAGS]
+    if not given or unknown:
+        raise ValueError(f"memory tags must be a non-empty subset of {MEMORY_TAGS}, got {given}")
+    return [t for t in MEMORY_TAGS if t in given]

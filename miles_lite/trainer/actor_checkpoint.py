@@ -18,6 +18,7 @@ from miles_lite.trainer.dist_optimizer import (
     scatter_state,
     set_group_steps,
 )
+from miles_lite.trainer.hf_convert import iter_hf_state, tensor_sha256
 from miles_lite.trainer.lora import base_reference
 from miles_lite.trainer.rng import capture_rank_rng, restore_rank_rng
 
@@ -30,6 +31,7 @@ class ActorCheckpoint:
     par: Any
     lora: Any
     policy: Any
+    layouts: Any
     trained: Any
     optimizer: Any
     scheduler: Any
@@ -64,10 +66,23 @@ class ActorCheckpoint:
         }
 
     def lora_checkpoint_info(self) -> dict[str, Any] | None:
-        """What a checkpoint records of the LoRA setup: the adapter's PEFT config and the base it sits on."""
+        """What a checkpoint records of the LoRA setup: the adapter's PEFT config, the base it sits on, and the
+        SHA-256 of every base tensor as the trainer holds it now (HF names; on the rank that writes the shared
+        tree, empty elsewhere), which pins the base: resuming onto another base is refused. Every rank must call
+        it (the base is gathered over TP one parameter at a time)."""
         if self.lora is None:
             return None
-        return {"adapter": self.lora.lora.peft_config(None), "base": base_reference(self.cfg)}
+        self.offloader.require_resident(("params",), "fingerprinting the LoRA base")
+        writer = self.par.tp_rank == 0 and self.par.dp_rank == 0
+        digests: dict[str, str] = {}
+        with cpu_compat.device_mode():
+            for part in iter_hf_state(self.policy.model, self.layouts, self.par.tp_group, self.par.ep_group,
+                                      self.policy.spec.num_experts):
+                if writer:
+                    digests.update({name: tensor_sha256(t) for name, t in part.items()})
+        dtype = str(next(self.policy.model.parameters()).dtype).removeprefix("torch.")
+        return {"adapter": self.lora.lora.peft_config(None), "base": base_reference(self.cfg),
+                "base_sha256": digests, "base_dtype": dtype}
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -244,20 +244,35 @@ def gather_hf_state(
 
     Every rank receives the full state (tensors of the HF shapes, the parameters' dtype).
     """
+    out: dict[str, Tensor] = {}
+    for part in iter_hf_state(model, layouts, tp_group, ep_group, num_experts):
+        out.update(part)
+    return out
+
+
+def iter_hf_state(
+    model: torch.nn.Module, layouts: Mapping[str, ParamLayout], tp_group: dist.ProcessGroup | None,
+    ep_group: dist.ProcessGroup | None = None, num_experts: int = 0,
+) -> Iterator[dict[str, Tensor]]:
+    """`gather_hf_state` one parameter at a time (its HF tensors), so only one is held in full at once.
+
+    Every rank must consume the whole iterator (each parameter is a collective).
+    """
     tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
     ep_size = dist.get_world_size(ep_group) if ep_group is not None else 1
-    out: dict[str, Tensor] = {}
     for name, param in model.named_parameters():
         layout = layouts[name]
         local = param.detach()
         if layout.expert is not None:
             if ep_size == 1:
-                out.update(merge_shards([layout], [local.cpu()]))
+                yield merge_shards([layout], [local.cpu()])
                 continue
             shards = [torch.empty_like(local) for _ in range(ep_size)]
             dist.all_gather(shards, local.contiguous(), group=ep_group)
+            part: dict[str, Tensor] = {}
             for r, shard in enumerate(shards):
-                out.update(merge_shards([expert_on_rank(layout, r, ep_size, num_experts)], [shard.cpu()]))
+                part.update(merge_shards([expert_on_rank(layout, r, ep_size, num_experts)], [shard.cpu()]))
+            yield part
             continue
         if layout.kind is LayoutKind.REPLICATED or tp_size == 1:
             shards = [local]
@@ -266,8 +281,15 @@ def gather_hf_state(
             shards = [torch.empty_like(local) for _ in range(tp_size)]
             dist.all_gather(shards, local.contiguous(), group=tp_group)
             lays = [_with_rank(layout, r) for r in range(tp_size)]
-        out.update(merge_shards(lays, [s.cpu() for s in shards]))
-    return out
+        yield merge_shards(lays, [s.cpu() for s in shards])
+
+
+def tensor_sha256(tensor: Tensor) -> str:
+    """SHA-256 of a tensor's bytes (dtype and shape are the caller's to record): equal digests, equal bits."""
+    import hashlib
+
+    raw = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(raw.numpy()).hexdigest()
 
 
 def _with_rank(layout: ParamLayout, rank: int) -> ParamLayout:

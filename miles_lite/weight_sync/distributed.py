@@ -21,6 +21,11 @@ Modes:
 
 A changed fleet means a new world: `connect` destroys the group on every engine still reachable
 and on the senders, then builds a fresh one under a new group name and port.
+
+The group's store listens only while the group forms (`weight_group.form_group`): `connect` returns with
+it closed. Except with SGLang's own group join (full mode on SGLang engines, `engine_warm_up=False`):
+its ranks create their communicator at the first broadcast, so this process keeps the store up until
+the first bucket of the first push has reached every engine, then closes it.
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ from miles_lite.weight_sync.transport import (
     WeightTransport,
     resolve_shards,
 )
-from miles_lite.weight_sync.weight_group import init_custom_process_group
+from miles_lite.weight_sync.weight_group import FormedGroup, WarmUp, form_group
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +85,10 @@ class DistributedTransport(WeightTransport):
                  mode: str = "shard", backend: str = "gloo", master_address: str | None = None,
                  group_name: str = "miles_lite_weights", init_timeout_s: float = 120.0,
                  device: str | torch.device = "cpu", senders: ShardSenders | None = None,
-                 group_key: str | None = None) -> None:
-        """`group_key`: the run's API key, which every rank of the group presents (None: no admission check)."""
+                 group_key: str | None = None, engine_warm_up: bool = True) -> None:
+        """`group_key`: the run's API key, which every rank of the group presents (None: no admission check).
+        `engine_warm_up` (full mode): the engines join through this project's group code, which warms the group
+        up while it forms; False for SGLang's own join, which does not (see the module docstring)."""
         super().__init__()
         if mode not in MODES:
             raise ValueError(f"weight_sync.mode={mode!r}; use one of {MODES}")
@@ -103,6 +110,9 @@ class DistributedTransport(WeightTransport):
         self.group_base = group_name
         self.init_timeout_s = init_timeout_s
         self._group_key = group_key
+        self.engine_warm_up = engine_warm_up
+        self._formed: FormedGroup | None = None
+        self.endpoint: tuple[str, int] | None = None  # the current group's rendezvous (address, port)
         self.device = torch.device(device)
         self.full_plan = full_tensor_plan(self.specs, trainer_tp)
         self.plan: ReshardPlan | None = None
@@ -145,6 +155,7 @@ class DistributedTransport(WeightTransport):
         else:
             assert self.senders is not None
             address, port = self.senders.weight_group_endpoint()
+        self.endpoint = (address, port)
         if self.mode == "full":
             futures = {f.engine_id: self.loop.submit(f.engine.init_weights_update_group(
                 address, port, self.rank_offsets[f.engine_id], world, self.group_name, self.backend))
@@ -156,8 +167,10 @@ class DistributedTransport(WeightTransport):
                 for f in self.fleet})
         try:
             if self.mode == "full":
-                self.group = init_custom_process_group(self.backend, address, port, 0, world,
-                                                       self.group_name, self.init_timeout_s, key=self._group_key)
+                self._formed = form_group(self.backend, address, port, 0, world, self.group_name,
+                                          self.init_timeout_s, key=self._group_key,
+                                          warm_up=WarmUp() if self.engine_warm_up else None)
+                self.group = self._formed.group
             else:
                 assert self.senders is not None
                 self.senders_joined = True  # some ranks may have joined even if others failed
@@ -172,6 +185,7 @@ class DistributedTransport(WeightTransport):
             self.loop.gather(futures)
         except WeightSyncError:
             self.state = TransportState.FAILED
+            self._close_rendezvous()  # no push will follow on this group: its store has nothing left to do
             raise
         self.state = TransportState.CONNECTED
 
@@ -180,7 +194,18 @@ class DistributedTransport(WeightTransport):
         self._teardown()
         self.state = TransportState.CLOSED
 
+    @property
+    def rendezvous_open(self) -> bool:
+        """This process still hosts the group's store (full mode with SGLang's join, before the first push)."""
+        return self._formed is not None and self._formed.rendezvous is not None
+
+    def _close_rendezvous(self) -> None:
+        if self._formed is not None:
+            self._formed.close_rendezvous()
+
     def _teardown(self) -> None:
+        self._close_rendezvous()
+        self._formed = None
         if self.group is None and not self.senders_joined:
             return
         if self.mode == "full":
@@ -264,6 +289,8 @@ class DistributedTransport(WeightTransport):
                 handle.wait()
         with report.phase("load"):
             self.loop.gather(futures)
+        # Every engine answered, so it received the broadcast: its communicator exists, the store is done.
+        self._close_rendezvous()
         report.bytes += sum(t.numel() * t.element_size() for t in tensors.values())
 
     def _push_shard(self, bucket: Bucket, version: str, last: bool, report: PushReport) -> None:

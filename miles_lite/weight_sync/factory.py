@@ -54,7 +54,7 @@ def build_transport(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop, r
                                     mode=ws.mode, backend=backend, init_timeout_s=ws.init_timeout_s,
                                     master_address=master, device="cuda" if backend == "nccl" else "cpu",
                                     senders=trainer if ws.mode == "shard" else None,
-                                    group_key=None if sglang_group else api_key)
+                                    group_key=None if sglang_group else api_key, engine_warm_up=not sglang_group)
     if ws.transport == "ipc_handles":
         from miles_lite.weight_sync.ipc_handles import IpcHandleTransport
 

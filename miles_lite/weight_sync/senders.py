@@ -7,7 +7,9 @@ bucket, sends the blocks it holds. `LocalTrainer` (in-process) and `RayTrainerGr
 on top of one `RankSender` per rank.
 
 RankSender lifecycle: IDLE -> JOINED (join) -> IDLE (leave); a failed join or send leaves it IDLE
-with the group destroyed, so the next `connect` starts clean.
+with the group destroyed, so the next `connect` starts clean. The join returns once the group formed:
+TP rank 0 hosts its store and closes it then, after every rank ran one send of each trainer-to-engine
+pair (`WarmUp`), which creates every communicator the pushes use.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.distributed as dist
 
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.weight_sync.shard_protocol import RankSchedule, SendStats, send_bucket
-from miles_lite.weight_sync.weight_group import init_custom_process_group
+from miles_lite.weight_sync.weight_group import WarmUp, init_custom_process_group
 
 
 class ShardSenders(Protocol):
@@ -71,8 +73,13 @@ class SenderState(enum.Enum):
 class RankSender:
     """One trainer rank's membership in the weight-update group."""
 
-    def __init__(self, tp_rank: int) -> None:
+    def __init__(self, tp_rank: int, tp: int = 1) -> None:
+        """`tp_rank`: this rank's sender index (its TP rank, or past the TP ranks for an expert holder); `tp`: the
+        number of sending ranks 0..tp-1 of the group (the trainer's TP size and the expert holders beyond it)."""
+        if not 0 <= tp_rank < tp:
+            raise ValueError(f"trainer sender {tp_rank} is outside [0, {tp}) (the group's sending ranks)")
         self.tp_rank = tp_rank
+        self.tp = tp
         self.state = SenderState.IDLE
         self.group: dist.ProcessGroup | None = None
         self.group_name = ""
@@ -82,7 +89,7 @@ class RankSender:
         """Join `group_name` as group rank `tp_rank` (blocks until every member joined); leaves a previous group."""
         self.leave()
         self.group = init_custom_process_group(backend, master_address, master_port, self.tp_rank, world_size,
-                                               group_name, timeout_s, key=key)
+                                               group_name, timeout_s, key=key, warm_up=WarmUp(senders=self.tp))
         self.group_name = group_name
         self.state = SenderState.JOINED
 

@@ -1,5 +1,6 @@
 """`miles-lite train` with LoRA adapters on reference engines: adapter-only pushes (async rollouts) and merged
-pushes, each verified by the probe, and the run's checkpoint holding only adapters."""
+pushes, each verified by the probe, the run's checkpoint holding only adapters, the base bit-identical after
+training, and a stopped run resumed by a new process ending on the straight run's adapters bit for bit."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from miles_lite.checkpoint import CheckpointReader, newest_complete
+from miles_lite.trainer.hf_convert import read_hf_state, tensor_sha256
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
@@ -76,3 +79,47 @@ def test_merged_push_sends_full_weights(tmp_path: Path) -> None:
     (m,) = _metrics(run)
     assert m["sync/bytes"] > 10 * adapter_bytes and m["sync/bytes"] > 0.9 * model_bytes - 10_000
     assert m["sync/probe_logp_diff_mean"] < 1e-4
+
+
+def _tensors(reader: CheckpointReader, prefix: str) -> dict[str, torch.Tensor]:
+    return {n: reader.global_tensor(n) for n in reader.global_names(prefix)}
+
+
+def test_base_untouched_adapters_moved_and_resume_is_bit_exact(tmp_path: Path) -> None:
+    # Rollouts are seeded, so both runs train on the same tokens; the engines' log-probs (the importance
+    # weights' denominator) vary in their last bits with how requests were batched, so the weights are off.
+    steps = ["experiment.steps=2", "checkpoint.interval=1", "checkpoint.keep_last=2", "algo.is_level=none"]
+    straight = _train(tmp_path, "straight", *steps)
+    kept = sorted((straight / "checkpoints").glob("step_*"))
+    assert [p.name for p in kept][-2:] == ["step_00000001", "step_00000002"], kept
+    first, last = (CheckpointReader(p) for p in kept[-2:])
+
+    # The base: every tensor the trainer held after training (fingerprinted at the save) has the bits of the
+    # initial model it loaded, and nothing else is in the fingerprint.
+    lora = last.shared()["lora"]
+    initial = read_hf_state(straight / "initial_model")
+    assert lora["base_dtype"] == "float32" and lora["base_sha256"]
+    assert set(lora["base_sha256"]) <= set(initial) and set(initial) - set(lora["base_sha256"]) <= {"lm_head.weight"}
+    for name, digest in lora["base_sha256"].items():
+        assert digest == tensor_sha256(initial[name]), name
+    assert first.shared()["lora"]["base_sha256"] == lora["base_sha256"]
+    # The adapters: every B left zero, and RL's second step moved every A and B.
+    before, after = _tensors(first, "model/"), _tensors(last, "model/")
+    assert set(before) == set(after) and len(after) == 2 * 2 * 7  # layers x targets x (A, B)
+    for name, tensor in after.items():
+        assert not torch.equal(tensor, before[name]), name
+        if "lora_B" in name:
+            assert float(tensor.abs().max()) > 0, name
+
+    # Resume: 1 step, then a new process resumes from its checkpoint and runs the second.
+    _train(tmp_path, "resumed", "experiment.steps=1", *steps[1:])
+    resumed = _train(tmp_path, "resumed", *steps)
+    assert [m["step"] for m in _metrics(resumed)] == [0, 1]
+    end = CheckpointReader(newest_complete(resumed / "checkpoints"))  # type: ignore[arg-type]
+    assert end.shared()["counters"]["steps_done"] == last.shared()["counters"]["steps_done"]
+    for prefix in ("model/", "optim/"):  # adapters, then their Adam moments
+        want, got = _tensors(last, prefix), _tensors(end, prefix)
+        assert want and set(got) == set(want), prefix
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), name
+    assert end.shared()["optimizer"] == last.shared()["optimizer"]  # step counts, parameter groups

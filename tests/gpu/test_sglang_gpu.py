@@ -398,8 +398,10 @@ class TestWeightPush:
     def test_full_broadcast_over_gloo_verified_and_restored(self, world: World) -> None:
         """mode=full: SGLang's own init_weights_update_group / update_weights_from_distributed, full HF tensors
         broadcast from this process (gloo, the engine receiving into GPU tensors)."""
+        # SGLang's own group join runs no warm-up: the store stays up until the first broadcast reached it.
         transport = DistributedTransport(world.specs, 1, world.loop, bucket_bytes=BUCKET_BYTES, mode="full",
-                                         backend="gloo", init_timeout_s=120.0, master_address=LOCAL_HOST)
+                                         backend="gloo", init_timeout_s=120.0, master_address=LOCAL_HOST,
+                                         engine_warm_up=False)
         sync = WeightSyncCoordinator(transport, world.loop)
         try:
             sync.verifier = world.verifier(world.new)

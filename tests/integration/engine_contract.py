@@ -46,8 +46,9 @@ def shipped_sglang_args() -> dict[str, Any]:
 
 
 # SGLang flags for a token-in/token-out server on one GPU (no tokenizer in the tiny model directory), over the
-# shipped defaults. The memory saver with a host copy of the weights: sleep/wake keeps them without a push in
-# between.
+# shipped defaults. The memory saver (what /release_memory_occupation needs; the launcher also drops
+# expandable_segments from its environment) with a host copy of the weights: sleep/wake keeps them without a
+# push in between.
 SGLANG_TEST_ARGS: dict[str, Any] = {**shipped_sglang_args(), "skip_tokenizer_init": True, "mem_fraction_static": 0.3,
                                     "attention_backend": "triton", "sampling_backend": "pytorch",
                                     "disable_cuda_graph": True, "dtype": "float32", "enable_memory_saver": True,
@@ -91,12 +92,14 @@ def hf_logprobs(model_path: str, tokens: list[int], prompt_len: int, temperature
 
 @contextlib.contextmanager
 def running_engine(kind: str, model_path: str, log_dir: str, reference_args: dict[str, Any] | None = None,
-                   request_timeout_s: float = 120.0) -> Iterator[LaunchedEngine]:
-    """Start one engine server of `kind` and stop it (its whole process group) afterwards."""
+                   request_timeout_s: float = 120.0,
+                   sglang_args: dict[str, Any] | None = None) -> Iterator[LaunchedEngine]:
+    """Start one engine server of `kind` and stop it (its whole process group) afterwards; `reference_args` /
+    `sglang_args` add to (and override) the test flags of that kind."""
     rollout = RolloutConfig(backend=kind, engines=1, engine_tp=1, startup_timeout_s=600.0,
                             request_timeout_s=request_timeout_s,
                             reference_args={"max_batch_size": 32, "threads": 1, **(reference_args or {})},
-                            sglang_args=dict(SGLANG_TEST_ARGS))
+                            sglang_args={**SGLANG_TEST_ARGS, **(sglang_args or {})})
     launcher = EngineLauncher(rollout, model_path, log_dir)
     launched = run(launcher.start(0))
     try:
@@ -305,7 +308,8 @@ class EngineContract:
                 with pytest.raises(EngineError, match="memory is released.*kv_cache"):
                     await engine.client.generate(PROMPT, GREEDY)
             finally:
-                await engine.client.resume_memory([t for t in MEMORY_TAGS if t in engine.client.released])
+                if engine.client.released:  # leave the module's shared engine awake, whatever failed
+                    await engine.client.resume_memory([t for t in MEMORY_TAGS if t in engine.client.released])
             after = await engine.client.score(tokens, len(PROMPT))
             return before, after, refusals
 

@@ -16,9 +16,9 @@ from miles_lite.weight_sync.shard_protocol import RankSchedule, SendStats
 REPLY_TIMEOUT_S = 120.0
 
 
-def _rank_main(conn: Any, tp_rank: int) -> None:
+def _rank_main(conn: Any, tp_rank: int, tp: int) -> None:
     torch.set_num_threads(1)
-    sender = RankSender(tp_rank)
+    sender = RankSender(tp_rank, tp)
     shards: dict[str, torch.Tensor] = {}
     try:
         while True:
@@ -52,7 +52,7 @@ class ProcessSenders:
         self.procs, self.conns = [], []
         for rank in range(tp):
             parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_rank_main, args=(child, rank), daemon=True)
+            proc = ctx.Process(target=_rank_main, args=(child, rank, tp), daemon=True)
             proc.start()
             child.close()
             self.procs.append(proc)

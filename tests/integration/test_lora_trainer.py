@@ -2,7 +2,8 @@
 to TP=1, bit-exact resume, and the checkpoint's PEFT export loaded by `peft` with the trainer's logits.
 
 Run A (TP=1): 2 steps, checkpoint, 2 more steps. Run B (TP=2): the same 4 steps. Run C (TP=1, new process):
-resume A's checkpoint, 2 steps -> A's final adapters bit for bit.
+resume A's checkpoint, 2 steps -> A's final adapters bit for bit. Run D: resuming A's checkpoint onto another
+base is refused (the checkpoint pins its base by the SHA-256 of every base tensor).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from miles_lite.checkpoint import CheckpointReader, DriverState, newest_complete
 from miles_lite.checkpoint.run_state import RankCheckpointer
 from miles_lite.cli import main
 from miles_lite.lora_format import TARGETS, LoraSpec, merged_state, tensor_name
-from miles_lite.trainer.hf_convert import read_hf_state
+from miles_lite.trainer.hf_convert import read_hf_state, tensor_sha256
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -81,6 +82,19 @@ def scenario_resume(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> 
     return out
 
 
+def scenario_resume_elsewhere(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> dict[str, Any]:
+    from miles_lite.trainer.actor import TrainerActor
+
+    actor = TrainerActor(_config(hf_path, ckpt_dir, world_size), rank, world_size)
+    try:
+        RankCheckpointer.restore(actor, newest_complete(ckpt_dir))  # type: ignore[arg-type]
+    except ValueError as err:
+        return {"error": str(err)}
+    finally:
+        actor.close()
+    return {"error": None}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("lora_trainer")
@@ -138,6 +152,18 @@ def test_resume_continues_bit_exactly(runs: dict[str, Any]) -> None:
     assert {n.split("/", 1)[0] for n in reader.global_names()} == {"model", "optim"}
     assert all("lora_" in n for n in reader.global_names())
     assert reader.shared()["lora"]["base"] == {"hf_path": str(runs["hf"])}
+    # The base, fingerprinted at the save after two steps, has the bits of the HF model it was loaded from.
+    base = read_hf_state(runs["hf"])
+    digests = reader.shared()["lora"]["base_sha256"]
+    assert set(digests) == set(base) - {"lm_head.weight"}  # tied embeddings
+    assert all(digests[n] == tensor_sha256(t) for n, t in base.items() if n in digests)
+
+
+def test_resume_onto_another_base_is_refused(runs: dict[str, Any]) -> None:
+    root = runs["root"]
+    other = make_test_checkpoint("qwen2", root / "other", vocab_size=VOCAB, seed=1)
+    d = run_ranks(scenario_resume_elsewhere, 1, root / "d", hf_path=str(other), ckpt_dir=str(root / "ckpt_a"))[0]
+    assert d["error"] is not None and "base tensors differ" in d["error"] and str(runs["hf"]) in d["error"], d
 
 
 def test_peft_export_loads_with_equal_logits(runs: dict[str, Any], capsys: pytest.CaptureFixture[str]) -> None:

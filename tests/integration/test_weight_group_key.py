@@ -1,4 +1,5 @@
-"""The weight-update group admits only ranks presenting the run's key (gloo, real processes on CPU)."""
+"""The weight-update group admits only ranks presenting the run's key, and its rendezvous store listens only while
+the group forms (gloo, real processes on CPU)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ def _run(members: list[tuple[int, str | None, float]], world: int, delays: list[
         procs.append(proc)
         if delays:
             time.sleep(delays[i])  # order of arrival: the test's subject, not a readiness wait
-    results = [out.get(timeout=120) for _ in procs]
+    results = [out.get(timeout=180) for _ in procs]
     for proc in procs:
         proc.join(30)
     return sorted(results, key=lambda r: (r[0], r[2]))
@@ -71,9 +72,174 @@ def test_an_intruder_cannot_take_a_members_place(intruder_key: str | None) -> No
     intruder = new_key() if intruder_key == "wrong" else None
     # The intruder dials first, as rank 1; the real rank 1 arrives later and the group forms with it.
     # Its timeout leaves room for the master's start on a loaded machine (spawned processes import torch).
-    results = _run([(1, intruder, 30.0), (0, key, 60.0), (1, key, 60.0)], world=2, delays=[0.5, 0.5, 0.0])
+    results = _run([(1, intruder, 60.0), (0, key, 90.0), (1, key, 90.0)], world=2, delays=[0.5, 0.5, 0.0])
     joined = [r for r in results if r[2] == "joined"]
     assert sorted((r[0], r[1]) for r in joined) == [(0, key), (1, key)]
     assert all(r[3] == [0.0, 1.0, 2.0, 3.0] for r in joined)
     (stray,) = [r for r in results if r[1] == intruder]
     assert stray[2] == ("refused" if intruder_key == "wrong" else "failed")
+
+
+# ---- formation: the store listens only while the group forms ------------------------------------------------
+
+
+def _pushing_member(rank: int, world: int, port: int, key: str, senders: int, go: Any, out: Any) -> None:
+    """Form the group, report, then (on `go`) run two pushes of the kind `senders` names and report what arrived."""
+    import torch
+
+    from miles_lite.weight_sync.weight_group import WarmUp, init_custom_process_group
+
+    try:
+        group = init_custom_process_group("gloo", LOCAL_HOST, port, rank, world, GROUP, 60.0, key=key,
+                                          warm_up=WarmUp(senders=senders))
+    except Exception as exc:
+        out.put((rank, "failed", repr(exc)))
+        return
+    out.put((rank, "formed", None))
+    if not go.wait(120):
+        out.put((rank, "failed", "no go"))
+        return
+    received = []
+    try:
+        for push in (1, 2):
+            if senders == 0:  # full mode: every tensor broadcast from rank 0
+                tensor = torch.arange(4.0) * push if rank == 0 else torch.zeros(4)
+                torch.distributed.broadcast(tensor, src=0, group=group)
+                received.append(tensor.tolist())
+            elif rank < senders:  # shard mode: every sender sends each receiver its own block
+                handles = [torch.distributed.isend(torch.tensor([float(rank), float(dst), float(push)]), dst=dst,
+                                                   group=group) for dst in range(senders, world)]
+                for handle in handles:
+                    handle.wait()
+            else:
+                bufs = [torch.zeros(3) for _ in range(senders)]
+                handles = [torch.distributed.irecv(buf, src=src, group=group) for src, buf in enumerate(bufs)]
+                for handle in handles:
+                    handle.wait()
+                received.append([buf.tolist() for buf in bufs])
+    except Exception as exc:
+        out.put((rank, "failed", repr(exc)))
+        return
+    out.put((rank, "pushed", received))
+
+
+def _connect_errno(port: int) -> int:
+    """0 when something accepts a TCP connection on the loopback port, else the connect's errno."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        return sock.connect_ex((LOCAL_HOST, port))
+
+
+@pytest.mark.parametrize("senders", [0, 2], ids=["broadcast", "p2p"])
+def test_a_formed_group_no_longer_listens_and_still_pushes(senders: int) -> None:
+    import errno
+
+    key, world = new_key(), 4
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    port = free_port(LOCAL_HOST)
+    procs = [ctx.Process(target=_pushing_member, args=(rank, world, port, key, senders, go, out))
+             for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        formed = [out.get(timeout=180) for _ in procs]
+        assert sorted(r[:2] for r in formed) == [(rank, "formed") for rank in range(world)], formed
+        # Rank 0 reports only after closing the store: nothing listens on the rendezvous port any more.
+        assert _connect_errno(port) == errno.ECONNREFUSED
+        go.set()
+        pushed = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r[0])
+        assert [r[1] for r in pushed] == ["pushed"] * world, pushed
+        for rank, _, received in pushed:
+            if senders == 0:
+                assert received == [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]], (rank, received)
+            elif rank >= senders:
+                assert received == [[[float(s), float(rank), float(push)] for s in range(senders)]
+                                    for push in (1, 2)], (rank, received)
+        assert _connect_errno(port) == errno.ECONNREFUSED
+    finally:
+        go.set()
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _sglang_like_member(port: int, go: Any, out: Any) -> None:
+    """Rank 1 joining as SGLang 0.5.10's `init_custom_process_group` does: a store client, the group, nothing
+    more (no key, no warm-up); then it receives two broadcasts once told to."""
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import Backend, PrefixStore, _new_process_group_helper, _world
+
+    timeout = timedelta(seconds=60)
+    out.put((1, "started", None))  # imports done: it dials rank 0's store now (and retries until it listens)
+    store = dist.TCPStore(LOCAL_HOST, port, 2, False, timeout)
+    group, _ = _new_process_group_helper(2, 1, [], Backend("gloo"), PrefixStore(GROUP, store), group_name=GROUP,
+                                         backend_options=None, timeout=timeout)
+    _world.pg_group_ranks[group] = {0: 0, 1: 1}
+    out.put((1, "formed", None))
+    if not go.wait(120):
+        return
+    received = []
+    for _ in (1, 2):
+        tensor = torch.zeros(4)
+        dist.broadcast(tensor, src=0, group=group)
+        received.append(tensor.tolist())
+    out.put((1, "pushed", received))
+
+
+def test_a_group_with_sglangs_own_join_keeps_its_store_until_the_caller_closes_it() -> None:
+    import errno
+
+    import torch
+
+    from miles_lite.weight_sync.weight_group import form_group
+
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    port = free_port(LOCAL_HOST)
+    peer = ctx.Process(target=_sglang_like_member, args=(port, go, out))
+    peer.start()
+    try:
+        assert out.get(timeout=120)[:2] == (1, "started")
+        formed = form_group("gloo", LOCAL_HOST, port, 0, 2, GROUP, 60.0, warm_up=None)
+        assert out.get(timeout=120)[:2] == (1, "formed")
+        assert formed.rendezvous is not None and _connect_errno(port) == 0  # its communicators come at a push
+        go.set()
+        for push in (1, 2):
+            torch.distributed.broadcast(torch.arange(4.0) * push, src=0, group=formed.group)
+            formed.close_rendezvous()  # what the transport does once the first broadcast reached every engine
+            assert _connect_errno(port) == errno.ECONNREFUSED
+        assert out.get(timeout=120) == (1, "pushed", [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]])
+        torch.distributed.destroy_process_group(formed.group)
+    finally:
+        go.set()
+        peer.join(30)
+        if peer.is_alive():
+            peer.kill()
+
+
+def test_a_warm_up_the_other_ranks_never_run_is_a_clear_error_and_closes_the_store() -> None:
+    import errno
+
+    from miles_lite.weight_sync.weight_group import form_group
+
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    port = free_port(LOCAL_HOST)
+    peer = ctx.Process(target=_sglang_like_member, args=(port, go, out))
+    peer.start()
+    try:
+        # Only the missing warm-up may time out here, not a peer still starting on a loaded machine.
+        assert out.get(timeout=120)[:2] == (1, "started")
+        with pytest.raises(TimeoutError, match=r"ranks \[1\] joined but did not finish forming.*warm_up=None"):
+            form_group("gloo", LOCAL_HOST, port, 0, 2, GROUP, 10.0)
+        assert _connect_errno(port) == errno.ECONNREFUSED
+    finally:
+        peer.kill()
+        peer.join(30)

@@ -122,3 +122,52 @@ def test_adapter_push_loads_switches_and_unloads(tmp_path: Path, loop: EngineLoo
     spec, tensors = load_adapter_dir(tmp_path / "v2")
     name = tensor_name(0, "q_proj", "A")
     assert spec.rank == 2 and torch.equal(tensors[name], adapter[name])
+
+
+def _sglang_lora_cfg(rank: int = 16, **sglang_args: object) -> MilesConfig:
+    cfg = MilesConfig()
+    cfg.rollout.backend = "sglang"
+    cfg.trainer.lora.rank, cfg.trainer.lora.alpha = rank, 2.0 * rank
+    cfg.rollout.sglang_args = dict(sglang_args)
+    return cfg
+
+
+def test_sglang_gets_the_trainers_lora_shape() -> None:
+    served = with_lora_serving(_sglang_lora_cfg(16))
+    argv = sglang_flag_args(served.rollout.sglang_args)
+    assert argv.count("--enable-lora") == 1 and argv[argv.index("--max-lora-rank") + 1] == "16"
+    i = argv.index("--lora-target-modules")
+    assert argv[i + 1:i + 8] == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    # What the user set wins, in either spelling, and is not doubled.
+    served = with_lora_serving(_sglang_lora_cfg(16, **{"max-lora-rank": 64, "lora_target_modules": "all",
+                                                       "max_loras_per_batch": 4}))
+    argv = sglang_flag_args(served.rollout.sglang_args)
+    assert argv.count("--max-lora-rank") == 1 and argv[argv.index("--max-lora-rank") + 1] == "64"
+    assert argv[argv.index("--lora-target-modules") + 1:][:2] == ["all", "--max-loras-per-batch"]
+    validate(_sglang_lora_cfg(16, max_lora_rank=64, lora_target_modules="all"))
+    # SGLang stacks q/k/v and gate/up: naming one of a stack covers the others.
+    validate(_sglang_lora_cfg(16, lora_target_modules=["q_proj", "o_proj", "gate_up_proj", "down_proj"]))
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"max_lora_rank": 8}, r"rollout.sglang_args.max_lora_rank=8 is below trainer.lora.rank=16.*set it >= 16"),
+    ({"enable_lora": False}, r"rollout.sglang_args.enable_lora=False: .*weight_sync.lora=merged"),
+    ({"lora_target_modules": ["q_proj", "o_proj"]},
+     r"lora_target_modules=\['q_proj', 'o_proj'\] does not cover trainer.lora.targets "
+     r"\['gate_proj', 'up_proj', 'down_proj'\]"),
+    ({"max_loaded_loras": 1}, r"rollout.sglang_args.max_loaded_loras=1: .*set it >= 2"),
+])
+def test_sglang_args_contradicting_the_trainers_lora_are_refused(args: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        validate(_sglang_lora_cfg(16, **args))
+    cfg = _sglang_lora_cfg(16, **args)
+    cfg.weight_sync.lora = "merged"  # merged pushes send plain weights: the engine's LoRA flags are the user's
+    validate(cfg)
+
+
+def test_reference_args_below_the_trainers_rank_are_refused() -> None:
+    cfg = MilesConfig()
+    cfg.trainer.lora.rank = 8
+    cfg.rollout.reference_args = {"max-lora-rank": 4}
+    with pytest.raises(ConfigError, match=r"rollout.reference_args.max_lora_rank=4 is below trainer.lora.rank=8"):
+        validate(cfg)

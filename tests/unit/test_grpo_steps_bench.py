@@ -1,0 +1,71 @@
+"""`benchmarks/grpo_steps.py`: the overrides each shape runs with, and the result file kept current per step."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+
+from grpo_steps import StepReport, overrides, parse_args  # noqa: E402
+
+
+def _overrides(*argv: str) -> list[str]:
+    args, extra = parse_args(list(argv))
+    return overrides(args, Path("/m"), Path("/o")) + extra
+
+
+def test_the_7b_shape_sets_every_memory_knob() -> None:
+    over = _overrides("--shape", "qwen2.5-7b")
+    for expected in ("rollout.prompts_per_step=16", "rollout.group_size=8", "rollout.max_new_tokens=256",
+                     "rollout.sglang_args.mem_fraction_static=0.2", "trainer.micro_batch_tokens=4096",
+                     "trainer.offload.params=true", "trainer.offload.grads=true", "trainer.offload.optimizer=false",
+                     "trainer.use_distributed_optimizer=false", "trainer.max_update_ratio=0",
+                     "+trainer.transformer.recompute_granularity=full", "cluster.colocated_memory=handoff",
+                     "cluster.placement=colocated", "checkpoint.dir=''"):
+        assert expected in over, expected
+    # Each flag overrides its default; resident keeps the knobs.
+    over = _overrides("--shape", "qwen2.5-7b", "--offload", "none", "--no-recompute", "--mem-fraction", "0.25",
+                      "--memory", "resident", "--checkpoint-interval", "5")
+    assert "trainer.offload.params=false" in over and "trainer.offload.optimizer=false" in over
+    assert not any("recompute_granularity" in o for o in over)
+    assert "rollout.sglang_args.mem_fraction_static=0.25" in over and "cluster.colocated_memory=resident" in over
+    assert "checkpoint.interval=5" in over and "checkpoint.dir=''" not in over
+
+
+def test_the_default_shape_keeps_the_recipe_batch() -> None:
+    over = _overrides()
+    assert "rollout.prompts_per_step=64" in over and "trainer.offload.optimizer=true" in over
+    assert not any(o.startswith("trainer.micro_batch_tokens") or o.startswith("trainer.max_update_ratio") for o in over)
+    with pytest.raises(SystemExit):
+        parse_args(["--offload", "params,moments"])
+
+
+def _record(step: int) -> str:
+    return json.dumps({"step": step, "time/train_seconds": 1.0 + step, "time/offload_seconds": 0.5,
+                       "time/engine_wake_seconds": 0.25, "memory/train_trainer_peak_bytes": 2.0 * (1 << 30)})
+
+
+def test_the_result_file_follows_the_run_step_by_step(tmp_path: Path) -> None:
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    out = tmp_path / "result.json"
+    report = StepReport(tmp_path / "runs", out, skip=0, meta={"shape": "s"})
+    report.write()
+    assert json.loads(out.read_text())["status"] == "running"
+    metrics = run / "metrics.jsonl"
+    metrics.write_text(_record(0) + "\n" + '{"step": 1, "time/tr')  # the second line is still being written
+    report.update()
+    result = json.loads(out.read_text())
+    assert [r["step"] for r in result["steps"]] == [1]
+    assert result["steps"][0]["offload_s"] == 0.5 and result["steps"][0]["train_peak_gib"] == 2.0
+    assert result["steps"][0]["onload_s"] is None
+    metrics.write_text(_record(0) + "\n" + _record(1) + "\n")
+    report.finish("failed: stopped")
+    result = json.loads(out.read_text())
+    assert result["status"] == "failed: stopped" and [r["step"] for r in result["steps"]] == [1, 2]
+    assert result["spread"]["train"] == {"min": 1.0, "median": 1.5, "max": 2.0, "n": 2}
+    assert result["spread"]["engine_wake_s"]["n"] == 2 and "onload_s" not in result["spread"]
