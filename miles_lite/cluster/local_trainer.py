@@ -29,6 +29,10 @@ class LocalTrainer:
     def layouts(self) -> list[ParamLayout]:
         return self.rank.layouts()
 
+    def expert_senders(self) -> dict[int, int]:
+        """Every routed expert lives on this one rank (sender 0)."""
+        return {layout.expert: 0 for layout in self.layouts() if layout.expert is not None}
+
     def weight_shards(self) -> list[dict[str, torch.Tensor]]:
         return [self.rank.weight_shards()]
 

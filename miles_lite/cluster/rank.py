@@ -6,6 +6,7 @@ The same body serves both trainer roles: `LocalTrainer` holds one in the driver'
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,11 +21,43 @@ from miles_lite.types import TrainBatch
 
 @dataclass(frozen=True)
 class RankCoords:
-    """Where a rank sits in the trainer's grid (global rank, tensor- and data-parallel coordinates)."""
+    """Where a rank sits in the trainer's grid (global rank, tensor-, data- and expert-parallel coordinates)."""
 
     rank: int
     tp_rank: int
     dp_rank: int
+    ep_rank: int = 0
+
+
+def weight_senders(coords: Sequence[RankCoords], tp: int) -> list[int]:
+    """The global ranks whose weights a push reads, in sender order (`weight_sync.plan`): TP ranks 0..tp-1 of
+    data-parallel rank 0, then, for each expert-parallel rank none of those is on, its lowest global rank."""
+    by_tp = {c.tp_rank: c for c in coords if c.dp_rank == 0}
+    if sorted(by_tp) != list(range(tp)):
+        raise ValueError(f"data-parallel rank 0 holds TP ranks {sorted(by_tp)}, not 0..{tp - 1}")
+    senders = [by_tp[t] for t in range(tp)]
+    covered = {c.ep_rank for c in senders}
+    for c in sorted(coords, key=lambda c: c.rank):
+        if c.ep_rank not in covered:
+            senders.append(c)
+            covered.add(c.ep_rank)
+    return [c.rank for c in senders]
+
+
+def expert_senders(coords: Sequence[RankCoords], senders: Sequence[int], ep: int, num_experts: int) -> dict[int, int]:
+    """Global routed expert -> the sender (index into `senders`) holding it: expert e lives on expert-parallel rank
+    e // (num_experts / ep), and the first sender on that rank sends it."""
+    if num_experts % ep:
+        raise ValueError(f"trainer.ep={ep} must divide the model's {num_experts} routed experts")
+    ep_of = {c.rank: c.ep_rank for c in coords}
+    first: dict[int, int] = {}
+    for index, rank in enumerate(senders):
+        first.setdefault(ep_of[rank], index)
+    per_rank = num_experts // ep
+    missing = sorted(set(range(ep)) - set(first))
+    if missing:
+        raise ValueError(f"no weight sender on expert-parallel ranks {missing}")
+    return {e: first[e // per_rank] for e in range(num_experts)}
 
 
 class TrainerRank:
@@ -44,24 +77,42 @@ class TrainerRank:
         self.checkpointer = RankCheckpointer(cfg)
         self.checkpointer.prepare(self.actor)
         par = self.actor.par
-        return RankCoords(par.rank, par.tp_rank, par.dp_rank)
+        return RankCoords(par.rank, par.tp_rank, par.dp_rank, par.ep_rank)
 
     def layouts(self) -> list[ParamLayout]:
-        return list(self.actor.layouts.values())
+        """This rank's parameter layouts, each routed expert's repeated for every expert-parallel rank (the
+        same Megatron parameter holds expert j of each EP rank's share): every tensor a push moves."""
+        from miles_lite.trainer.hf_convert import expert_on_rank
 
-    def weight_shards(self, copy: bool = False) -> dict[str, torch.Tensor]:
-        """This rank's `{megatron name: tensor}` (`copy`: clones, for callers that keep them while training goes on)."""
-        return {name: tensor.clone() if copy else tensor for name, tensor, _ in self.actor.named_shards()}
+        par, out = self.actor.par, []
+        for layout in self.actor.layouts.values():
+            if layout.expert is None:
+                out.append(layout)
+            else:
+                out += [expert_on_rank(layout, r, par.ep_size, self.actor.policy.spec.num_experts)
+                        for r in range(par.ep_size)]
+        return out
+
+    def weight_shards(self, copy: bool = False, experts_only: bool = False) -> dict[str, torch.Tensor]:
+        """This rank's `{megatron name: tensor}` (`copy`: clones, for callers that keep them while training goes on;
+        `experts_only`: the routed experts alone, what a sender beyond the TP ranks provides)."""
+        return {name: tensor.clone() if copy else tensor for name, tensor, layout in self.actor.named_shards()
+                if not experts_only or layout.expert is not None}
 
     # ---- weight sync, shard mode (`weight_sync.senders.ShardSenders`) -------------------------------
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout_s: float, key: str | None = None) -> None:
-        """Join the weight-update group as group rank = this rank's TP rank (blocks until all joined)."""
+                          backend: str, timeout_s: float, key: str | None = None, group_rank: int | None = None,
+                          senders: int | None = None) -> None:
+        """Join the weight-update group as `group_rank` (its sender index; default this rank's TP rank) of
+        `senders` sending ranks (default the TP size), blocking until all joined."""
         from miles_lite.weight_sync.senders import RankSender
 
-        if self.sender is None:
-            self.sender = RankSender(self.actor.par.tp_rank, self.actor.par.tp_size)
+        rank = self.actor.par.tp_rank if group_rank is None else group_rank
+        count = self.actor.par.tp_size if senders is None else senders
+        if self.sender is None or (self.sender.tp_rank, self.sender.tp) != (rank, count):
+            self.leave_weight_group()
+            self.sender = RankSender(rank, count)
         self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s, key)
 
     def send_weight_bucket(self, schedule: Any) -> Any:

@@ -4,7 +4,8 @@
 `TrainerRank` actor per bundle, lets rank 0 pick the torch.distributed rendezvous (its node address
 and a free port) and builds a `TrainerActor` on every rank. Every call of the driver is sent to all
 ranks with the same arguments (the actor splits a batch over data-parallel ranks itself) and rank 0's
-answer is returned; weight shards come from the data-parallel rank 0 of every TP rank.
+answer is returned; weight shards come from the data-parallel rank 0 of every TP rank, and routed experts of
+expert-parallel ranks outside it from one rank of each (the weight senders, `rank.weight_senders`).
 
 Lifecycle: NEW -> STARTING -> READY -> CLOSED; a rank that dies, a call that leaves ranks stuck in a
 collective, or a failed start leaves FAILED, where only `close()` is allowed.
@@ -26,7 +27,7 @@ import torch
 from miles_lite.checkpoint.async_ckpt import SaveStats
 from miles_lite.checkpoint.driver_state import DriverState
 from miles_lite.cluster.gang import reserve, trainer_gang
-from miles_lite.cluster.rank import RankCoords, TrainerRank
+from miles_lite.cluster.rank import RankCoords, TrainerRank, expert_senders, weight_senders
 from miles_lite.config.schema import MilesConfig
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.types import TrainBatch
@@ -243,25 +244,35 @@ class RayTrainerGroup:
     # ---- the TrainerRole calls -----------------------------------------------------------------
 
     def layouts(self) -> list[ParamLayout]:
-        """Parameter layouts of TP rank 0 (they describe every rank's sharding)."""
+        """Parameter layouts of TP rank 0 (they describe every rank's sharding), routed experts of every EP rank."""
         self._require_ready()
         if self._layouts is None:
             self._layouts = self._collect({0: self.actors[0].layouts.remote()}, "layouts")[0]
         return list(self._layouts)
 
-    def weight_shards(self) -> list[dict[str, torch.Tensor]]:
-        """`{megatron name: local tensor}` per trainer TP rank (index = TP rank), from data-parallel rank 0."""
+    def _sender_ranks(self) -> list[int]:
+        """Global rank of every weight sender (index = sender: TP ranks of DP rank 0, then expert holders)."""
         self._require_ready()
-        holders = {c.tp_rank: c.rank for c in self.coords if c.dp_rank == 0}
-        refs = {tp_rank: self.actors[rank].weight_shards.remote(True) for tp_rank, rank in sorted(holders.items())}
+        return weight_senders(self.coords, self.cfg.trainer.tp)
+
+    def expert_senders(self) -> dict[int, int]:
+        """Global routed expert -> the sender holding it (empty for a dense model)."""
+        experts = {layout.expert for layout in self.layouts() if layout.expert is not None}
+        if not experts:
+            return {}
+        return expert_senders(self.coords, self._sender_ranks(), self.cfg.trainer.ep, len(experts))
+
+    def weight_shards(self) -> list[dict[str, torch.Tensor]]:
+        """`{megatron name: local tensor}` per weight sender (index = sender; beyond the TP ranks, experts only)."""
+        tp = self.cfg.trainer.tp
+        refs = {i: self.actors[rank].weight_shards.remote(True, i >= tp) for i, rank in enumerate(self._sender_ranks())}
         return self._collect(refs, "weight_shards")
 
     # ---- weight sync, shard mode (`weight_sync.senders.ShardSenders`) -----------------------------
 
     def _senders(self) -> dict[int, Any]:
-        """TP rank -> actor of data-parallel rank 0 (the ranks whose shards are sent)."""
-        self._require_ready()
-        return {c.tp_rank: self.actors[c.rank] for c in self.coords if c.dp_rank == 0}
+        """Sender index (= group rank) -> actor: TP ranks of data-parallel rank 0, then expert holders."""
+        return {i: self.actors[rank] for i, rank in enumerate(self._sender_ranks())}
 
     def weight_group_endpoint(self) -> tuple[str, int]:
         """The weight-update group's rendezvous: TP rank 0's node address (or `cluster.advertise_address`) and
@@ -272,17 +283,18 @@ class RayTrainerGroup:
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str, timeout_s: float, key: str | None = None) -> None:
-        """Every TP rank of data-parallel rank 0 joins as group rank = its TP rank; returns once all joined."""
-        refs = {tp: a.join_weight_group.remote(master_address, master_port, world_size, group_name, backend,
-                                               timeout_s, key) for tp, a in sorted(self._senders().items())}
+        """Every sender joins as group rank = its sender index; returns once all joined."""
+        senders = self._senders()
+        refs = {i: a.join_weight_group.remote(master_address, master_port, world_size, group_name, backend,
+                                              timeout_s, key, i, len(senders)) for i, a in sorted(senders.items())}
         # A rank whose rendezvous fails raises within `timeout_s`; the margin covers the call itself.
         self._collect(refs, "join_weight_group", timeout_s + STRAGGLER_GRACE_S)
 
     def send_weight_bucket(self, schedules: Sequence[Any]) -> list[Any]:
-        """TP rank t sends `schedules[t]`; every rank's `SendStats` once all sends completed."""
+        """Sender i sends `schedules[i]`; every sender's `SendStats` once all sends completed."""
         senders = self._senders()
         if len(schedules) != len(senders):
-            raise ValueError(f"send_weight_bucket got {len(schedules)} schedules for {len(senders)} trainer TP ranks")
+            raise ValueError(f"send_weight_bucket got {len(schedules)} schedules for {len(senders)} weight senders")
         return self._collect({tp: a.send_weight_bucket.remote(schedules[tp]) for tp, a in sorted(senders.items())},
                              "send_weight_bucket")
 

@@ -20,7 +20,7 @@ import torch
 from safetensors.torch import save_file
 
 from miles_lite.weight_sync.buckets import full_buckets
-from miles_lite.weight_sync.plan import ParamSpec, apply_rank_plan, full_tensor_plan
+from miles_lite.weight_sync.plan import ParamSpec, apply_rank_plan, full_tensor_plan, sender_count
 from miles_lite.weight_sync.transport import (
     EngineLoop,
     FleetEngine,
@@ -135,6 +135,7 @@ class DiskTransport(WeightTransport):
         self.plan = full_tensor_plan(specs, trainer_tp)
         self.buckets = full_buckets(self.plan, bucket_bytes)
         self.trainer_tp = trainer_tp
+        self.senders = sender_count(specs, trainer_tp)
         # (version, bytes) of the last version this transport wrote.
         self._published: tuple[str, int] | None = None
 
@@ -158,8 +159,9 @@ class DiskTransport(WeightTransport):
             path, report.bytes = version_dir(self.root, version), self._published[1]
         else:
             shards = resolve_shards(named_shards, report)
-            if len(shards) != self.trainer_tp:
-                raise WeightSyncError(f"disk push got {len(shards)} trainer shards for trainer tp={self.trainer_tp}")
+            if len(shards) != self.senders:
+                raise WeightSyncError(f"disk push got {len(shards)} trainer shards for {self.senders} senders "
+                                      f"(trainer tp={self.trainer_tp} and the holders of routed experts)")
             with report.phase("convert"):
                 tensors = apply_rank_plan(self.plan, shards)
             with report.phase("transfer"):

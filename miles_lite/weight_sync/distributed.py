@@ -11,8 +11,9 @@ Modes:
   the trainer shards, and broadcasts every full HF tensor to all engine ranks; each engine's own
   loader slices it.
 - shard (stock SGLang with the project's weight-loader plugin, and the reference engine, which runs
-  the same plugin): the trainer TP ranks themselves are ranks `0..trainer_tp-1` (world
-  `trainer_tp + sum(tp)`) and each sends every engine rank the slices it holds, point to point
+  the same plugin): the trainer's senders themselves are ranks `0..S-1` (the TP ranks of data-parallel
+  rank 0, then the holders of routed experts on other expert-parallel ranks: `plan.sender_count`; world
+  `S + sum(tp)`) and each sends every engine rank the slices it holds, point to point
   (`shard_protocol`). The engines are driven through `/update_weights_from_tensor` with
   `load_format=LOADER_FUNCTION`: one request per engine TP rank (`loader_protocol`) to join the group
   at `connect`, one per bucket naming that rank's shards and blocks, one to leave. This process only
@@ -48,7 +49,14 @@ from miles_lite.weight_sync.loader_protocol import (
     receive_request,
     serialize,
 )
-from miles_lite.weight_sync.plan import ParamSpec, ReshardPlan, apply_rank_plan, build_plan, full_tensor_plan
+from miles_lite.weight_sync.plan import (
+    ParamSpec,
+    ReshardPlan,
+    apply_rank_plan,
+    build_plan,
+    full_tensor_plan,
+    sender_count,
+)
 from miles_lite.weight_sync.senders import ShardSenders
 from miles_lite.weight_sync.shard_protocol import RankSchedule, bucket_schedules
 from miles_lite.weight_sync.transport import (
@@ -92,6 +100,7 @@ class DistributedTransport(WeightTransport):
                              "address the engines reach this process at)")
         self.specs = tuple(specs)
         self.trainer_tp = trainer_tp
+        self.senders_count = sender_count(self.specs, trainer_tp)
         self.loop = loop
         self.bucket_bytes = bucket_bytes
         self.mode = mode
@@ -123,7 +132,7 @@ class DistributedTransport(WeightTransport):
         self._teardown()
         self._set_fleet(fleet_engines)
         self.plan = build_plan(self.specs, self.trainer_tp, [f.spec for f in self.fleet])
-        first = 1 if self.mode == "full" else self.trainer_tp
+        first = 1 if self.mode == "full" else self.senders_count
         offset, self.rank_offsets = first, {}
         for f in self.fleet:
             self.rank_offsets[f.engine_id] = offset
@@ -135,7 +144,7 @@ class DistributedTransport(WeightTransport):
             self.buckets = shard_buckets(self.plan, self.bucket_bytes)
             ranks = [(self.rank_offsets[f.engine_id] + rp.rank, rp)
                      for f, rank_plans in zip(self.fleet, self.plan.ranks, strict=True) for rp in rank_plans]
-            self.schedules = [bucket_schedules(b, ranks, self.trainer_tp) for b in self.buckets]
+            self.schedules = [bucket_schedules(b, ranks, self.senders_count) for b in self.buckets]
         self.generation += 1
         self.group_name = f"{self.group_base}_{self.generation}"
         # Group rank 0 hosts the rendezvous: this process (full) or trainer TP rank 0 (shard), whose node
@@ -230,8 +239,9 @@ class DistributedTransport(WeightTransport):
         try:
             if self.mode == "full":
                 shards = resolve_shards(named_shards, report)
-                if len(shards) != self.trainer_tp:
-                    raise WeightSyncError(f"push got {len(shards)} trainer shards for trainer tp={self.trainer_tp}")
+                if len(shards) != self.senders_count:
+                    raise WeightSyncError(f"push got {len(shards)} trainer shards for {self.senders_count} senders "
+                                          f"(trainer tp={self.trainer_tp} and the holders of routed experts)")
             for bucket in self.buckets:
                 last = bucket.index == len(self.buckets) - 1
                 if self.mode == "full":

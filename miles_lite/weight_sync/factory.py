@@ -33,14 +33,8 @@ def build_transport(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop, r
         root = Path(ws.disk_dir) if ws.disk_dir else run_dir / "adapters"
         return AdapterTransport(spec, root, loop, base_model=cfg.model.hf_path)
     dtype = "float32" if cfg.trainer.precision == "fp32" else "bfloat16"
-    layouts = trainer.layouts()
-    if any(layout.expert is not None for layout in layouts) and (cfg.trainer.tp > 1 or cfg.trainer.ep > 1):
-        # The reshard plan reads every parameter from trainer TP rank 0's layouts, split by trainer.tp; whole
-        # experts on EP ranks fit neither, and a push would miss or misplace them.
-        raise ValueError(f"pushing a mixture-of-experts model's weights from trainer.tp={cfg.trainer.tp}, "
-                         f"trainer.ep={cfg.trainer.ep} is not supported yet; train it with trainer.tp=1 "
-                         "trainer.ep=1 (and trainer.dp) in a run with rollout engines")
-    specs = specs_from_layouts(layouts, dtype)
+    # Dense tensors are resharded from the TP ranks; each routed expert comes whole from a sender on its EP rank.
+    specs = specs_from_layouts(trainer.layouts(), dtype, trainer.expert_senders())
     if ws.transport == "disk":
         from miles_lite.weight_sync.disk import DiskTransport
 

@@ -17,6 +17,14 @@ Trainer side (Megatron-core conventions, TP = `trainer_tp`):
 - vocab: rows padded to `trainer_padded_vocab` (a multiple of tp); rank r holds padded rows
   [r*Vp/tp, (r+1)*Vp/tp); rows >= the real vocab are padding and never sent.
 - replicated (norms, row-parallel biases): every rank holds the whole tensor; rank 0 is the source.
+- routed experts (MoE, expert TP 1): whole on the expert-parallel rank that holds them (`holder`, a
+  sender index): fc1 = [gate; up], fc2 = down, no TP split. Their kind describes the engine side:
+  gate_up (gate and up split on dim 0) and row (down split on dim 1), as SGLang's TP MoE shards w13/w2.
+
+Senders. A transfer's `src_rank` indexes the trainer's *senders*: 0..tp-1 are the TP ranks of
+data-parallel rank 0 (dense parameters are split over them); with expert parallelism, experts whose EP
+rank is not among them come from further senders (index >= tp), one per such EP rank. The shards a
+transport is handed, and the group ranks of the shard mode, follow the same index (`sender_count`).
 
 Engine side (SGLang 0.5.10 conventions for Qwen2/Llama, TP = engine tp):
 - QKVParallelLinear: q heads split evenly; KV heads split when tp <= num_kv_heads, otherwise
@@ -63,6 +71,8 @@ class ParamSpec:
     - `role`: q | k | v for qkv, gate | up for gate_up.
     - `num_heads`, `num_kv_heads`, `head_dim`: attention geometry (qkv only).
     - `trainer_padded_vocab`: rows of the trainer's vocab tensor (vocab only; 0 = no padding).
+    - `holder`: the sender holding the whole tensor (routed experts: kind gate_up or row, never split by the
+      trainer's TP); -1 for tensors split over (or replicated on) the TP senders 0..tp-1.
     """
 
     name: str
@@ -75,6 +85,7 @@ class ParamSpec:
     num_kv_heads: int = 0
     head_dim: int = 0
     trainer_padded_vocab: int = 0
+    holder: int = -1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(s) for s in self.shape))
@@ -104,6 +115,9 @@ class ParamSpec:
             raise PlanError(f"{where}: role={self.role!r}; a gate_up tensor needs role in {GATE_UP_ROLES}")
         if self.kind == "vocab" and self.trainer_padded_vocab and self.trainer_padded_vocab < self.shape[0]:
             raise PlanError(f"{where}: trainer_padded_vocab={self.trainer_padded_vocab} < vocab {self.shape[0]}")
+        if self.holder >= 0 and self.kind not in ("gate_up", "row"):
+            raise PlanError(f"{where}: holder={self.holder} marks a whole expert tensor, but kind={self.kind!r}; "
+                            "only gate_up (fc1) and row (fc2) tensors are held whole by one sender")
 
     @property
     def dim(self) -> int:
@@ -197,6 +211,11 @@ class ReshardPlan:
     trainer_tp: int
     engines: tuple[EngineSpec, ...]
     ranks: tuple[tuple[RankPlan, ...], ...]
+    senders: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.senders:
+            object.__setattr__(self, "senders", self.trainer_tp)
 
 
 def _block(ndim: int, dim: int, start: int, length: int) -> tuple[slice, ...]:
@@ -217,6 +236,8 @@ def trainer_segments(spec: ParamSpec, tp: int) -> list[Segment]:
     """Where each block of the full HF tensor sits in the trainer's local source shards (Megatron layout)."""
     n = spec.shape[spec.dim]
     where = f"{spec.name} (trainer tp={tp})"
+    if spec.holder >= 0:  # a routed expert, whole on one sender: [gate; up] (dim 0) or down (dim 1)
+        return [(0, n, spec.holder, n if spec.role == "up" else 0)]
     if spec.kind == "replicated":
         return [(0, n, 0, 0)]
     if spec.kind in ("column", "row"):
@@ -248,6 +269,9 @@ def source_shape(specs: Sequence[ParamSpec], tp: int) -> tuple[int, ...]:
     """Local shape of one trainer source tensor on every rank, from the specs it holds (all share `source`)."""
     first = specs[0]
     shape = list(first.shape)
+    if first.holder >= 0:
+        shape[0] = sum(s.shape[0] for s in specs)
+        return tuple(shape)
     if first.kind == "replicated":
         return tuple(shape)
     if first.kind == "qkv":
@@ -320,6 +344,20 @@ def _rank_plan(specs: Sequence[ParamSpec], trainer_tp: int, engine: EngineSpec, 
     return RankPlan(engine.tp, rank, tuple(shards))
 
 
+def sender_count(specs: Sequence[ParamSpec], trainer_tp: int) -> int:
+    """How many trainer senders the plan reads from: the TP ranks, and the holders of experts beyond them."""
+    return max([trainer_tp, *(s.holder + 1 for s in specs)])
+
+
+def _by_source(specs: Sequence[ParamSpec]) -> dict[tuple[str, int], list[ParamSpec]]:
+    """Specs per trainer tensor: (source name, holder); the same Megatron name on two EP ranks holds two
+    different experts (the name carries the local index)."""
+    by_source: dict[tuple[str, int], list[ParamSpec]] = {}
+    for s in specs:
+        by_source.setdefault((s.source, s.holder), []).append(s)
+    return by_source
+
+
 def _check_specs(specs: Sequence[ParamSpec], trainer_tp: int) -> None:
     if trainer_tp <= 0:
         raise PlanError(f"trainer_tp={trainer_tp} must be > 0")
@@ -327,13 +365,11 @@ def _check_specs(specs: Sequence[ParamSpec], trainer_tp: int) -> None:
     if len(set(names)) != len(names):
         dup = sorted({n for n in names if names.count(n) > 1})
         raise PlanError(f"duplicate ParamSpec names {dup}; each HF tensor appears once")
-    by_source: dict[str, list[ParamSpec]] = {}
-    for s in specs:
-        by_source.setdefault(s.source, []).append(s)
-    for source, group in by_source.items():
+    for (source, holder), group in _by_source(specs).items():
         kinds = {s.kind for s in group}
         if len(kinds) > 1:
-            raise PlanError(f"trainer tensor {source!r} holds specs of kinds {sorted(kinds)}; a source has one kind")
+            raise PlanError(f"trainer tensor {source!r} (holder {holder}) holds specs of kinds {sorted(kinds)}; a "
+                            "source has one kind")
         roles = [s.role for s in group]
         if len(group) > 1 and (len(set(roles)) != len(roles) or group[0].kind not in ("qkv", "gate_up")):
             raise PlanError(f"trainer tensor {source!r} is shared by {[s.name for s in group]}; only distinct q/k/v "
@@ -356,7 +392,7 @@ def build_plan(specs: Sequence[ParamSpec], trainer_tp: int, engines: Sequence[En
         if key not in cache:
             cache[key] = tuple(_rank_plan(specs, trainer_tp, engine, r) for r in range(engine.tp))
         ranks.append(cache[key])
-    return ReshardPlan(trainer_tp, tuple(engines), tuple(ranks))
+    return ReshardPlan(trainer_tp, tuple(engines), tuple(ranks), sender_count(specs, trainer_tp))
 
 
 def full_tensor_plan(specs: Sequence[ParamSpec], trainer_tp: int) -> RankPlan:
@@ -365,12 +401,11 @@ def full_tensor_plan(specs: Sequence[ParamSpec], trainer_tp: int) -> RankPlan:
     return _rank_plan(specs, trainer_tp, EngineSpec("full", tp=1, vocab_pad_to=1), 0)
 
 
-def source_shapes(specs: Sequence[ParamSpec], trainer_tp: int) -> dict[str, tuple[int, ...]]:
-    """Local shape of every trainer source tensor at `trainer_tp` (what `named_shards` must provide)."""
-    by_source: dict[str, list[ParamSpec]] = {}
-    for s in specs:
-        by_source.setdefault(s.source, []).append(s)
-    return {src: source_shape(group, trainer_tp) for src, group in by_source.items()}
+def source_shapes(specs: Sequence[ParamSpec], trainer_tp: int, sender: int = 0) -> dict[str, tuple[int, ...]]:
+    """Local shape of every trainer source tensor sender `sender` must provide (its `named_shards`): the TP
+    senders' share of the split and replicated tensors, and the whole expert tensors it holds."""
+    return {source: source_shape(group, trainer_tp) for (source, holder), group in _by_source(specs).items()
+            if holder == sender or (holder < 0 and sender < trainer_tp)}
 
 
 def apply_rank_plan(rank_plan: RankPlan, trainer_shards: Sequence[Mapping[str, torch.Tensor]],
@@ -411,7 +446,8 @@ def _source(trainer_shards: Sequence[Mapping[str, torch.Tensor]], t: Transfer) -
 def apply_plan(plan: ReshardPlan, trainer_shards: Sequence[Mapping[str, torch.Tensor]]
                ) -> dict[str, list[dict[str, torch.Tensor]]]:
     """Every engine's per-rank shards: engine id -> [rank 0 shards, rank 1 shards, ...]."""
-    if len(trainer_shards) != plan.trainer_tp:
-        raise PlanError(f"apply_plan got {len(trainer_shards)} trainer shards for trainer_tp={plan.trainer_tp}")
+    if len(trainer_shards) != plan.senders:
+        raise PlanError(f"apply_plan got {len(trainer_shards)} trainer shards for {plan.senders} senders "
+                        f"(trainer_tp={plan.trainer_tp} and the holders of routed experts)")
     return {engine.engine_id: [apply_rank_plan(rp, trainer_shards) for rp in ranks]
             for engine, ranks in zip(plan.engines, plan.ranks, strict=True)}

@@ -1,8 +1,9 @@
 """Trainer ranks as members of the weight-update group (shard mode).
 
-`ShardSenders` is what the distributed transport needs from the trainer role: every trainer TP rank
-of data-parallel rank 0 joins the group (as group rank = its TP rank) and, per bucket, sends the
-blocks it holds. `LocalTrainer` (in-process) and `RayTrainerGroup` (one actor per rank) implement it
+`ShardSenders` is what the distributed transport needs from the trainer role: every weight sender (the
+trainer TP ranks of data-parallel rank 0, then, with expert parallelism, one rank of each expert-parallel
+rank they miss: `plan` module docstring) joins the group (as group rank = its sender index) and, per
+bucket, sends the blocks it holds. `LocalTrainer` (in-process) and `RayTrainerGroup` (one actor per rank) implement it
 on top of one `RankSender` per rank.
 
 RankSender lifecycle: IDLE -> JOINED (join) -> IDLE (leave); a failed join or send leaves it IDLE
@@ -26,20 +27,21 @@ from miles_lite.weight_sync.weight_group import WarmUp, init_custom_process_grou
 
 
 class ShardSenders(Protocol):
-    """The trainer ranks holding the weights, seen from the transport (index = trainer TP rank)."""
+    """The trainer ranks holding the weights, seen from the transport (index = sender: TP rank, then expert
+    holders)."""
 
     def weight_group_endpoint(self) -> tuple[str, int]:
         """(address, port) of the group's rendezvous: trainer TP rank 0's node address and a port free there."""
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
                           backend: str, timeout_s: float, key: str | None = None) -> None:
-        """Every TP rank joins the group as rank = its TP rank, presenting `key`; returns once all have joined."""
+        """Every sender joins the group as rank = its sender index, presenting `key`; returns once all joined."""
 
     def send_weight_bucket(self, schedules: Sequence[RankSchedule]) -> list[SendStats]:
-        """TP rank t sends `schedules[t]` from its live parameters; returns once every send completed."""
+        """Sender t sends `schedules[t]` from its live parameters; returns once every send completed."""
 
     def leave_weight_group(self) -> None:
-        """Every TP rank destroys its membership (idempotent)."""
+        """Every sender destroys its membership (idempotent)."""
 
 
 class WeightSource(ShardSenders, Protocol):
@@ -47,10 +49,14 @@ class WeightSource(ShardSenders, Protocol):
     shard mode, the `ShardSenders` calls)."""
 
     def layouts(self) -> list[ParamLayout]:
-        """Parameter layouts of TP rank 0 (they describe every rank's sharding)."""
+        """Parameter layouts of TP rank 0 (they describe every rank's sharding), with one layout per routed expert
+        of every expert-parallel rank."""
+
+    def expert_senders(self) -> dict[int, int]:
+        """Global routed expert -> the sender holding it (empty for a dense model)."""
 
     def weight_shards(self) -> list[dict[str, torch.Tensor]]:
-        """`{megatron name: local tensor}` per trainer TP rank (index = TP rank)."""
+        """`{megatron name: local tensor}` per sender (index = sender; TP ranks first)."""
 
     def probe_logprobs(self, sequences: Any) -> list[list[float]]:
         """Logprobs (nats) of each probe sequence's tokens after its prompt, under the current weights."""
@@ -68,9 +74,10 @@ class RankSender:
     """One trainer rank's membership in the weight-update group."""
 
     def __init__(self, tp_rank: int, tp: int = 1) -> None:
-        """`tp`: the trainer's TP size, i.e. the group's sending ranks 0..tp-1."""
+        """`tp_rank`: this rank's sender index (its TP rank, or past the TP ranks for an expert holder); `tp`: the
+        number of sending ranks 0..tp-1 of the group (the trainer's TP size and the expert holders beyond it)."""
         if not 0 <= tp_rank < tp:
-            raise ValueError(f"trainer TP rank {tp_rank} is outside [0, tp={tp})")
+            raise ValueError(f"trainer sender {tp_rank} is outside [0, {tp}) (the group's sending ranks)")
         self.tp_rank = tp_rank
         self.tp = tp
         self.state = SenderState.IDLE

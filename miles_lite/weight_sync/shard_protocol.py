@@ -1,11 +1,12 @@
 """The shard mode's wire protocol, trainer side: each trainer rank sends each engine rank exactly its slices.
 
-Group layout (built by `DistributedTransport` in shard mode): trainer TP rank t (of data-parallel
-rank 0) is group rank t; engine k's TP rank r is `rank_offset_k + r` after them. Per bucket, every
-engine rank d is told over HTTP which blocks it gets from which source (`loader_protocol`'s receive
-request, handled by the weight-loader plugin); every trainer rank s holding some of them sends d one
-flat byte buffer: its blocks in that order (`loader_protocol.bucket_blocks`), each cast to the
-shard's dtype. Only weight bytes travel over the group, so NCCL and gloo carry the same messages.
+Group layout (built by `DistributedTransport` in shard mode): trainer sender t (TP rank t of
+data-parallel rank 0, then the holders of routed experts on other expert-parallel ranks) is group
+rank t; engine k's TP rank r is `rank_offset_k + r` after them. Per bucket, every engine rank d is
+told over HTTP which blocks it gets from which source (`loader_protocol`'s receive request, handled
+by the weight-loader plugin); every trainer rank s holding some of them sends d one flat byte
+buffer: its blocks in that order (`loader_protocol.bucket_blocks`), each cast to the shard's dtype.
+Only weight bytes travel over the group, so NCCL and gloo carry the same messages.
 
 With gloo, point-to-point sends and a broadcast per (source, destination) pair measured the same
 (75 vs 74 ms for two 64 MB messages from one rank on the CPU machine); point to point is kept
@@ -51,10 +52,11 @@ class SendStats:
     bytes: int
 
 
-def bucket_schedules(bucket: Bucket, rank_plans: Sequence[tuple[int, RankPlan]], trainer_tp: int
+def bucket_schedules(bucket: Bucket, rank_plans: Sequence[tuple[int, RankPlan]], senders: int
                      ) -> list[RankSchedule]:
-    """Per trainer rank (index = TP rank), what to send for `bucket`; `rank_plans`: (engine group rank, its plan)."""
-    sends: list[list[PeerSend]] = [[] for _ in range(trainer_tp)]
+    """Per trainer sender (index = group rank: the TP ranks, then expert holders), what to send for `bucket`;
+    `rank_plans`: (engine group rank, its plan)."""
+    sends: list[list[PeerSend]] = [[] for _ in range(senders)]
     for dst, rp in rank_plans:
         per_src: dict[int, tuple[list[Transfer], list[str]]] = {}
         for _, shard, t in bucket_blocks(bucket, rp):

@@ -283,8 +283,8 @@ class InProcessSender:
         return LOCAL_HOST, free_port(LOCAL_HOST)
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,
-                          backend: str, timeout_s: float) -> None:
-        self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s)
+                          backend: str, timeout_s: float, key: str | None = None) -> None:
+        self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s, key)
 
     def send_weight_bucket(self, schedules: list[RankSchedule]) -> list[SendStats]:
         return [self.sender.send(self.shards, schedules[0])]
