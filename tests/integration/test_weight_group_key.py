@@ -3,8 +3,10 @@ the group forms (gloo, real processes on CPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -193,6 +195,27 @@ def _sglang_like_member(port: int, go: Any, out: Any) -> None:
     out.put((1, "pushed", received))
 
 
+@contextlib.contextmanager
+def _sglang_like_peer(finish: bool = True) -> Iterator[tuple[int, Any, Any]]:
+    """A started `_sglang_like_member` (rank 1); yields (port, go, out). Afterwards the peer is let finish its
+    pushes (`finish`) or killed at once (a group that never formed would leave it waiting)."""
+    ctx = mp.get_context("spawn")
+    out, go = ctx.Queue(), ctx.Event()
+    port = free_port(LOCAL_HOST)
+    peer = ctx.Process(target=_sglang_like_member, args=(port, go, out))
+    peer.start()
+    try:
+        # Only what the test exercises may time out, not a peer still starting on a loaded machine.
+        assert out.get(timeout=120)[:2] == (1, "started")
+        yield port, go, out
+    finally:
+        if finish:
+            go.set()
+            peer.join(30)
+        peer.kill()
+        peer.join(30)
+
+
 def test_a_group_with_sglangs_own_join_keeps_its_store_until_the_caller_closes_it() -> None:
     import errno
 
@@ -200,13 +223,7 @@ def test_a_group_with_sglangs_own_join_keeps_its_store_until_the_caller_closes_i
 
     from miles_lite.weight_sync.weight_group import form_group
 
-    ctx = mp.get_context("spawn")
-    out, go = ctx.Queue(), ctx.Event()
-    port = free_port(LOCAL_HOST)
-    peer = ctx.Process(target=_sglang_like_member, args=(port, go, out))
-    peer.start()
-    try:
-        assert out.get(timeout=120)[:2] == (1, "started")
+    with _sglang_like_peer() as (port, go, out):
         formed = form_group("gloo", LOCAL_HOST, port, 0, 2, GROUP, 60.0, warm_up=None)
         assert out.get(timeout=120)[:2] == (1, "formed")
         assert formed.rendezvous is not None and _connect_errno(port) == 0  # its communicators come at a push
@@ -217,11 +234,6 @@ def test_a_group_with_sglangs_own_join_keeps_its_store_until_the_caller_closes_i
             assert _connect_errno(port) == errno.ECONNREFUSED
         assert out.get(timeout=120) == (1, "pushed", [[0.0, 1.0, 2.0, 3.0], [0.0, 2.0, 4.0, 6.0]])
         torch.distributed.destroy_process_group(formed.group)
-    finally:
-        go.set()
-        peer.join(30)
-        if peer.is_alive():
-            peer.kill()
 
 
 def test_a_warm_up_the_other_ranks_never_run_is_a_clear_error_and_closes_the_store() -> None:
@@ -229,17 +241,7 @@ def test_a_warm_up_the_other_ranks_never_run_is_a_clear_error_and_closes_the_sto
 
     from miles_lite.weight_sync.weight_group import form_group
 
-    ctx = mp.get_context("spawn")
-    out, go = ctx.Queue(), ctx.Event()
-    port = free_port(LOCAL_HOST)
-    peer = ctx.Process(target=_sglang_like_member, args=(port, go, out))
-    peer.start()
-    try:
-        # Only the missing warm-up may time out here, not a peer still starting on a loaded machine.
-        assert out.get(timeout=120)[:2] == (1, "started")
+    with _sglang_like_peer(finish=False) as (port, _go, _out):
         with pytest.raises(TimeoutError, match=r"ranks \[1\] joined but did not finish forming.*warm_up=None"):
             form_group("gloo", LOCAL_HOST, port, 0, 2, GROUP, 10.0)
         assert _connect_errno(port) == errno.ECONNREFUSED
-    finally:
-        peer.kill()
-        peer.join(30)
