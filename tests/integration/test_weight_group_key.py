@@ -36,18 +36,29 @@ def _member(rank: int, world: int, port: int, key: str | None, timeout_s: float,
     out.put((rank, key, "joined", tensor.tolist(), time.monotonic() - start))
 
 
-def _run(members: list[tuple[int, str | None, float]], world: int, delays: list[float] | None = None) -> list[tuple]:
+def _run(members: list[tuple[int, str | None, float]], world: int, delays: list[float] | None = None,
+         then: list[tuple[int, str | None, float]] = ()) -> list[tuple]:
+    """Run `members` (started `delays` apart), then, once the first of them has reported, `then`."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port(LOCAL_HOST)
     procs = []
-    for i, (rank, key, timeout_s) in enumerate(members):
+
+    def start(rank: int, key: str | None, timeout_s: float) -> None:
         proc = ctx.Process(target=_member, args=(rank, world, port, key, timeout_s, out))
         proc.start()
         procs.append(proc)
+
+    for i, member in enumerate(members):
+        start(*member)
         if delays:
             time.sleep(delays[i])  # order of arrival: the test's subject, not a readiness wait
-    results = [out.get(timeout=180) for _ in procs]
+    results = []
+    if then:
+        results.append(out.get(timeout=180))
+        for member in then:
+            start(*member)
+    results += [out.get(timeout=180) for _ in range(len(procs) - len(results))]
     for proc in procs:
         proc.join(30)
     return sorted(results, key=lambda r: (r[0], r[2]))
@@ -72,9 +83,12 @@ def test_a_rank_with_a_wrong_key_is_refused() -> None:
 def test_an_intruder_cannot_take_a_members_place(intruder_key: str | None) -> None:
     key = new_key()
     intruder = new_key() if intruder_key == "wrong" else None
-    # The intruder dials first, as rank 1; the real rank 1 arrives later and the group forms with it.
-    # Its timeout leaves room for the master's start on a loaded machine (spawned processes import torch).
-    results = _run([(1, intruder, 60.0), (0, key, 90.0), (1, key, 90.0)], world=2, delays=[0.5, 0.5, 0.0])
+    # The intruder dials as rank 1 while the group forms; the real rank 1 arrives once the intruder has its
+    # answer (a wrong key: refused at once; no key: it cannot be admitted and times out), and the group forms
+    # with it. Waiting for that answer, not a delay, keeps the store open while the intruder tries: a group
+    # formed first closes its store, and the intruder would never reach it.
+    results = _run([(0, key, 120.0), (1, intruder, 20.0 if intruder is None else 90.0)], world=2,
+                   then=[(1, key, 60.0)])
     joined = [r for r in results if r[2] == "joined"]
     assert sorted((r[0], r[1]) for r in joined) == [(0, key), (1, key)]
     assert all(r[3] == [0.0, 1.0, 2.0, 3.0] for r in joined)
