@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 
-from engine_contract import GREEDY, PROMPT, SGLANG_TEST_ARGS, EngineContract, run  # noqa: E402
+from engine_contract import GREEDY, PROMPT, SGLANG_SLEEP_ARGS, EngineContract, run  # noqa: E402
 
 from miles_lite.config.schema import RolloutConfig, TinyModelShape  # noqa: E402
 from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine  # noqa: E402
@@ -111,7 +111,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.fixture(scope="class")
 def engine(model_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedEngine]:
     """One SGLang server on model A for the contract class, stopped (process group) after it."""
-    args = {**SGLANG_TEST_ARGS, "enable_deterministic_inference": True}
+    args = {**SGLANG_SLEEP_ARGS, "enable_deterministic_inference": True}
     rollout = RolloutConfig(backend="sglang", engines=1, engine_tp=1, startup_timeout_s=STARTUP_S,
                             request_timeout_s=120.0, sglang_args=args)
     launcher = EngineLauncher(rollout, model_dirs[0], str(tmp_path_factory.mktemp("logs-contract")))

@@ -46,13 +46,16 @@ def shipped_sglang_args() -> dict[str, Any]:
 
 
 # SGLang flags for a token-in/token-out server on one GPU (no tokenizer in the tiny model directory), over the
-# shipped defaults. The memory saver (what /release_memory_occupation needs; the launcher also drops
-# expandable_segments from its environment) with a host copy of the weights: sleep/wake keeps them without a
-# push in between.
+# shipped defaults.
 SGLANG_TEST_ARGS: dict[str, Any] = {**shipped_sglang_args(), "skip_tokenizer_init": True, "mem_fraction_static": 0.3,
                                     "attention_backend": "triton", "sampling_backend": "pytorch",
-                                    "disable_cuda_graph": True, "dtype": "float32", "enable_memory_saver": True,
-                                    "enable_weights_cpu_backup": True}
+                                    "disable_cuda_graph": True, "dtype": "float32"}
+# The contract's engine also sleeps and wakes: the memory saver (what /release_memory_occupation needs; the
+# launcher also drops expandable_segments from its environment), with a host copy of the weights so sleep/wake
+# keeps them without a push in between. Only engines that sleep start with it, so a memory-saver failure shows
+# in the sleep tests alone.
+SGLANG_SLEEP_ARGS: dict[str, Any] = {**SGLANG_TEST_ARGS, "enable_memory_saver": True,
+                                     "enable_weights_cpu_backup": True}
 # Largest |engine logprob - HF float32 logprob| accepted, per kind (SGLang's GPU kernels differ in rounding).
 LOGPROB_TOL = {"reference": 1e-4, "sglang": 2e-3}
 
@@ -127,7 +130,8 @@ class EnginePool:
     def get(self, kind: str) -> LaunchedEngine:
         if kind not in self._engines:
             log_dir = str(self._log_root.mktemp(f"logs-{kind}"))
-            self._engines[kind] = self._stack.enter_context(running_engine(kind, self._model_path, log_dir))
+            self._engines[kind] = self._stack.enter_context(
+                running_engine(kind, self._model_path, log_dir, sglang_args=SGLANG_SLEEP_ARGS))
         return self._engines[kind]
 
     def close(self) -> None:
