@@ -83,6 +83,15 @@ def weight_sync_problems(cfg: MilesConfig) -> list[str]:
             problems.append(f"weight_sync.transport=ipc_handles: SGLang engines must load the push with "
                             f"{IPC_HANDLES_LOADER}; add '+rollout.sglang_args.custom_weight_loader="
                             f"[{IPC_HANDLES_LOADER}]'")
+    sglang_ep = int(cfg.rollout.sglang_args.get("ep_size", 1) or 1)
+    writes_params = ws.transport in ("ipc", "ipc_handles") or (ws.transport == "distributed" and ws.mode == "shard")
+    if cfg.rollout.backend == "sglang" and sglang_ep > 1 and writes_params:
+        # These pushes write each engine rank's parameters directly, in the layout of SGLang's tensor-parallel
+        # MoE (every expert on every rank, split by TP); an expert-parallel engine holds other experts per rank.
+        how = "weight_sync.mode=shard" if ws.transport == "distributed" else f"weight_sync.transport={ws.transport}"
+        problems.append(f"rollout.sglang_args.ep_size={sglang_ep} with {how}: pushes into SGLang's parameters "
+                        "follow its tensor-parallel MoE layout; use weight_sync.mode=full or weight_sync.transport="
+                        "disk (SGLang's own loader places the experts), or drop ep_size")
     if ws.transport == "distributed" and ws.backend == "nccl":
         obstacle = nccl_obstacle(cfg)
         if obstacle:

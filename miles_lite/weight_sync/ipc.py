@@ -19,7 +19,7 @@ from multiprocessing.reduction import ForkingPickler
 import torch
 
 from miles_lite.weight_sync.buckets import shard_buckets
-from miles_lite.weight_sync.engine_layout import sglang_param_name
+from miles_lite.weight_sync.engine_layout import expert_counts, expert_index, sglang_param_name
 from miles_lite.weight_sync.plan import ParamSpec, RankPlan, apply_rank_plan, build_plan, fused_offset
 from miles_lite.weight_sync.transport import (
     EngineLoop,
@@ -46,24 +46,36 @@ def direct_named_tensors(rank_plan: RankPlan, specs: Sequence[ParamSpec], local:
     """Fuse one engine rank's HF-named local shards into SGLang parameters (names, shapes) for `direct`.
 
     A fused parameter is emitted only when all its parts are in `local` (a bucket never splits one:
-    parts of a fused parameter must be bucketed together by the caller).
+    parts of a fused parameter must be bucketed together by the caller); a MoE layer's routed experts
+    are stacked in expert order, each expert's parts fused ([gate; up]).
     """
     by_name = {s.name: s for s in specs}
-    fused: dict[str, list[tuple[int, torch.Tensor]]] = {}
-    order: list[str] = []
+    num_experts = expert_counts(specs)
+    # target -> expert (-1: not an expert) -> (offset, tensor) parts
+    fused: dict[str, dict[int, list[tuple[int, torch.Tensor]]]] = {}
     for shard in rank_plan.shards:
         if shard.name not in local:
             continue
-        target = sglang_param_name(shard.name)
-        if target not in fused:
-            fused[target] = []
-            order.append(target)
-        fused[target].append((fused_offset(by_name[shard.name], rank_plan.tp), local[shard.name]))
+        parts = fused.setdefault(sglang_param_name(shard.name), {}).setdefault(expert_index(shard.name), [])
+        parts.append((fused_offset(by_name[shard.name], rank_plan.tp), local[shard.name]))
     out = []
-    for target in order:
-        parts = sorted(fused[target], key=lambda p: p[0])
-        out.append((target, parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts], dim=0)))
+    for target, experts in fused.items():
+        cats = {e: _cat_parts(parts) for e, parts in experts.items()}
+        if -1 in cats:
+            out.append((target, cats[-1]))
+            continue
+        missing = sorted(set(range(num_experts[target])) - set(cats))
+        if missing:
+            raise WeightSyncError(f"{target}: this bucket lacks experts {missing[:8]}; every expert of a layer "
+                                  "must travel in one bucket")
+        out.append((target, torch.stack([cats[e] for e in range(num_experts[target])])))
     return out
+
+
+def _cat_parts(parts: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+    """One fused tensor from its (offset, tensor) parts, in offset order."""
+    parts = sorted(parts, key=lambda p: p[0])
+    return parts[0][1] if len(parts) == 1 else torch.cat([t for _, t in parts], dim=0)
 
 
 class IpcTransport(WeightTransport):

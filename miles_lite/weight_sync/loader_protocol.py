@@ -13,7 +13,8 @@ Requests (JSON in the name, after `REQUEST_PREFIX`):
   `master_address:master_port`, `backend` gloo | nccl); `params` lists the SGLang parameters the
   pushes will write and their shapes on this rank, checked against the model before joining;
 - receive: this rank's slices of one bucket. `shards` = (HF name, SGLang parameter, row offset of
-  the HF tensor's local shard inside that parameter, dtype, local shard shape); `blocks` = (source
+  the HF tensor's local shard inside that parameter, dtype, local shard shape, expert: the index along
+  the stacked parameter's first dimension for a routed expert, -1 otherwise); `blocks` = (source
   group rank, shard index, dim, start, length) in send order: every source sends one flat byte
   buffer holding its blocks in that order, each cast to its shard's dtype;
 - leave: destroy the group.
@@ -35,7 +36,7 @@ import torch
 import torch.multiprocessing  # noqa: F401  (registers the tensor reductions ForkingPickler uses)
 
 from miles_lite.weight_sync.buckets import Bucket
-from miles_lite.weight_sync.engine_layout import sglang_param_name, store_shapes
+from miles_lite.weight_sync.engine_layout import expert_index, sglang_param_name, store_shapes
 from miles_lite.weight_sync.plan import DTYPE_BYTES, EngineSpec, ParamSpec, RankPlan, ShardPlan, Transfer, fused_offset
 
 # The import path SGLang's `dynamic_import` resolves (module path, then the function name).
@@ -43,7 +44,7 @@ LOADER_FUNCTION = "miles_lite.engines.sglang.weight_loader.load_pushed_weights"
 REQUEST_PREFIX = "miles_lite.weight_push:"
 OPS = ("join", "receive", "leave")
 BLOCK_COLUMNS = 5
-SHARD_COLUMNS = 5
+SHARD_COLUMNS = 6
 
 
 @dataclass(frozen=True)
@@ -96,7 +97,7 @@ def receive_request(group: str, bucket: Bucket, rank_plan: RankPlan, specs: dict
     for shard in (s for s in rank_plan.shards if s.name in wanted):
         spec = specs[shard.name]
         shards.append([shard.name, sglang_param_name(shard.name), fused_offset(spec, engine.tp), shard.dtype,
-                       list(shard.shape)])
+                       list(shard.shape), expert_index(shard.name)])
     blocks = [[trainer_rank_offset + t.src_rank, index, t.dim, t.dst_start, t.length]
               for index, _, t in bucket_blocks(bucket, rank_plan)]
     return LoaderRequest("receive", group, {"shards": shards, "blocks": blocks})
@@ -137,7 +138,8 @@ def _check_receive(request: LoaderRequest) -> None:
         raise ValueError("a receive request needs 'shards' and 'blocks' lists")
     for row in shards:
         if len(row) != SHARD_COLUMNS or row[3] not in DTYPE_BYTES:
-            raise ValueError(f"receive request shard row {row!r} is not (hf name, parameter, offset, dtype, shape)")
+            raise ValueError(f"receive request shard row {row!r} is not (hf name, parameter, offset, dtype, shape, "
+                             "expert)")
     for row in blocks:
         if len(row) != BLOCK_COLUMNS or not 0 <= row[1] < len(shards):
             raise ValueError(f"receive request block row {row!r} is not (source, shard index, dim, start, length)")

@@ -9,9 +9,10 @@ contract's `SGLANG_TEST_ARGS` (float32: the tolerance `LOGPROB_TOL["sglang"]` is
 
 - greedy generation works and its sampled log-probs match an HF float32 forward;
 - the engine's scored log-probs match the HF forward within `LOGPROB_TOL["sglang"]`;
-- a disk push (`DiskTransport`: Megatron-layout shards -> HF safetensors -> `/update_weights_from_disk`, SGLang's
-  own MoE loader) of other weights, verified by `PushVerifier`, moves the log-probs onto the new HF forward, and
-  pushing the originals back restores them;
+- pushes of other weights, each verified by `PushVerifier`, move the log-probs onto the new HF forward, and
+  pushing the originals back restores them: by disk (`DiskTransport`: Megatron-layout shards -> HF safetensors
+  -> `/update_weights_from_disk`, SGLang's own MoE loader), through the weight-loader plugin (shard mode: blocks
+  copied into SGLang's stacked `w13_weight` / `w2_weight`) and by CUDA IPC (`direct`: the stacked tensors);
 - `return_routed_experts` answers carry every position's top-k ids at every layer, parsed the way the rollout
   reads them (`HttpEngine` -> `RoutingLayout.sample_ids`), and they are the experts HF's router picks.
 
@@ -24,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 
 from engine_contract import LOGPROB_TOL, SGLANG_TEST_ARGS  # noqa: E402
+from test_sglang_gpu import InProcessSender  # noqa: E402
 
 from miles_lite.config.schema import RolloutConfig, TinyModelShape  # noqa: E402
 from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine  # noqa: E402
@@ -49,6 +51,8 @@ from miles_lite.types import SamplingParams  # noqa: E402
 from miles_lite.weight_sync.buckets import MIB  # noqa: E402
 from miles_lite.weight_sync.coordinator import WeightSyncCoordinator  # noqa: E402
 from miles_lite.weight_sync.disk import DiskTransport  # noqa: E402
+from miles_lite.weight_sync.distributed import DistributedTransport  # noqa: E402
+from miles_lite.weight_sync.ipc import IpcTransport  # noqa: E402
 from miles_lite.weight_sync.layouts import specs_from_layouts  # noqa: E402
 from miles_lite.weight_sync.plan import EngineSpec, ParamSpec  # noqa: E402
 from miles_lite.weight_sync.transport import EngineLoop, FleetEngine  # noqa: E402
@@ -110,6 +114,7 @@ class Policy:
     def __init__(self, model: Any, layouts: dict[str, ParamLayout]) -> None:
         hf = {n: t.detach().clone() for n, t in checkpoint_state(model).items()}
         self.shards = [{name: lay.assemble(hf) for name, lay in layouts.items()}]
+        self.shards_gpu = [{name: t.cuda() for name, t in self.shards[0].items()}]
         self.model = model.cuda().eval()
 
     @torch.no_grad()
@@ -210,29 +215,58 @@ def test_scores_match_hf_forward(world: MoeWorld) -> None:
     assert float((world.expected(world.new) - world.expected(world.old)).abs().mean()) > 20 * TOL
 
 
-def test_disk_push_changes_logprobs_and_restores(world: MoeWorld) -> None:
+def push_verified_and_restored(world: MoeWorld, transport: Any, name: str,
+                               shards_of: Callable[[Policy], Callable[[], list[dict[str, torch.Tensor]]]]) -> None:
+    """Push B through `transport` (verified by the probe, the engine then scores as HF does on B), then A back
+    (the engine's log-probs return to what they were). `shards_of(policy)` arms the trainer side with a policy
+    and returns the coordinator's shard source."""
     baseline = world.scores()
-    transport = DiskTransport(world.specs, 1, world.root / "weights", world.loop, bucket_bytes=64 * MIB,
-                              template_dir=world.a_dir)
     sync = WeightSyncCoordinator(transport, world.loop, world.verifier(world.new))
     try:
-        rep = sync.push(world.fleet, lambda: world.new.shards, "moe-b")
+        rep = sync.push(world.fleet, shards_of(world.new), f"{name}-b")
         assert rep.verify is not None and rep.verify.logp_diff_max < TOL
         pushed = world.scores()
         diff_new = (pushed - world.expected(world.new)).abs()
-        result("disk_push_b", push_s=round(rep.push.total_seconds, 4), bytes=rep.push.bytes,
-               diff_max=float(diff_new.max()), probe_diff_max=rep.verify.logp_diff_max)
+        result(f"{name}_push_b", transport=rep.push.transport, push_s=round(rep.push.total_seconds, 4),
+               bytes=rep.push.bytes, diff_max=float(diff_new.max()), probe_diff_max=rep.verify.logp_diff_max)
         assert float(diff_new.max()) < TOL
-        assert world.loop.run(world.engine.client.weight_version()) == "moe-b"
+        assert world.loop.run(world.engine.client.weight_version()) == f"{name}-b"
         sync.verifier = world.verifier(world.old)
-        rep = sync.push(world.fleet, lambda: world.old.shards, "moe-a")
+        rep = sync.push(world.fleet, shards_of(world.old), f"{name}-a")
         assert rep.verify is not None and rep.verify.logp_diff_max < TOL
     finally:
         sync.close()
     restored = world.scores()
-    result("disk_restore", max_abs_diff=float((restored - baseline).abs().max()))
+    result(f"{name}_restore", max_abs_diff=float((restored - baseline).abs().max()))
     assert float((restored - world.expected(world.old)).abs().max()) < TOL
     assert torch.allclose(restored, baseline, rtol=0.0, atol=1e-6)
+
+
+def test_disk_push_changes_logprobs_and_restores(world: MoeWorld) -> None:
+    """SGLang's own MoE loader reads the HF names of a safetensors directory."""
+    transport = DiskTransport(world.specs, 1, world.root / "weights", world.loop, bucket_bytes=64 * MIB,
+                              template_dir=world.a_dir)
+    push_verified_and_restored(world, transport, "disk", lambda policy: lambda: policy.shards)
+
+
+def test_plugin_push_writes_fused_moe(world: MoeWorld) -> None:
+    """Shard mode: the weight-loader plugin copies each expert's blocks into SGLang's stacked `w13_weight` /
+    `w2_weight` (gloo group with this process as the trainer rank)."""
+    sender = InProcessSender()
+    transport = DistributedTransport(world.specs, 1, world.loop, bucket_bytes=64 * MIB, mode="shard",
+                                     backend="gloo", senders=sender, init_timeout_s=120.0)
+
+    def arm(policy: Policy) -> Callable[[], list[dict[str, torch.Tensor]]]:
+        sender.shards = policy.shards_gpu[0]
+        return lambda: pytest.fail("shard mode gathers nothing")
+
+    push_verified_and_restored(world, transport, "plugin", arm)
+
+
+def test_ipc_push_writes_fused_moe(world: MoeWorld) -> None:
+    """`direct` CUDA-IPC tensors: every expert of a layer stacked into the parameters SGLang holds."""
+    transport = IpcTransport(world.specs, 1, world.loop, bucket_bytes=64 * MIB)
+    push_verified_and_restored(world, transport, "ipc", lambda policy: lambda: policy.shards_gpu)
 
 
 def test_returns_routed_experts(world: MoeWorld) -> None:

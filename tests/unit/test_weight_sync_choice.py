@@ -82,3 +82,18 @@ def test_ipc_handles_needs_colocated_sglang_with_its_loader() -> None:
     assert weight_sync_problems(cfg) == []
     cfg.rollout.backend = "reference"
     assert "hands CUDA IPC handles to SGLang" in " ".join(weight_sync_problems(cfg))
+
+
+def test_sglang_expert_parallel_engines_take_only_pushes_sglang_places(cpu_cfg) -> None:
+    # Pushes written into SGLang's parameters follow its tensor-parallel MoE layout (every expert on every rank).
+    cases = [("distributed", "shard", True), ("ipc", "shard", True), ("distributed", "full", False),
+             ("disk", "shard", False)]
+    for transport, mode, refused in cases:
+        cfg = copy.deepcopy(cpu_cfg)
+        cfg.weight_sync.transport, cfg.weight_sync.mode, cfg.rollout.backend = transport, mode, "sglang"
+        cfg.cluster.placement = "colocated" if transport == "ipc" else cfg.cluster.placement
+        cfg.rollout.sglang_args = {**cfg.rollout.sglang_args, "ep_size": 2}
+        problems = [p for p in weight_sync_problems(cfg) if "ep_size" in p]
+        assert bool(problems) == refused, (transport, mode)
+        if refused:
+            assert "rollout.sglang_args.ep_size=2" in problems[0] and "weight_sync.mode=full" in problems[0]

@@ -155,17 +155,22 @@ def _check_params(params: dict[str, torch.Tensor], expected: dict[str, tuple[int
 
 
 def _regions(params: dict[str, torch.Tensor], shards: Sequence[Sequence[Any]]) -> tuple[list[torch.Tensor], list[str]]:
-    """Per shard, the view of its parameter that holds it (rows `offset..offset+rows` on dim 0)."""
+    """Per shard, the view of its parameter that holds it (rows `offset..offset+rows` on dim 0; a routed
+    expert's within its expert of the stacked parameter)."""
     regions, problems = [], []
-    for hf_name, target, offset, _dtype, shape in shards:
+    for hf_name, target, offset, _dtype, shape, expert in shards:
         param = params.get(target)
-        if param is None or param.dim() != len(shape) or tuple(param.shape[1:]) != tuple(shape[1:]) \
-                or offset + shape[0] > param.shape[0]:
-            problems.append(f"{hf_name}: shard {tuple(shape)} at row {offset} does not fit parameter {target!r} "
-                            f"{tuple(param.shape) if param is not None else '(missing)'}")
+        data = None if param is None else param.data
+        if data is not None and expert >= 0:
+            data = data[expert] if data.dim() == len(shape) + 1 and expert < data.shape[0] else None
+        if data is None or data.dim() != len(shape) or tuple(data.shape[1:]) != tuple(shape[1:]) \
+                or offset + shape[0] > data.shape[0]:
+            where = f" of expert {expert}" if expert >= 0 else ""
+            problems.append(f"{hf_name}: shard {tuple(shape)} at row {offset}{where} does not fit parameter "
+                            f"{target!r} {tuple(param.shape) if param is not None else '(missing)'}")
             regions.append(torch.empty(0))
             continue
-        regions.append(param.data.narrow(0, int(offset), int(shape[0])))
+        regions.append(data.narrow(0, int(offset), int(shape[0])))
     return regions, problems
 
 
