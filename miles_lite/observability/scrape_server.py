@@ -146,10 +146,14 @@ class ScrapeServer:
             await self._serve_one(reader, writer)
         except (TimeoutError, ConnectionError, asyncio.IncompleteReadError, asyncio.LimitOverrunError):
             pass  # idle, half-open or gone: just close
+        except asyncio.CancelledError:
+            # Only `stop` cancels a connection's task. End it normally: Python 3.11's stream server logs a
+            # traceback for every connection task that ends cancelled.
+            pass
         finally:
             self._open -= 1
             writer.close()
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(Exception, asyncio.CancelledError):  # the same, during the close
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
 
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

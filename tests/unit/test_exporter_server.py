@@ -115,3 +115,24 @@ def test_scrape_flood_shares_renderings_and_answers_stay_fresh(exporter):
     while exp.scrapes_served < total:
         assert time.monotonic() < deadline, exp.scrapes_served
         time.sleep(0.01)
+
+
+def test_stop_with_connections_open_ends_them_quietly(caplog):
+    reg = MetricsRegistry("r1", "driver")
+    exp = MetricsExporter(reg, "127.0.0.1", 0, limits=ScrapeLimits(header_timeout_s=30.0))
+    exp.start()
+    held = [socket.create_connection(("127.0.0.1", exp.port)) for _ in range(5)]
+    try:
+        deadline = time.monotonic() + 5
+        while exp._server is not None and exp._server.open_connections < len(held):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with caplog.at_level("ERROR", logger="asyncio"):
+            exp.stop()
+        assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+        for sock in held:
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # closed by the stop
+    finally:
+        for sock in held:
+            sock.close()
