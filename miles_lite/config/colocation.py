@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
 
+from miles_lite.config.engine_flags import flag_keys, flag_value
 from miles_lite.config.schema import MilesConfig, RolloutConfig
 
 MEMORY_SAVER_FLAG = "enable_memory_saver"
@@ -37,20 +37,9 @@ def hands_off(cfg: MilesConfig) -> bool:
     return cfg.cluster.placement == "colocated" and cfg.cluster.colocated_memory == "handoff"
 
 
-def _flag_keys(sglang_args: Mapping[str, Any], flag: str) -> list[str]:
-    """The keys of `sglang_args` that spell `flag` (either `enable_memory_saver` or `enable-memory-saver`)."""
-    return [k for k in sglang_args if str(k).replace("-", "_") == flag]
-
-
-def memory_saver_setting(sglang_args: Mapping[str, Any]) -> Any:
-    """The value `sglang_args` gives `--enable-memory-saver` (None when it does not set it)."""
-    keys = _flag_keys(sglang_args, MEMORY_SAVER_FLAG)
-    return sglang_args[keys[-1]] if keys else None
-
-
 def memory_saver_on(rollout: RolloutConfig) -> bool:
     """Whether SGLang engines of `rollout` start with the memory saver."""
-    return rollout.backend == "sglang" and memory_saver_setting(rollout.sglang_args) is True
+    return rollout.backend == "sglang" and flag_value(rollout.sglang_args, MEMORY_SAVER_FLAG) is True
 
 
 def engine_rollout(cfg: MilesConfig) -> RolloutConfig:
@@ -60,7 +49,7 @@ def engine_rollout(cfg: MilesConfig) -> RolloutConfig:
     rollout = cfg.rollout
     if not hands_off(cfg) or rollout.backend != "sglang":
         return rollout
-    args = {k: v for k, v in rollout.sglang_args.items() if k not in _flag_keys(rollout.sglang_args, MEMORY_SAVER_FLAG)}
+    args = {k: v for k, v in rollout.sglang_args.items() if k not in flag_keys(rollout.sglang_args, MEMORY_SAVER_FLAG)}
     return dataclasses.replace(rollout, sglang_args={**args, MEMORY_SAVER_FLAG: True})
 
 
@@ -99,14 +88,13 @@ def handoff_problems(cfg: MilesConfig) -> list[str]:
                         "generation can overlap a step; set rollout.async_steps=0 or cluster.colocated_memory=resident")
     if cfg.rollout.backend != "sglang":
         return problems
-    setting = memory_saver_setting(cfg.rollout.sglang_args)
+    setting = flag_value(cfg.rollout.sglang_args, MEMORY_SAVER_FLAG)
     if setting is not None and setting is not True:
         problems.append(f"rollout.sglang_args.enable_memory_saver={setting!r}: cluster.colocated_memory=handoff puts "
                         "the engines to sleep through SGLang's memory saver (/release_memory_occupation), which "
                         "needs it on; remove the setting (hand-off runs turn it on) or set "
                         "cluster.colocated_memory=resident")
-    cache_keys = _flag_keys(cfg.rollout.sglang_args, "weight_cache_mode")
-    cache = cfg.rollout.sglang_args[cache_keys[-1]] if cache_keys else None
+    cache = flag_value(cfg.rollout.sglang_args, "weight_cache_mode")
     if cache not in (None, "off"):
         # SGLang refuses to release or resume weights shared with its weight-cache daemon, and the refusal
         # (an exception in its scheduler) stops the engine.

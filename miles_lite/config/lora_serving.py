@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from miles_lite.config.engine_flags import by_flag_name
 from miles_lite.config.schema import MilesConfig
 
 # PEFT projection name -> the LoRA module SGLang's memory pool holds it in.
@@ -41,14 +42,9 @@ def derived_lora_args(cfg: MilesConfig, engine: str) -> dict[str, Any]:
     return args
 
 
-def _user_args(args: Mapping[str, Any]) -> dict[str, Any]:
-    """Flag name (underscores) -> value, whichever spelling the user wrote."""
-    return {str(k).replace("-", "_"): v for k, v in args.items()}
-
-
 def merged_lora_args(cfg: MilesConfig, engine: str, user: Mapping[str, Any]) -> dict[str, Any]:
     """`user`'s flags plus the derived ones it does not set (in either spelling); the user's values win."""
-    given = _user_args(user)
+    given = by_flag_name(user)
     return {**{k: v for k, v in derived_lora_args(cfg, engine).items() if k not in given}, **dict(user)}
 
 
@@ -59,7 +55,7 @@ def lora_serving_problems(cfg: MilesConfig) -> list[str]:
     lora = cfg.trainer.lora
     engine = cfg.rollout.backend
     field = "rollout.sglang_args" if engine == "sglang" else "rollout.reference_args"
-    given = _user_args(cfg.rollout.sglang_args if engine == "sglang" else cfg.rollout.reference_args)
+    given = by_flag_name(cfg.rollout.sglang_args if engine == "sglang" else cfg.rollout.reference_args)
     why = (f"trainer.lora.rank={lora.rank} with weight_sync.lora=adapter pushes adapters into the engines; ")
     problems: list[str] = []
     if "enable_lora" in given and given["enable_lora"] is not True:

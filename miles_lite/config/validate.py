@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from miles_lite.config.engine_flags import flag_value
 from miles_lite.config.schema import MilesConfig, choices, ranges
 
 
@@ -229,7 +230,7 @@ def _check_rollout(cfg: MilesConfig, problems: list[str]) -> None:
                         "which the job follows once running; set rollout.engine_urls to the engines at start")
     if rollout.max_turns < 1:
         problems.append(f"rollout.max_turns={rollout.max_turns} must be a positive integer")
-    if rollout.backend == "sglang" and rollout.sglang_args.get("skip_tokenizer_init") and (
+    if rollout.backend == "sglang" and flag_value(rollout.sglang_args, "skip_tokenizer_init") and (
             rollout.stop or rollout.environment):
         # SGLang matches stop strings on decoded text; without its tokenizer its scheduler fails on the first one.
         what = "rollout.environment's tool-call tags" if rollout.environment else f"rollout.stop={list(rollout.stop)}"

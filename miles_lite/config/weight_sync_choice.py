@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from miles_lite.config.engine_flags import flag_value
 from miles_lite.config.schema import IPC_HANDLES_LOADER, MilesConfig
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -43,7 +44,7 @@ def shared_gpus(cfg: MilesConfig) -> list[int]:
     trainer = set(range(cfg.trainer.tp * cfg.trainer.dp))
     engines: set[int] = set()
     for index in range(cfg.rollout.engines):
-        base = int(cfg.rollout.sglang_args.get("base_gpu_id", index * cfg.rollout.engine_tp))
+        base = int(flag_value(cfg.rollout.sglang_args, "base_gpu_id", index * cfg.rollout.engine_tp))
         engines |= set(range(base, base + cfg.rollout.engine_tp))
     return sorted(trainer & engines)
 
@@ -78,12 +79,12 @@ def weight_sync_problems(cfg: MilesConfig) -> list[str]:
         problems.append(f"weight_sync.transport={ws.transport} needs cluster.placement=colocated (engines on the "
                         "trainer's GPUs)")
     if ws.transport == "ipc_handles" and cfg.rollout.backend == "sglang" and not cfg.rollout.engine_urls:
-        loaders = cfg.rollout.sglang_args.get("custom_weight_loader") or []
+        loaders = flag_value(cfg.rollout.sglang_args, "custom_weight_loader") or []
         if IPC_HANDLES_LOADER not in (loaders if isinstance(loaders, list | tuple) else [loaders]):
             problems.append(f"weight_sync.transport=ipc_handles: SGLang engines must load the push with "
                             f"{IPC_HANDLES_LOADER}; add '+rollout.sglang_args.custom_weight_loader="
                             f"[{IPC_HANDLES_LOADER}]'")
-    sglang_ep = int(cfg.rollout.sglang_args.get("ep_size", 1) or 1)
+    sglang_ep = int(flag_value(cfg.rollout.sglang_args, "ep_size") or 1)
     writes_params = ws.transport in ("ipc", "ipc_handles") or (ws.transport == "distributed" and ws.mode == "shard")
     if cfg.rollout.backend == "sglang" and sglang_ep > 1 and writes_params:
         # These pushes write each engine rank's parameters directly, in the layout of SGLang's tensor-parallel

@@ -92,7 +92,9 @@ def test_sglang_expert_parallel_engines_take_only_pushes_sglang_places(cpu_cfg) 
         cfg = copy.deepcopy(cpu_cfg)
         cfg.weight_sync.transport, cfg.weight_sync.mode, cfg.rollout.backend = transport, mode, "sglang"
         cfg.cluster.placement = "colocated" if transport == "ipc" else cfg.cluster.placement
-        cfg.rollout.sglang_args = {**cfg.rollout.sglang_args, "ep_size": 2}
+        # Either spelling of the flag (both become --ep-size).
+        key = "ep_size" if transport == "distributed" else "ep-size"
+        cfg.rollout.sglang_args = {**cfg.rollout.sglang_args, key: 2}
         problems = [p for p in weight_sync_problems(cfg) if "ep_size" in p]
         assert bool(problems) == refused, (transport, mode)
         if refused:

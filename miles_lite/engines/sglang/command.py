@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import miles_lite
+from miles_lite.config.engine_flags import flag_name
 from miles_lite.engines.sglang.launch import LAUNCH_MODULE, split_own_flags
 from miles_lite.ports import LOCAL_HOST
 from miles_lite.weight_sync.loader_protocol import LOADER_FUNCTION
@@ -76,7 +77,7 @@ def sglang_flag_args(sglang_args: Mapping[str, Any]) -> list[str]:
         if not _KEY.match(key):
             raise ValueError(f"rollout.sglang_args key {key!r} must be a flag name without leading dashes, "
                              "e.g. mem_fraction_static")
-        norm = key.replace("-", "_")
+        norm = flag_name(key)
         if norm in RESERVED_FLAGS:
             raise ValueError(f"rollout.sglang_args.{key} is set by the launcher; use {RESERVED_FLAGS[norm]}")
         flag = "--" + norm.replace("_", "-")
@@ -184,7 +185,7 @@ def for_installed_sglang(sglang_args: Mapping[str, Any], known: frozenset[str] |
     if known is None:
         return out
     for older, newer in RENAMED_FLAGS:
-        given = [k for k in out if str(k).replace("-", "_") in (older, newer)]
+        given = [k for k in out if flag_name(k) in (older, newer)]
         if not given:
             continue
         target = newer if _flag(newer) in known else older if _flag(older) in known else None
