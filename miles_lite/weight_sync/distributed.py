@@ -100,7 +100,7 @@ class DistributedTransport(WeightTransport):
                              "address the engines reach this process at)")
         self.specs = tuple(specs)
         self.trainer_tp = trainer_tp
-        self.senders_count = sender_count(self.specs, trainer_tp)
+        self.num_senders = sender_count(self.specs, trainer_tp)
         self.loop = loop
         self.bucket_bytes = bucket_bytes
         self.mode = mode
@@ -132,7 +132,7 @@ class DistributedTransport(WeightTransport):
         self._teardown()
         self._set_fleet(fleet_engines)
         self.plan = build_plan(self.specs, self.trainer_tp, [f.spec for f in self.fleet])
-        first = 1 if self.mode == "full" else self.senders_count
+        first = 1 if self.mode == "full" else self.num_senders
         offset, self.rank_offsets = first, {}
         for f in self.fleet:
             self.rank_offsets[f.engine_id] = offset
@@ -144,7 +144,7 @@ class DistributedTransport(WeightTransport):
             self.buckets = shard_buckets(self.plan, self.bucket_bytes)
             ranks = [(self.rank_offsets[f.engine_id] + rp.rank, rp)
                      for f, rank_plans in zip(self.fleet, self.plan.ranks, strict=True) for rp in rank_plans]
-            self.schedules = [bucket_schedules(b, ranks, self.senders_count) for b in self.buckets]
+            self.schedules = [bucket_schedules(b, ranks, self.num_senders) for b in self.buckets]
         self.generation += 1
         self.group_name = f"{self.group_base}_{self.generation}"
         # Group rank 0 hosts the rendezvous: this process (full) or trainer TP rank 0 (shard), whose node
@@ -238,10 +238,7 @@ class DistributedTransport(WeightTransport):
         report.buckets = len(self.buckets)
         try:
             if self.mode == "full":
-                shards = resolve_shards(named_shards, report)
-                if len(shards) != self.senders_count:
-                    raise WeightSyncError(f"push got {len(shards)} trainer shards for {self.senders_count} senders "
-                                          f"(trainer tp={self.trainer_tp} and the holders of routed experts)")
+                shards = resolve_shards(named_shards, report, self.num_senders)
             for bucket in self.buckets:
                 last = bucket.index == len(self.buckets) - 1
                 if self.mode == "full":

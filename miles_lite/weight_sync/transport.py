@@ -126,12 +126,18 @@ class EngineLoop:
         return results
 
 
-def resolve_shards(named_shards: ShardSource, report: PushReport) -> TrainerShards:
-    """Materialise trainer shards, timing a callable source as the gather phase."""
+def resolve_shards(named_shards: ShardSource, report: PushReport, senders: int | None = None) -> TrainerShards:
+    """Materialise trainer shards, timing a callable source as the gather phase; `senders`: how many the plan
+    reads (`plan.sender_count`), checked."""
     if callable(named_shards):
         with report.phase("gather"):
-            return named_shards()
-    return named_shards
+            shards = named_shards()
+    else:
+        shards = named_shards
+    if senders is not None and len(shards) != senders:
+        raise WeightSyncError(f"{report.transport} push got {len(shards)} trainer shards for {senders} senders (the "
+                              "trainer's TP ranks and the holders of routed experts)")
+    return shards
 
 
 class WeightTransport(abc.ABC):
