@@ -110,7 +110,7 @@ class TrainerRank:
 
         rank = self.actor.par.tp_rank if group_rank is None else group_rank
         count = self.actor.par.tp_size if senders is None else senders
-        if self.sender is None or (self.sender.tp_rank, self.sender.tp) != (rank, count):
+        if self.sender is None or (self.sender.index, self.sender.count) != (rank, count):
             self.leave_weight_group()
             self.sender = RankSender(rank, count)
         self.sender.join(master_address, master_port, world_size, group_name, backend, timeout_s, key)

@@ -73,30 +73,30 @@ class SenderState(enum.Enum):
 class RankSender:
     """One trainer rank's membership in the weight-update group."""
 
-    def __init__(self, tp_rank: int, tp: int = 1) -> None:
-        """`tp_rank`: this rank's sender index (its TP rank, or past the TP ranks for an expert holder); `tp`: the
-        number of sending ranks 0..tp-1 of the group (the trainer's TP size and the expert holders beyond it)."""
-        if not 0 <= tp_rank < tp:
-            raise ValueError(f"trainer sender {tp_rank} is outside [0, {tp}) (the group's sending ranks)")
-        self.tp_rank = tp_rank
-        self.tp = tp
+    def __init__(self, index: int, count: int = 1) -> None:
+        """`index`: this rank's sender index = its group rank (its TP rank, or past the TP ranks for an expert
+        holder); `count`: the group's sending ranks 0..count-1 (the trainer's TP size and the expert holders)."""
+        if not 0 <= index < count:
+            raise ValueError(f"trainer sender {index} is outside [0, {count}) (the group's sending ranks)")
+        self.index = index
+        self.count = count
         self.state = SenderState.IDLE
         self.group: dist.ProcessGroup | None = None
         self.group_name = ""
 
     def join(self, master_address: str, master_port: int, world_size: int, group_name: str, backend: str,
              timeout_s: float, key: str | None = None) -> None:
-        """Join `group_name` as group rank `tp_rank` (blocks until every member joined); leaves a previous group."""
+        """Join `group_name` as group rank `index` (blocks until every member joined); leaves a previous group."""
         self.leave()
-        self.group = init_custom_process_group(backend, master_address, master_port, self.tp_rank, world_size,
-                                               group_name, timeout_s, key=key, warm_up=WarmUp(senders=self.tp))
+        self.group = init_custom_process_group(backend, master_address, master_port, self.index, world_size,
+                                               group_name, timeout_s, key=key, warm_up=WarmUp(senders=self.count))
         self.group_name = group_name
         self.state = SenderState.JOINED
 
     def send(self, shards: Mapping[str, torch.Tensor], schedule: RankSchedule) -> SendStats:
         """Send this rank's part of one bucket from its local tensors `shards` ({megatron name: tensor})."""
         if self.state is not SenderState.JOINED or self.group is None:
-            raise RuntimeError(f"trainer rank {self.tp_rank} is not in a weight-update group; join first")
+            raise RuntimeError(f"trainer sender {self.index} is not in a weight-update group; join first")
         try:
             return send_bucket(self.group, shards, schedule)
         except Exception:

@@ -275,7 +275,7 @@ class InProcessSender:
     """The trainer's one TP rank as a `ShardSenders`: sends from GPU tensors in this process."""
 
     def __init__(self) -> None:
-        self.sender = RankSender(tp_rank=0)
+        self.sender = RankSender(0)
         self.shards: dict[str, torch.Tensor] = {}
 
     def weight_group_endpoint(self) -> tuple[str, int]:
