@@ -41,6 +41,8 @@ class ActorCheckpoint:
     nonfinite_total: int
     diverged_total: int
     _require_ready: Callable[[], None]
+    # SHA-256 of every base tensor of a LoRA trainer, computed at the first checkpoint (`lora_checkpoint_info`).
+    _lora_base_sha256: dict[str, str] | None = None
 
     def state_dict_for_checkpoint(self) -> dict[str, Any]:
         """This rank's model shard, optimizer and LR-schedule state, RNG streams and counters.
@@ -72,17 +74,21 @@ class ActorCheckpoint:
         it (the base is gathered over TP one parameter at a time)."""
         if self.lora is None:
             return None
-        self.offloader.require_resident(("params",), "fingerprinting the LoRA base")
-        writer = self.par.tp_rank == 0 and self.par.dp_rank == 0
-        digests: dict[str, str] = {}
-        with cpu_compat.device_mode():
-            for part in iter_hf_state(self.policy.model, self.layouts, self.par.tp_group, self.par.ep_group,
-                                      self.policy.spec.num_experts):
-                if writer:
-                    digests.update({name: tensor_sha256(t) for name, t in part.items()})
+        if self._lora_base_sha256 is None:
+            # Once per trainer: the base is frozen and no checkpoint loads it, so every later save would hash
+            # the same bits again (a full pass over the base, inside the checkpoint's blocking time).
+            self.offloader.require_resident(("params",), "fingerprinting the LoRA base")
+            writer = self.par.tp_rank == 0 and self.par.dp_rank == 0
+            digests: dict[str, str] = {}
+            with cpu_compat.device_mode():
+                for part in iter_hf_state(self.policy.model, self.layouts, self.par.tp_group, self.par.ep_group,
+                                          self.policy.spec.num_experts):
+                    if writer:
+                        digests.update({name: tensor_sha256(t) for name, t in part.items()})
+            self._lora_base_sha256 = digests
         dtype = str(next(self.policy.model.parameters()).dtype).removeprefix("torch.")
         return {"adapter": self.lora.lora.peft_config(None), "base": base_reference(self.cfg),
-                "base_sha256": digests, "base_dtype": dtype}
+                "base_sha256": dict(self._lora_base_sha256), "base_dtype": dtype}
 
     @torch.no_grad()
     def load_checkpoint_state(self, state: Mapping[str, Any]) -> None:
