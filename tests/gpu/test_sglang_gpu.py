@@ -4,7 +4,8 @@ Two servers, one after the other (class-scoped, so the first is gone before the 
 
 - `TestSGLangContract`: the shared engine contract (`engine_contract.EngineContract`) against a tiny fp32
   Qwen2 (head_dim 64: SGLang's precompiled RoPE kernels cover 64/128/256/512 only), launched through
-  `EngineLauncher` with `enable_deterministic_inference` (without it SGLang ignores `sampling_seed`).
+  `EngineLauncher` with `enable_deterministic_inference` (in `SGLANG_TEST_ARGS`; without it SGLang ignores
+  `sampling_seed`).
 - `TestWeightPush`: a random Qwen2.5-0.5B-shaped model served in bf16 with `conf/rollout/sglang.yaml`'s
   flags; pushes through `DiskTransport` (`/update_weights_from_disk`), `IpcTransport` (CUDA IPC
   handles, `/update_weights_from_tensor` with `load_format="direct"`) and `DistributedTransport` in
@@ -111,7 +112,7 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 @pytest.fixture(scope="class")
 def engine(model_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[LaunchedEngine]:
     """One SGLang server on model A for the contract class, stopped (process group) after it."""
-    args = {**SGLANG_SLEEP_ARGS, "enable_deterministic_inference": True}
+    args = dict(SGLANG_SLEEP_ARGS)
     rollout = RolloutConfig(backend="sglang", engines=1, engine_tp=1, startup_timeout_s=STARTUP_S,
                             request_timeout_s=120.0, sglang_args=args)
     launcher = EngineLauncher(rollout, model_dirs[0], str(tmp_path_factory.mktemp("logs-contract")))
@@ -123,7 +124,7 @@ def engine(model_dirs: tuple[str, str], tmp_path_factory: pytest.TempPathFactory
 
 
 class TestSGLangContract(EngineContract):
-    """The shared contract on SGLang 0.5.10 (seeded sampling needs `enable_deterministic_inference`)."""
+    """The shared contract on stock SGLang (seeded sampling needs `enable_deterministic_inference`)."""
 
     def test_stop_token_ids(self, engine: LaunchedEngine) -> None:
         """SGLang skips every token-based stop, `stop_token_ids` included, when `ignore_eos` is set

@@ -46,18 +46,22 @@ def shipped_sglang_args() -> dict[str, Any]:
 
 
 # SGLang flags for a token-in/token-out server on one GPU (no tokenizer in the tiny model directory), over the
-# shipped defaults.
+# shipped defaults. float32, so log-probs compare with an HF float32 forward: SGLang 0.5.17's CUDA RMSNorm kernel
+# has no float32 path (Qwen3-MoE and LoRA engines died at start-up), its batch-invariant mode (deterministic
+# inference, which seeded sampling needs anyway) normalises in Triton or PyTorch, which do.
 SGLANG_TEST_ARGS: dict[str, Any] = {**shipped_sglang_args(), "skip_tokenizer_init": True, "mem_fraction_static": 0.3,
                                     "attention_backend": "triton", "sampling_backend": "pytorch",
-                                    "disable_cuda_graph": True, "dtype": "float32"}
+                                    "disable_cuda_graph": True, "dtype": "float32",
+                                    "enable_deterministic_inference": True}
 # The contract's engine also sleeps and wakes: the memory saver (what /release_memory_occupation needs; the
 # launcher also drops expandable_segments from its environment), with a host copy of the weights so sleep/wake
 # keeps them without a push in between. Only engines that sleep start with it, so a memory-saver failure shows
 # in the sleep tests alone.
 SGLANG_SLEEP_ARGS: dict[str, Any] = {**SGLANG_TEST_ARGS, "enable_memory_saver": True,
                                      "enable_weights_cpu_backup": True}
-# Largest |engine logprob - HF float32 logprob| accepted, per kind (SGLang's GPU kernels differ in rounding).
-LOGPROB_TOL = {"reference": 1e-4, "sglang": 2e-3}
+# Largest |engine logprob - HF float32 logprob| accepted, per kind. SGLang's GPU kernels round otherwise: up to
+# 2.4e-3 seen on 0.5.17 in float32; two tokens' log-probs at one position differ by tenths, so a wrong token fails.
+LOGPROB_TOL = {"reference": 1e-4, "sglang": 5e-3}
 
 
 def tolerance(engine: LaunchedEngine) -> float:
@@ -222,7 +226,7 @@ class EngineContract:
         scores = run(engine.client.score(tokens, len(PROMPT)))
         expected = hf_logprobs(model_dirs[0], tokens, len(PROMPT))
         assert len(scores) == 6
-        assert max(abs(a - b) for a, b in zip(scores, expected, strict=True)) < tolerance(engine)
+        assert max(abs(a - b) for a, b in zip(scores, expected, strict=True)) < tolerance(engine), (scores, expected)
 
     def test_stop_token_ids(self, engine: LaunchedEngine) -> None:
         base = run(engine.client.generate(PROMPT, GREEDY))

@@ -8,7 +8,7 @@ from typing import Any
 
 from miles_lite.api_key import authorization, new_key
 from miles_lite.engines.sglang.command import build_sglang_command
-from miles_lite.engines.sglang.launch import LAUNCH_MODULE, RequireKey, split_own_flags
+from miles_lite.engines.sglang.launch import LAUNCH_MODULE, RequireKey, launch_keyed, split_own_flags
 
 KEY = new_key()
 
@@ -67,3 +67,56 @@ def test_sglang_api_key_flags_are_refused() -> None:
     for flag in ("api_key", "admin-api-key"):
         with pytest.raises(ValueError, match="cluster.api_key_file"):
             build_sglang_command("/m", 1, 1, {flag: "secret"})
+
+
+class _Args:
+    api_key = None
+    skip_server_warmup = False
+    port = 30000
+
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+class _ResolvedArgs(_Args):
+    """Like SGLang 0.5.17's resolved ServerArgs: read-only."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"server_args.{name} assigned after resolution")
+
+
+class _WarmupServer:
+    """Stand-in for SGLang's `http_server` module: `launch_server` runs the warmup it is given, as SGLang does."""
+
+    def __init__(self) -> None:
+        self.warmed_with: list[Any] = []
+
+    def _execute_server_warmup(self, args: Any) -> bool:
+        self.warmed_with.append((args.api_key, args.url()))
+        return True
+
+    def launch_server(self, server_args: Any, execute_warmup_func: Any = None) -> None:
+        (execute_warmup_func or self._execute_server_warmup)(server_args)
+
+
+class _OldServer:
+    """A release whose `launch_server` takes no warmup function."""
+
+    def __init__(self) -> None:
+        self.launched: list[Any] = []
+
+    def launch_server(self, server_args: Any) -> None:
+        self.launched.append(server_args)
+
+
+def test_the_warmup_presents_the_key_and_the_logged_arguments_never_hold_it() -> None:
+    server, args = _WarmupServer(), _ResolvedArgs()
+    assert launch_keyed(server, args, KEY) == 0
+    assert server.warmed_with == [(KEY, "http://127.0.0.1:30000")]
+    assert args.api_key is None and not args.skip_server_warmup
+
+
+def test_a_release_without_a_warmup_hook_skips_its_warmup_rather_than_fail_it() -> None:
+    server, args = _OldServer(), _Args()
+    launch_keyed(server, args, KEY)
+    assert server.launched == [args] and args.skip_server_warmup and args.api_key is None

@@ -9,11 +9,17 @@ arguments it prints. So this
 launcher reads the key from a file (or the environment), keeps it out of SGLang's arguments, and wraps
 SGLang's application in `RequireKey`: every HTTP and WebSocket path but `/health` asks
 `Authorization: Bearer KEY`, and a request without it is answered 401 before SGLang sees it.
+
+SGLang's start-up warmup (`/model_info`, then a generation) authenticates with `server_args.api_key`, which
+stays unset here: the warmup reads the arguments through a view that adds the key (`launch_server`'s
+`execute_warmup_func`, 0.5.17 on). A release without that parameter skips its warmup instead; readiness is
+`/health_generate` (a generation) either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from collections.abc import Awaitable, Callable
@@ -102,7 +108,35 @@ def main(argv: list[str] | None = None) -> int:
                   "does not wrap; use 1", file=sys.stderr)
             return 2
         http_server.app.add_middleware(RequireKey, key=key)
+        return launch_keyed(http_server, server_args, key)
     http_server.launch_server(server_args)
+    return 0
+
+
+class WithKey:
+    """`args` as SGLang's warmup reads them, with `api_key` set: SGLang 0.5.17's resolved ServerArgs refuse
+    assignment (and a copy would be one more object holding the key that SGLang might print)."""
+
+    def __init__(self, args: Any, key: str) -> None:
+        self._args = args
+        self.api_key = key
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._args, name)
+
+
+def launch_keyed(http_server: Any, server_args: Any, key: str) -> int:
+    """Run SGLang's server with its warmup presenting `key` (the arguments SGLang logs never hold it)."""
+    if "execute_warmup_func" in inspect.signature(http_server.launch_server).parameters:
+        warmup = http_server._execute_server_warmup
+
+        def keyed_warmup(args: Any) -> Any:
+            return warmup(WithKey(args, key))
+
+        http_server.launch_server(server_args, execute_warmup_func=keyed_warmup)
+    else:
+        server_args.skip_server_warmup = True
+        http_server.launch_server(server_args)
     return 0
 
 
