@@ -4,6 +4,9 @@ and the launcher's own flags kept apart from SGLang's."""
 from __future__ import annotations
 
 import asyncio
+import signal
+import subprocess
+import sys
 from typing import Any
 
 from miles_lite.api_key import authorization, new_key
@@ -120,3 +123,27 @@ def test_a_release_without_a_warmup_hook_skips_its_warmup_rather_than_fail_it() 
     server, args = _OldServer(), _Args()
     launch_keyed(server, args, KEY)
     assert server.launched == [args] and args.skip_server_warmup and args.api_key is None
+
+
+def test_a_failing_keyed_warmup_ends_the_server_at_once() -> None:
+    # SGLang runs the warmup on a thread of the server process: were it to die there, the server would stay up
+    # and never ready. A child process plays that server.
+    code = """
+import threading
+from miles_lite.engines.sglang.launch import launch_keyed
+
+class Args:
+    api_key = None
+
+class Server:
+    def _execute_server_warmup(self, args):
+        raise RuntimeError("warmup broke: " + str(args.api_key is not None))
+    def launch_server(self, server_args, execute_warmup_func=None):
+        threading.Thread(target=execute_warmup_func, args=(server_args,)).start()
+        threading.Event().wait(60)
+
+launch_keyed(Server(), Args(), "k" * 43)
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert "warmup broke: True" in proc.stderr

@@ -21,7 +21,10 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import os
+import signal
 import sys
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -131,7 +134,14 @@ def launch_keyed(http_server: Any, server_args: Any, key: str) -> int:
         warmup = http_server._execute_server_warmup
 
         def keyed_warmup(args: Any) -> Any:
-            return warmup(WithKey(args, key))
+            try:
+                return warmup(WithKey(args, key))
+            except BaseException:
+                # SGLang ends the server when its own warmup fails; an error here would otherwise leave it up and
+                # never ready (its warmup thread gone) until the launcher's start-up timeout.
+                traceback.print_exc()
+                os.kill(os.getpid(), signal.SIGKILL)
+                raise
 
         http_server.launch_server(server_args, execute_warmup_func=keyed_warmup)
     else:
