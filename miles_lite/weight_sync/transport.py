@@ -128,7 +128,7 @@ class EngineLoop:
 
 def resolve_shards(named_shards: ShardSource, report: PushReport, senders: int | None = None) -> TrainerShards:
     """Materialise trainer shards, timing a callable source as the gather phase; `senders`: how many the plan
-    reads (`plan.sender_count`), checked."""
+    reads (the plan's `senders`), checked."""
     if callable(named_shards):
         with report.phase("gather"):
             shards = named_shards()

@@ -117,8 +117,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 class WithKey:
-    """`args` as SGLang's warmup reads them, with `api_key` set: SGLang 0.5.17's resolved ServerArgs refuse
-    assignment (and a copy would be one more object holding the key that SGLang might print)."""
+    """`args` as SGLang's warmup reads them, with `api_key` set (SGLang 0.5.17's resolved ServerArgs refuse
+    assignment, and the arguments themselves must not hold the key: SGLang logs them)."""
 
     def __init__(self, args: Any, key: str) -> None:
         self._args = args
@@ -141,7 +141,6 @@ def launch_keyed(http_server: Any, server_args: Any, key: str) -> int:
                 # never ready (its warmup thread gone) until the launcher's start-up timeout.
                 traceback.print_exc()
                 os.kill(os.getpid(), signal.SIGKILL)
-                raise
 
         http_server.launch_server(server_args, execute_warmup_func=keyed_warmup)
     else:
