@@ -9,7 +9,9 @@ Who holds the device is a state machine:
   state offloaded before the engines started (`System.start`), so they start into the room;
 - `for_generation`: the trainer offloads `trainer.offload.*` to host memory (`time/offload_seconds`);
 - `for_training`: the engines release weights, KV cache and CUDA graphs (`time/engine_sleep_seconds`),
-  then the trainer onloads (`time/onload_seconds`);
+  then the trainer onloads (`time/onload_seconds`). Runs that push only LoRA adapters keep the engines'
+  weights: their base never changes, and SGLang's memory saver drops released weights (no host copy), so
+  an adapter-only push after the wake would leave the engine computing with garbage;
 - `push`: the trainer offloads its gradient buffers and optimizer state, the push resumes the engines'
   weights, loads the new version and resumes their KV cache (`time/engine_wake_seconds`) before the probe
   verification; then the trainer offloads its parameters. The parameters stay on the device through the
@@ -28,8 +30,10 @@ from typing import Any
 
 from miles_lite.config.colocation import hands_off
 from miles_lite.config.offload import OFFLOAD_PARTS
+from miles_lite.rollout.engine import MEMORY_TAGS
 from miles_lite.system import System
 from miles_lite.weight_sync.coordinator import SyncReport
+from miles_lite.weight_sync.factory import adapter_push
 
 
 class Holder(enum.Enum):
@@ -46,6 +50,8 @@ class Handoff:
         self.enabled = hands_off(system.cfg)
         self.colocated = system.cfg.cluster.placement == "colocated"
         self.parts = system.cfg.trainer.offload.parts()
+        # What the engines release to sleep (see the module docstring on adapter-only pushes).
+        self.sleep_tags = tuple(t for t in MEMORY_TAGS if t != "weights") if adapter_push(system.cfg) else MEMORY_TAGS
         # The engines started while the trainer's state waited in host memory (`System.start`).
         self.holder = Holder.ENGINES if self.enabled and system.offloaded_at_start else Holder.BOTH
         self._seconds: dict[str, float] = {}
@@ -73,7 +79,7 @@ class Handoff:
             return
         assert self.system.fleet is not None and self.system.loop_thread is not None and self.system.trainer
         start = time.perf_counter()
-        self.system.loop_thread.run(self.system.fleet.sleep())
+        self.system.loop_thread.run(self.system.fleet.sleep(self.sleep_tags))
         self._add("engine_sleep", time.perf_counter() - start)
         self._add("onload", self.system.trainer.onload(OFFLOAD_PARTS)["seconds"])
         self.holder = Holder.TRAINER

@@ -22,9 +22,7 @@ from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.actor_checkpoint import ActorCheckpoint
-from miles_lite.trainer.dist_optimizer import (
-    is_distributed,
-)
+from miles_lite.trainer.dist_optimizer import is_distributed
 from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignment, scale_expert_grads
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
@@ -481,6 +479,7 @@ class TrainerActor(ActorCheckpoint):
         self._require_ready()
         if self.lora is None:
             raise RuntimeError("no LoRA adapters: set trainer.lora.rank > 0")
+        self.offloader.require_resident(("params",), "reading the adapters")
         with cpu_compat.device_mode():
             state = gather_hf_state(self.lora, self.trained_layouts, self.par.tp_group)
         return state if self.par.rank == 0 else {}

@@ -171,19 +171,26 @@ def _synchronize(moved: Sequence[_Moved]) -> None:
 
 
 def actor_offload(actor: Any) -> TrainerOffload:
-    """The offload of a `TrainerActor`: its model, Megatron DDP buffers, optimizer and update guard."""
+    """The offload of a `TrainerActor`: its model (with LoRA adapters, which live beside the frozen base in
+    their own module), Megatron DDP buffers, optimizer and update guard."""
     model = actor.policy.model
+    trained = getattr(actor, "trained", model)
     buffers = getattr(actor.ddp, "buffers", [])
 
+    def weights() -> list[Tensor]:
+        # Adapters are parameters too: left out, their fp32 tensors (the optimizer's own on a CPU) would move
+        # under "optimizer" and be gone while a push reads them.
+        return [*model.parameters(), *(trained.parameters() if trained is not model else ())]
+
     def params() -> list[Tensor | None]:
-        return [*model.parameters(), *(getattr(b, "param_data", None) for b in buffers)]
+        return [*weights(), *(getattr(b, "param_data", None) for b in buffers)]
 
     def grads() -> list[Tensor | None]:
         every = [*buffers, *getattr(actor.ddp, "expert_parallel_buffers", [])]
-        return [*(b.grad_data for b in every), *(p.grad for p in model.parameters())]
+        return [*(b.grad_data for b in every), *(p.grad for p in weights())]
 
     def optimizer() -> list[Tensor]:
-        return optimizer_tensors(actor.optimizer, model.parameters(), actor.guard)
+        return optimizer_tensors(actor.optimizer, weights(), actor.guard)
 
     return TrainerOffload({"params": params, "grads": grads, "optimizer": optimizer})
 

@@ -160,7 +160,7 @@ class PushVerifier:
             if moved and before is not None and torch.equal(scores, before):
                 problems.append(f"engine {eid}: acknowledged version {version} but its probe logprobs are unchanged "
                                 f"(it kept the old weights)")
-            elif check.logp_diff_mean > self.max_diff:
+            elif not check.logp_diff_mean <= self.max_diff:  # NaN (weights with NaNs) fails too
                 problems.append(f"engine {eid}: probe |logp diff| mean {check.logp_diff_mean:.3g} > "
                                 f"weight_sync.max_probe_logp_diff={self.max_diff:g}")
         if new_tensors is not None and self.checksum_names:

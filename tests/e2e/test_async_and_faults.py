@@ -182,12 +182,17 @@ def test_opd_warmup_moves_the_student_toward_a_padded_vocab_teacher(tmp_path: Pa
     assert len(rl) == 1 and "loss/distill" not in rl[0] and "loss/policy" in rl[0]
 
 
-def test_only_engine_sigkilled_mid_rollout_is_pushed_the_current_weights_and_the_run_finishes(tmp_path: Path):
+# Colocated hand-off: the rollout waits with the trainer's parameters in host memory, and the relief's push
+# must bring them back for itself.
+@pytest.mark.parametrize("placement", ["disaggregated", "colocated"])
+def test_only_engine_sigkilled_mid_rollout_is_pushed_the_current_weights_and_the_run_finishes(
+        tmp_path: Path, placement: str):
     # One engine, synchronous GRPO: once it dies mid-rollout, its replacement comes up stale and only a push
     # of the current weights (made while the rollout waits) lets that rollout, and the run, go on. Without
     # it the rollout waits for the replacement until rollout.request_timeout_s and the run fails.
     steps, prompts, group = 3, 2, 4
-    cmd = _train_cmd(tmp_path, f"experiment.steps={steps}", "experiment.warmup=none", "rollout.engines=1",
+    cmd = _train_cmd(tmp_path, f"cluster.placement={placement}", f"experiment.steps={steps}",
+                     "experiment.warmup=none", "rollout.engines=1",
                      f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
                      "rollout.max_new_tokens=256", "rollout.async_steps=0", "algo.drop_zero_signal=false",
                      "fault_tolerance.health_interval_s=0.5", "fault_tolerance.failure_threshold=2",
@@ -221,6 +226,8 @@ def test_only_engine_sigkilled_mid_rollout_is_pushed_the_current_weights_and_the
     assert console.index("replacement up") < console.index(f"replacement admitted after push {version}") \
         < console.index(relief[0])
     assert all(r["fleet/engines_healthy"] == 1 and r["fleet/engines_dead"] == 0 for r in records[1:])
+    if placement == "colocated":  # the roles really handed the device over every step
+        assert all(r["time/onload_seconds"] >= 0 and "time/engine_wake_seconds" in r for r in records), records
     # No sample lost or trained twice: every step trained all its groups, each prompt once in the run.
     from miles_lite.observability.rollout_table import read_rollouts
 

@@ -71,6 +71,21 @@ def test_adapter_push_moves_only_the_adapter(tmp_path: Path) -> None:
     assert "--enable-lora" in log
 
 
+def test_colocated_handoff_keeps_the_engines_base_and_verifies_every_adapter_push(tmp_path: Path) -> None:
+    # The engines sleep while the trainer trains. The reference engine, like SGLang, loses released weights
+    # (no host copy), so an adapter-only push after a wake that released the base would fail verification.
+    run = _train(tmp_path, "colo", "cluster.placement=colocated")
+    steps = _metrics(run)
+    assert [m["step"] for m in steps] == [0, 1]
+    for m in steps:
+        assert m["time/engine_sleep_seconds"] > 0 and m["time/engine_wake_seconds"] > 0, m
+        assert 0 < m["sync/bytes"] < 1e6 and m["sync/probe_logp_diff_mean"] < 1e-5, m
+    (log,) = (run / "logs").glob("reference-*.log")
+    released = [line.split("released memory ", 1)[1] for line in log.read_text().splitlines()
+                if "released memory " in line]
+    assert released and set(released) == {"['kv_cache', 'cuda_graph']"}, released
+
+
 def test_merged_push_sends_full_weights(tmp_path: Path) -> None:
     run = _train(tmp_path, "merged", "weight_sync.lora=merged", "experiment.steps=1", "algo=gspo")
     reader = CheckpointReader(newest_complete(run / "checkpoints"))  # type: ignore[arg-type]

@@ -59,6 +59,7 @@ SGLANG_TEST_ARGS: dict[str, Any] = {**shipped_sglang_args(), "skip_tokenizer_ini
 # in the sleep tests alone.
 SGLANG_SLEEP_ARGS: dict[str, Any] = {**SGLANG_TEST_ARGS, "enable_memory_saver": True,
                                      "enable_weights_cpu_backup": True}
+REFERENCE_SLEEP_ARGS: dict[str, Any] = {"enable_weights_cpu_backup": True}
 # Largest |engine logprob - HF float32 logprob| accepted, per kind. SGLang's GPU kernels round otherwise: up to
 # 2.4e-3 seen on 0.5.17 in float32; two tokens' log-probs at one position differ by tenths, so a wrong token fails.
 LOGPROB_TOL = {"reference": 1e-4, "sglang": 5e-3}
@@ -135,7 +136,8 @@ class EnginePool:
         if kind not in self._engines:
             log_dir = str(self._log_root.mktemp(f"logs-{kind}"))
             self._engines[kind] = self._stack.enter_context(
-                running_engine(kind, self._model_path, log_dir, sglang_args=SGLANG_SLEEP_ARGS))
+                running_engine(kind, self._model_path, log_dir, sglang_args=SGLANG_SLEEP_ARGS,
+                               reference_args=REFERENCE_SLEEP_ARGS))
         return self._engines[kind]
 
     def close(self) -> None:

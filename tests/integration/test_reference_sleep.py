@@ -7,12 +7,15 @@ directly, as another client (or a client of a restarted driver) would, so the se
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -34,15 +37,43 @@ def _post(url: str, path: str, body: dict[str, Any]) -> tuple[int, str]:
         return err.code, err.read().decode()
 
 
-def test_release_frees_the_model_and_resume_restores_it_bit_for_bit(model_dirs: tuple[str, str]) -> None:  # noqa: F811
+def test_release_frees_the_model_and_resume_restores_it_only_from_a_host_copy(
+        model_dirs: tuple[str, str]) -> None:  # noqa: F811
     model = ReferenceModel(model_dirs[0])
     weights = ShardedWeights(model, tp=2)
     before = {n: p.detach().clone() for n, p in model.model.named_parameters()}
-    weights.release()
+    weights.release(keep_host_copy=True)
     assert all(p.numel() == 0 and p.untyped_storage().nbytes() == 0 for p in model.model.parameters())
     assert weights.resume() == len(before)
     after = dict(model.model.named_parameters())
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+    # Without the host copy (SGLang's default) the released bytes are gone: zeros until a weight update.
+    weights.release(keep_host_copy=False)
+    assert weights.resume() == len(before)
+    assert all(not p.any() for p in model.model.parameters())
+    assert weights.load_full(list(before.items())) == len(before)
+    assert all(torch.equal(before[n], p) for n, p in model.model.named_parameters())
+
+
+def test_a_wake_without_a_host_copy_serves_only_after_a_full_push(model_dirs: tuple[str, str],  # noqa: F811
+                                                                  tmp_path: Any) -> None:
+    # What a colocated hand-off relies on: the push after the wake must carry every weight (an adapter-only
+    # push must not release the base at all), and a wake without one serves garbage, not the old model.
+    tokens = PROMPT + [7, 8, 9, 10, 300]
+    with running_engine("reference", model_dirs[0], str(tmp_path)) as eng:
+        before = run(eng.client.score(tokens, len(PROMPT)))
+        run(eng.client.release_memory(["weights", "kv_cache"]))
+        run(eng.client.resume_memory(["weights", "kv_cache"]))
+        lost = run(eng.client.score(tokens, len(PROMPT)))
+        # All-zero weights: zero logits, every token at log(1/vocab) (the random model is only near that).
+        vocab = json.loads((Path(model_dirs[0]) / "config.json").read_text())["vocab_size"]
+        assert lost == pytest.approx([-math.log(vocab)] * len(lost), abs=1e-5) and lost != before
+        run(eng.client.release_memory(["weights", "kv_cache"]))
+        run(eng.client.resume_memory(["weights"]))
+        assert _post(eng.process.url, "/update_weights_from_disk", {"model_path": model_dirs[0]})[0] == 200
+        run(eng.client.resume_memory(["kv_cache"]))
+        assert run(eng.client.score(tokens, len(PROMPT))) == before
 
 
 def test_the_server_refuses_generation_and_weight_loads_while_asleep(model_dirs: tuple[str, str],  # noqa: F811

@@ -71,3 +71,11 @@ def test_verified_scores_stand_in_for_the_next_push_and_a_new_engine_is_asked_ag
     trainer["level"] = 3.0
     with pytest.raises(WeightSyncError, match="e0: acknowledged version 3 but its probe logprobs are unchanged"):
         verifier.verify(fleet, "3")
+
+
+def test_an_engine_scoring_nan_fails_verification(loop):
+    # NaN compares false with any bound: an engine whose weights hold NaNs must not pass as "within it".
+    verifier = PushVerifier(loop, PROBE, lambda probe: [[-1.0] * 2 for _ in probe.sequences], max_probe_logp_diff=0.1)
+    fleet = [FleetEngine(ScoringEngine("http://a:1", level=float("nan")), EngineSpec("e0", 1))]
+    with pytest.raises(WeightSyncError, match=r"e0: probe \|logp diff\| mean nan > weight_sync.max_probe_logp_diff"):
+        verifier.verify(fleet, "1")

@@ -42,6 +42,7 @@ REFERENCE_ARGS: dict[str, tuple[str, str]] = {
     "custom_weight_loader": ("--custom-weight-loader", "list"),
     "enable_lora": ("--enable-lora", "bool"),
     "max_lora_rank": ("--max-lora-rank", "value"),
+    "enable_weights_cpu_backup": ("--enable-weights-cpu-backup", "bool"),
     "max_request_bytes": ("--max-request-bytes", "value"),
     "idle_timeout_s": ("--idle-timeout-s", "value"),
 }
@@ -82,6 +83,9 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
     parser.add_argument("--enable-lora", action="store_true",
                         help="serve LoRA adapters: /load_lora_adapter, /unload_lora_adapter, lora_path per request")
     parser.add_argument("--max-lora-rank", type=int, default=None, help="refuse adapters of a higher rank")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true",
+                        help="keep the weights across /release_memory_occupation (as SGLang's flag); without it "
+                             "released weights are lost, and only a weight update after the resume refills them")
     parser.add_argument("--max-request-bytes", type=int, default=0,
                         help="largest request body but weight payloads (413 beyond); 0: what a full batch of the "
                              "model's context needs")
@@ -152,7 +156,8 @@ async def serve(args: argparse.Namespace, api_key: str | None) -> None:
         fail_mode=args.fail_mode, fail_after=args.fail_after,
         return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s, tp=args.tp,
         custom_weight_loader=tuple(args.custom_weight_loader), api_key=api_key, enable_lora=args.enable_lora,
-        max_lora_rank=args.max_lora_rank, max_request_bytes=args.max_request_bytes, idle_timeout_s=args.idle_timeout_s,
+        max_lora_rank=args.max_lora_rank, enable_weights_cpu_backup=args.enable_weights_cpu_backup,
+        max_request_bytes=args.max_request_bytes, idle_timeout_s=args.idle_timeout_s,
     ))
     runner = make_runner(server)
     await runner.setup()

@@ -1,8 +1,9 @@
 """Sleep and wake of the reference engine: which memory tags it has released, and what that forbids.
 
-The tags are SGLang's (`MEMORY_TAGS`). Releasing `weights` frees the model the engine computes with; its
-TP ranks' stores (where pushes land) stay, as SGLang's `--enable-weights-cpu-backup` keeps a host copy, and
-resuming re-assembles the model from them, so the weights come back bit for bit. The engine keeps a KV
+The tags are SGLang's (`MEMORY_TAGS`). Releasing `weights` frees the model the engine computes with. As on
+SGLang, what comes back depends on `--enable-weights-cpu-backup`: with it the TP ranks' stores (where pushes
+land) keep a host copy and resuming re-assembles the model from them bit for bit; without it (the default,
+SGLang's too) the released weights are lost (zeros) until a weight update after the resume. The engine keeps a KV
 cache only while requests run, and memory is released only with none in flight (SGLang asserts the same),
 so releasing `kv_cache` frees the running batch's cache (there is none) and `cuda_graph` holds nothing on
 a CPU; both still count as released: until every tag is resumed the engine refuses to generate, exactly

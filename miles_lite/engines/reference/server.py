@@ -61,6 +61,8 @@ class ServerOptions:
     # SGLang's --enable-lora / --max-lora-rank: serve LoRA adapters loaded at run time.
     enable_lora: bool = False
     max_lora_rank: int | None = None
+    # SGLang's --enable-weights-cpu-backup: released weights come back on resume (else they are lost).
+    enable_weights_cpu_backup: bool = False
     # Largest request body (bytes) but weight payloads; 0: what a full batch of the model's context needs.
     max_request_bytes: int = 0
     # Seconds a connection may stay idle (no request, or a body that stops arriving) before it is closed.
@@ -450,13 +452,14 @@ class ReferenceServer:
         except MemoryRequestError as exc:
             return json_error(str(exc))
         if "weights" in tags:
-            await self.scheduler.run_on_model(self.weights.release)
+            await self.scheduler.run_on_model(self.weights.release, self.opts.enable_weights_cpu_backup)
         self.memory.released.update(tags)
         log.info("released memory %s", tags)
         return web.Response(status=200)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        """Resume released `tags` (all when absent); the weights come back from the rank stores."""
+        """Resume released `tags` (all when absent); the weights come back from the rank stores (zeros unless
+        the engine keeps a host copy: then a weight update must follow)."""
         body = await self._body(request)
         try:
             tags = requested_tags(body.get("tags"))

@@ -102,9 +102,17 @@ class ShardedWeights:
         full = assemble(self.specs, self.stores, self.engine, dict.fromkeys(names))
         return self.model.load_named_tensors(list(full.items()))
 
-    def release(self) -> None:
-        """Free the model the engine computes with; the rank stores stay (they are what a resume restores)."""
+    def release(self, keep_host_copy: bool) -> None:
+        """Free the model the engine computes with. `keep_host_copy` (SGLang's --enable-weights-cpu-backup):
+        the rank stores keep the weights and a resume restores them. Without it SGLang's memory saver drops
+        the released bytes, so the stores are zeroed: after a resume the engine computes with zeros until a
+        weight update refills them, and a push that leaves some tensors out fails its verification here as
+        it would on SGLang."""
         self.model.release_weights()
+        if not keep_host_copy:
+            for store in self.stores:
+                for tensor in store.values():
+                    tensor.zero_()
 
     def resume(self) -> int:
         """Re-allocate the model released by `release` and fill it from the rank stores; tensors loaded."""
