@@ -66,7 +66,9 @@ def probe_dir(path: Path, field: str, need_bytes: int = 0) -> None:
 
 
 def probe_run_dirs(cfg: MilesConfig, run_dir: Path, checkpoint_root: Path) -> None:
-    """The output directory (`experiment.output_dir`) and the checkpoint root (`checkpoint.dir`)."""
+    """The output directory (`experiment.output_dir`) and the checkpoint root (`checkpoint.dir`; nothing to
+    probe when it is empty: the run saves no checkpoint)."""
     ckpt_field = "checkpoint.dir" if cfg.checkpoint.dir else "experiment.output_dir"
     probe_dir(run_dir, "experiment.output_dir")
-    probe_dir(checkpoint_root, ckpt_field, checkpoint_bytes(cfg))
+    if cfg.checkpoint.dir != "":
+        probe_dir(checkpoint_root, ckpt_field, checkpoint_bytes(cfg))

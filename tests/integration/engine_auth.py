@@ -47,8 +47,9 @@ def endpoints(model_path: str) -> list[Endpoint]:
         # Malformed on purpose: with the key the handler answers it (400), without it nothing is decoded.
         Endpoint("POST", "/update_weights_from_tensor", {"serialized_named_tensors": ["not a payload"]}),
         Endpoint("POST", "/init_weights_update_group", {"group_name": "auth-check"}),
-        Endpoint("POST", "/update_weights_from_distributed", {"names": [], "dtypes": [], "shapes": [],
-                                                              "group_name": "auth-check"}),
+        # Malformed too (no `names`): a well-formed update for a group that does not exist kills SGLang
+        # 0.5.17's scheduler (an assertion), so only the handler's own validation may answer it.
+        Endpoint("POST", "/update_weights_from_distributed", {"group_name": "auth-check"}),
         Endpoint("POST", "/destroy_weights_update_group", {"group_name": "auth-check"}),
         Endpoint("POST", "/get_weights_by_name", {"name": "lm_head.weight", "truncate_size": 2}),
     ]
