@@ -215,19 +215,17 @@ class System:
         if self.version == 0 or not self.loop_thread.run(starved()):
             return None
         # A hand-off run waits on rollouts with the trainer's parameters in host memory (`handoff.py`): the push
-        # reads them and the probe scores with them, so they come back for it and leave again after.
-        params = ("params",) if hands_off(self.cfg) and "params" in self.cfg.trainer.offload.parts() else ()
+        # reads them and the probe scores with them, so they come back for it (if away) and leave again after.
         start = time.perf_counter()
-        if params:
-            self.trainer.onload(params)
+        moved = self.trainer.onload(("params",)) if hands_off(self.cfg) else {}
         try:
             report = self.pusher.push(self._push_source(), version, stale_only=True)
         except WeightSyncError as exc:
             logger.warning("push of version %s to the stale engines failed: %s", version, exc)
             return None
         finally:
-            if params:
-                self.trainer.offload(params)
+            if "params_bytes" in moved:
+                self.trainer.offload(("params",))
         self.last_refresh = report
         if fleet.on_event is not None:
             probe = f", probe logp diff mean {report.verify.logp_diff_mean:.2e}" if report.verify else ""

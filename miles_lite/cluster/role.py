@@ -45,7 +45,8 @@ class TrainerRole(WeightSource, Protocol):
         """Move `parts` (params, grads, optimizer) of every rank's state to host memory; rank 0's bytes and seconds."""
 
     def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
-        """Bring offloaded `parts` back to every rank's device; rank 0's bytes and seconds."""
+        """Bring offloaded `parts` back to every rank's device; rank 0's seconds and `<part>_bytes` of each part
+        it moved (a resident part has none)."""
 
     def memory_stats(self) -> dict[str, float]:
         """Rank 0's trainer state in compute memory (and on a GPU its peak since the last call, device use)."""

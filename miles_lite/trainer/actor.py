@@ -1,4 +1,5 @@
-"""`TrainerActor`: one Megatron trainer rank (TP x DP) — logprobs, RL/SFT steps, weights out and in.
+"""`TrainerActor`: one Megatron trainer rank (TP x DP) — logprobs, RL/SFT steps; its weights out
+(`actor_weights.py`) and its checkpoint state (`actor_checkpoint.py`) are mixins.
 
 Lifecycle: INITIALIZING -> READY (all methods usable) -> CLOSED; a failure during set-up leaves
 FAILED. Every rank of the trainer runs the same calls in the same order with the same batch; data
@@ -22,13 +23,13 @@ from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.actor_checkpoint import ActorCheckpoint
+from miles_lite.trainer.actor_weights import ActorWeights
 from miles_lite.trainer.dist_optimizer import is_distributed
 from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignment, scale_expert_grads
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
 from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, UpdateGuard
-from miles_lite.trainer.hf_convert import gather_hf_state, mark_tensor_parallel
-from miles_lite.trainer.layout import ParamLayout
+from miles_lite.trainer.hf_convert import mark_tensor_parallel
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
 from miles_lite.trainer.lora import attach_lora
 from miles_lite.trainer.offload import actor_offload, memory_stats
@@ -53,7 +54,7 @@ class ActorState(StrEnum):
 MicroLoss = Callable[[PackedMicroBatch], tuple[Tensor, dict[str, float], float]]
 
 
-class TrainerActor(ActorCheckpoint):
+class TrainerActor(ActorCheckpoint, ActorWeights):
     """One trainer rank: a Megatron `GPTModel` shard, its optimizer, and optional reference/teacher.
 
     Args:
@@ -458,42 +459,3 @@ class TrainerActor(ActorCheckpoint):
                 f"(trainer.max_nonfinite_skips={limit}); the weights are untouched since the last finite step. "
                 "Check advantages/rewards for NaN, lower trainer.lr, or use trainer.precision=fp32"
             )
-
-    # ---- weights out / in -----------------------------------------------------------------------
-
-    def named_shards(self) -> Iterator[tuple[str, Tensor, ParamLayout]]:
-        """This rank's parameter shards for weight sync: `(megatron_name, local tensor, layout)`.
-
-        Tensors are the live parameters (detached): consume them before the next step.
-        """
-        self._require_ready()
-        self.offloader.require_resident(("params",), "reading the weights")
-        for name, param in self.policy.model.named_parameters():
-            # LoRA: base + adapter, computed per shard (no communication).
-            value = param.detach() if self.lora is None else self.lora.merged(name, param.detach())
-            yield name, value, self.layouts[name]
-
-    def adapter_state(self) -> dict[str, Tensor]:
-        """LoRA: the full adapter tensors under their PEFT names (gathered over TP, on CPU) on global rank 0;
-        an empty dict elsewhere. Every rank must call it."""
-        self._require_ready()
-        if self.lora is None:
-            raise RuntimeError("no LoRA adapters: set trainer.lora.rank > 0")
-        self.offloader.require_resident(("params",), "reading the adapters")
-        with cpu_compat.device_mode():
-            state = gather_hf_state(self.lora, self.trained_layouts, self.par.tp_group)
-        return state if self.par.rank == 0 else {}
-
-    def export_hf_state_dict(self) -> dict[str, Tensor]:
-        """Full HF tensors (gathered over TP, on CPU) on global rank 0; an empty dict elsewhere.
-
-        Every rank must call it (it all-gathers). With tied embeddings there is no `lm_head.weight`.
-        """
-        self._require_ready()
-        self.offloader.require_resident(("params",), "exporting the weights")
-        merged = self.lora.merged_into(self.policy.model) if self.lora is not None else contextlib.nullcontext()
-        with cpu_compat.device_mode(), merged:
-            state = gather_hf_state(self.policy.model, self.layouts, self.par.tp_group, self.par.ep_group,
-                                    self.policy.spec.num_experts)
-        return state if self.par.rank == 0 else {}
-

@@ -174,13 +174,12 @@ def actor_offload(actor: Any) -> TrainerOffload:
     """The offload of a `TrainerActor`: its model (with LoRA adapters, which live beside the frozen base in
     their own module), Megatron DDP buffers, optimizer and update guard."""
     model = actor.policy.model
-    trained = getattr(actor, "trained", model)
     buffers = getattr(actor.ddp, "buffers", [])
 
     def weights() -> list[Tensor]:
         # Adapters are parameters too: left out, their fp32 tensors (the optimizer's own on a CPU) would move
         # under "optimizer" and be gone while a push reads them.
-        return [*model.parameters(), *(trained.parameters() if trained is not model else ())]
+        return [*model.parameters(), *(actor.lora.parameters() if actor.lora is not None else ())]
 
     def params() -> list[Tensor | None]:
         return [*weights(), *(getattr(b, "param_data", None) for b in buffers)]

@@ -458,8 +458,8 @@ class ReferenceServer:
         return web.Response(status=200)
 
     async def resume_memory_occupation(self, request: web.Request) -> web.Response:
-        """Resume released `tags` (all when absent); the weights come back from the rank stores (zeros unless
-        the engine keeps a host copy: then a weight update must follow)."""
+        """Resume released `tags` (all when absent); the weights come back from the rank stores: as they were
+        with --enable-weights-cpu-backup, else zeros until a weight update refills them."""
         body = await self._body(request)
         try:
             tags = requested_tags(body.get("tags"))
