@@ -12,7 +12,9 @@ stats key                               metric (and how the value is applied)
 ======================================  ==========================================================
 ``rollout/tokens_per_second``           ``miles_lite_rollout_tokens_per_second`` (set)
 ``rollout/generated_tokens``            ``miles_lite_rollout_generated_tokens_total`` (inc)
-``rollout/request_latency_seconds``     ``miles_lite_rollout_request_latency_seconds`` (observe each; list)
+``rollout/request_latency_seconds``     ``miles_lite_rollout_request_latency_seconds`` (observe each; list) and
+                                        ``miles_lite_rollout_request_latency_quantile_seconds{quantile=0.5|0.95}``
+                                        (set: the step's own requests)
 ``rollout/retried_requests``            ``miles_lite_rollout_retried_requests_total`` (inc)
 ``rollout/dynamic_sampling_rounds``     ``miles_lite_dynamic_sampling_rounds`` (set)
 ``rollout/stale_dropped``               ``miles_lite_stale_dropped_groups_total`` (inc; async rollouts too old)
@@ -21,7 +23,8 @@ stats key                               metric (and how the value is applied)
 ``rollout/staleness_max``               ``miles_lite_staleness_versions{stat="max"}`` (set)
 ``reward/mean``                         ``miles_lite_reward_mean`` (set)
 ``reward/std``                          ``miles_lite_reward_std`` (set)
-``reward/values/<name>``                ``miles_lite_reward_value{reward=<name>}`` (observe each; list)
+``reward/values/<name>``                ``miles_lite_reward_value{reward=<name>}`` (observe each; list) and
+                                        ``miles_lite_reward_function_mean{reward=<name>}`` (set: the step's mean)
 ``reward/exact_accuracy``               ``miles_lite_exact_accuracy_ratio`` (set, 0..1)
 ``algo/zero_signal_share``              ``miles_lite_zero_signal_groups_ratio`` (set, 0..1)
 ``kl/ref_k3``                           ``miles_lite_kl_nats`` (set, nats per token; only with a KL reference)
@@ -53,6 +56,8 @@ trainer's ``train_step`` returns, so the driver passes its stats through unchang
 ``publish_step`` also sets ``miles_lite_step``. Events that do not follow the step rhythm have
 their own methods: engine states and restarts, weight syncs, checkpoints. Request latencies and
 retries come from the rollout manager's per-call stats (`rl_batch.rollout_stats`) through ``publish_step``.
+The list keys feed a histogram (distributions over any window) and a per-step gauge: a rate over a window
+holds no value once a step outlasts the window, and a 7B step outlasts the dashboard's minute.
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
 # drops a histogram's `_sum` when its first bucket is negative, and the dashboard's mean needs it
 # (negative rewards still count, in the `le="0"` bucket).
 REWARD_BUCKETS = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5, 4.0, 4.5, 5.0, 5.5)
+# The per-step latency gauge's quantiles (the dashboard's median and tail).
+LATENCY_QUANTILES = (0.5, 0.95)
 
 
 @dataclass(frozen=True)
@@ -145,6 +152,18 @@ def _as_floats(key: str, value: object) -> list[float]:
     return [_as_float(key, v) for v in value]
 
 
+def _quantiles(values: list[float], qs: Iterable[float]) -> list[float]:
+    """Linearly interpolated quantiles of non-empty `values`."""
+    ordered = sorted(values)
+    out = []
+    for q in qs:
+        pos = q * (len(ordered) - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+    return out
+
+
 class MetricsRegistry:
     """The ``miles_lite_*`` metrics of one process, bound to ``run`` and ``role`` labels.
 
@@ -182,6 +201,8 @@ class MetricsRegistry:
         self.request_latency = Histogram(
             PREFIX + "rollout_request_latency_seconds", "Latency of one generate request to an engine",
             list(base), buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.request_latency_quantile = gauge("rollout_request_latency_quantile_seconds",
+                                              "Latency quantile of the last step's generate requests", "quantile")
         self.retried_requests = counter("rollout_retried_requests", "Generate requests retried after a failure")
         self.dynamic_sampling_rounds = gauge("dynamic_sampling_rounds",
                                              "Sampling rounds dynamic sampling needed to fill the last batch")
@@ -195,6 +216,9 @@ class MetricsRegistry:
         self.reward_value = Histogram(
             PREFIX + "reward_value", "Reward of one completion per reward function ('total' = weighted sum)",
             [*base, "reward"], buckets=REWARD_BUCKETS, registry=self.registry)
+        self.reward_function_mean = gauge("reward_function_mean",
+                                          "Mean reward of the last step's completions per reward function "
+                                          "('total' = weighted sum)", "reward")
         self.exact_accuracy = gauge("exact_accuracy_ratio",
                                     "Share of completions with the right answer in the exact format")
         self.zero_signal_share = gauge("zero_signal_groups_ratio",
@@ -273,15 +297,22 @@ class MetricsRegistry:
                 metric = getattr(self, _MOE_LAYER_METRICS[moe.group(2)])
                 metric.labels(self.run, self.role, moe.group(1)).set(_as_float(key, value))
             elif key == "rollout/request_latency_seconds":
-                for seconds in _as_floats(key, value):
+                latencies = _as_floats(key, value)
+                for seconds in latencies:
                     self.request_latency.labels(self.run, self.role).observe(seconds)
+                if latencies:
+                    for q, seconds in zip(LATENCY_QUANTILES, _quantiles(latencies, LATENCY_QUANTILES), strict=True):
+                        self.request_latency_quantile.labels(self.run, self.role, f"{q:g}").set(seconds)
             elif key.startswith(REWARD_VALUES_PREFIX):
                 name = key[len(REWARD_VALUES_PREFIX):]
                 if not name:
                     raise ValueError(f"stats key {key!r} needs a reward function name after the prefix")
                 hist = self.reward_value.labels(self.run, self.role, name)
-                for reward in _as_floats(key, value):
+                rewards = _as_floats(key, value)
+                for reward in rewards:
                     hist.observe(reward)
+                if rewards:
+                    self.reward_function_mean.labels(self.run, self.role, name).set(sum(rewards) / len(rewards))
         self.step.labels(self.run, self.role).set(step)
 
     # -- events -------------------------------------------------------------------------------

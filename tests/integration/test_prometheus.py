@@ -204,6 +204,11 @@ def test_scraped_values_match_the_run(scraped_run: ScrapedRun) -> None:
     completions = len(read_rollouts(scraped_run.run_dir))
     assert completions == STEPS * PROMPTS * GROUP
     assert value("miles_lite_reward_value_count", reward="exact_check") == completions
+    # The per-step gauges the reward and latency panels plot hold the last step's values.
+    exact_mean = value("miles_lite_reward_function_mean", reward="exact_check")
+    assert exact_mean == pytest.approx(last["reward/exact_accuracy"])
+    p50, p95 = (value("miles_lite_rollout_request_latency_quantile_seconds", quantile=q) for q in ("0.5", "0.95"))
+    assert 0 < p50 <= p95
     # The final checkpoint is step STEPS's async one, committed before the run ended.
     assert value("miles_lite_checkpoint_step") == STEPS
     assert value("miles_lite_checkpoints_total") >= 1

@@ -124,6 +124,21 @@ def test_list_keys_feed_histograms() -> None:
     assert got[("miles_lite_reward_value_sum", lab(reward="total"))] == pytest.approx(10.0)
     # A negative reward lands in the first bucket; `_sum` stays exported (needed for means).
     assert got[("miles_lite_reward_value_bucket", lab(reward="total", le="0.0"))] == 1
+    # The per-step gauges: the step's own mean per function and latency quantiles (interpolated).
+    assert got[("miles_lite_reward_function_mean", lab(reward="exact_check"))] == 0.5
+    assert got[("miles_lite_reward_function_mean", lab(reward="total"))] == 2.5
+    assert got[("miles_lite_rollout_request_latency_quantile_seconds", lab(quantile="0.5"))] == pytest.approx(0.3)
+    assert got[("miles_lite_rollout_request_latency_quantile_seconds", lab(quantile="0.95"))] == pytest.approx(3.63)
+    # The next step overwrites the gauges with its own values while the histograms keep accumulating; a
+    # step without values leaves the last ones.
+    reg.publish_step(2, {"rollout/request_latency_seconds": [1.0], "reward/values/exact_check": [1.0, 1.0],
+                         "reward/values/total": []})
+    got = samples(reg)
+    assert got[("miles_lite_reward_function_mean", lab(reward="exact_check"))] == 1.0
+    assert got[("miles_lite_reward_function_mean", lab(reward="total"))] == 2.5
+    assert got[("miles_lite_reward_value_count", lab(reward="exact_check"))] == 6
+    for q in ("0.5", "0.95"):
+        assert got[("miles_lite_rollout_request_latency_quantile_seconds", lab(quantile=q))] == 1.0
 
 
 def test_unknown_keys_are_ignored_and_bad_values_name_the_key() -> None:
