@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from train_step import time_interleaved  # this directory: benchmarks run as scripts
+from step_timing import time_interleaved  # this directory: benchmarks run as scripts
 
 from miles_lite.config.compose import load_config
 from miles_lite.data.encoding import PromptEncoder

@@ -3,15 +3,19 @@
     python benchmarks/train_step.py --out results.json                       # GPU: Qwen2.5-0.5B shape
     python benchmarks/train_step.py --shape tiny --configs fp32 --steps 2    # anywhere (CPU: local spec)
     python benchmarks/train_step.py --guard --steps 20 --configs bf16        # the divergence guard's cost
+    python benchmarks/train_step.py --bare --configs bf16 --batch 512 --seq 480 --prompt-tokens 224 \
+        --steps 20                                # the GSM8K recipe's batch: 512 short sequences
 
 Throughput: `TrainerActor.train_step` (GRPO advantages, PPO-clip loss, token-level IS correction
 against the batch's rollout log-probs) on a fixed 8 x 2048 batch and on a packed batch of ragged
 sequences, for each `--configs` entry (bf16, fp8-delayed, fp8-tensorwise, fp8-blockwise, fp32).
 `--bare` also times a plain megatron-core language-model step (labels through `GPTModel`, same
-model, DDP and optimizer, `[8, 2048]` BSHD input) so the RL path's overhead is measured in the
-same process. Model FLOPs count the matmuls and causal attention once (no recomputation):
-6 * (matmul params) * tokens + 6 * layers * heads * head_dim * sum(s_i^2). MFU is against the
-H200's dense bf16 peak (989 TFLOP/s) for every precision.
+model, DDP and optimizer, the fixed batch's tokens as BSHD rows, `--micro-batch-tokens` of them per
+forward and backward) so the RL path's overhead is measured in the same process. `--transformer
+KEY=VALUE` passes a TransformerConfig field through (`trainer.transformer`), to both steps. Model
+FLOPs count the matmuls and causal attention once (no recomputation): 6 * (matmul params) * tokens
++ 6 * layers * heads * head_dim * sum(s_i^2). MFU is against the H200's dense bf16 peak (989 TFLOP/s)
+for every precision.
 
 `--guard` times the RL step instead with the divergence guard as shipped, without it, and undoing every
 step (its fallback path), interleaved on one trainer: step time min/median/max, peak GPU memory of each, and
@@ -39,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from step_timing import profile_steps, summarize, time_interleaved, time_steps  # this directory: scripts
 
 from miles_lite.config.schema import MilesConfig, TinyModelShape
 from miles_lite.data.permutation import permutation_batch
@@ -50,7 +55,6 @@ from miles_lite.trainer.model import HFModelSpec, spec_from_hf_config
 from miles_lite.trainer.tiny_hf import QWEN25_05B_SHAPE, QWEN25_VOCAB, make_tiny_hf_model
 from miles_lite.types import TrainBatch
 
-H200_BF16_PEAK_TFLOPS = 989.0
 TINY = TinyModelShape(hidden_size=128, ffn_hidden_size=352, num_layers=2, num_attention_heads=4, num_kv_heads=2,
                       max_position_embeddings=4096)
 # Qwen2.5-7B's width (hidden 3584, SwiGLU 18944, 28 heads, 4 KV groups, untied 152064 vocabulary), 6 of its 28
@@ -98,10 +102,11 @@ def make_model_dir(shape_name: str, root: Path, init_std: float) -> Path:
 
 
 def actor_config(model_dir: Path, run: RunConfig, device: str, micro_batch_tokens: int, lr: float,
-                 logprob: dict[str, Any] | None = None) -> MilesConfig:
+                 logprob: dict[str, Any] | None = None, transformer: dict[str, Any] | None = None) -> MilesConfig:
     """A single-rank trainer configuration for `run` on `device` (gpu: TE spec; cpu: local spec).
 
-    `logprob`: `trainer.logprob_*` overrides (chunk_tokens, recompute, kernel).
+    `logprob`: `trainer.logprob_*` overrides (chunk_tokens, recompute, kernel); `transformer`:
+    `trainer.transformer` (TransformerConfig fields).
     """
     cfg = MilesConfig()
     cfg.model.hf_path = str(model_dir)
@@ -115,6 +120,7 @@ def actor_config(model_dir: Path, run: RunConfig, device: str, micro_batch_token
     cfg.algo.is_level, cfg.algo.is_mode = "token", "truncate"
     for key, value in (logprob or {}).items():
         setattr(t, f"logprob_{key}", value)
+    t.transformer = dict(transformer or {})
     return cfg
 
 
@@ -132,9 +138,12 @@ def rl_batch(lengths: list[int], prompt_lengths: list[int], vocab: int, seed: in
     return TrainBatch(tokens=tokens, prompt_lengths=list(prompt_lengths), rollout_logprobs=lps, advantages=adv)
 
 
-def fixed_batch(vocab: int, n: int, length: int) -> TrainBatch:
-    """`n` sequences of `length` tokens, a quarter of each is prompt."""
-    return rl_batch([length] * n, [length // 4] * n, vocab, seed=1)
+def fixed_batch(vocab: int, n: int, length: int, prompt: int | None = None) -> TrainBatch:
+    """`n` sequences of `length` tokens, `prompt` of each (default: a quarter) the prompt."""
+    prompt = length // 4 if prompt is None else prompt
+    if not 1 <= prompt < length:
+        raise ValueError(f"--prompt-tokens must be in [1, --seq), got {prompt} for --seq {length}")
+    return rl_batch([length] * n, [prompt] * n, vocab, seed=1)
 
 
 def packed_batch(vocab: int, total: int, max_len: int) -> TrainBatch:
@@ -160,93 +169,45 @@ def step_flops(spec: HFModelSpec, lengths: list[int]) -> float:
     return 3.0 * (2.0 * matmul * tokens + attn)
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def time_steps(fn: Any, warmup: int, steps: int) -> list[float]:
-    """Seconds of each of `steps` timed calls of `fn()` after `warmup` untimed ones."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(steps):
-        _sync()
-        t0 = time.perf_counter()
-        fn()
-        _sync()
-        times.append(time.perf_counter() - t0)
-    return times
-
-
-def bare_lm_step(actor: TrainerActor, ids: torch.Tensor) -> float:
-    """One plain megatron-core LM step on `[b, s]` ids with the actor's model, DDP and optimizer; returns loss."""
+def bare_lm_step(actor: TrainerActor, ids: torch.Tensor, micro_batch_tokens: int) -> float:
+    """One plain megatron-core LM step on `[b, s]` ids with the actor's model, DDP and optimizer, rows
+    grouped into micro-batches of at most `micro_batch_tokens` (at least one row); returns the mean loss."""
     ddp, dev = actor.ddp, actor.policy.device
     ids = ids.to(dev)
-    pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
+    rows = max(1, micro_batch_tokens // ids.shape[1])
+    pos = torch.arange(ids.shape[1], device=dev).unsqueeze(0)
     mask = None
     if actor.policy.runtime.layer_spec == "local":
         # The local spec takes 3-row (multimodal) RoPE positions and an explicit causal mask.
         pos = pos.unsqueeze(0).expand(3, -1, -1)
         mask = ~torch.ones(ids.shape[1], ids.shape[1], dtype=torch.bool, device=dev).tril()[None, None]
-    labels = torch.roll(ids, -1, dims=1)
+    losses = []
     with cpu_compat.device_mode():
         actor.policy.model.train()
         ddp.zero_grad_buffer()
         actor.optimizer.zero_grad()
-        loss = ddp(input_ids=ids, position_ids=pos, attention_mask=mask, labels=labels).float().mean()
-        loss.backward()
+        for mb in ids.split(rows):
+            labels = torch.roll(mb, -1, dims=1)
+            mb_pos = pos.expand(*pos.shape[:-2], mb.shape[0], -1)
+            loss = ddp(input_ids=mb, position_ids=mb_pos, attention_mask=mask, labels=labels).float().mean()
+            (loss * (mb.shape[0] / ids.shape[0])).backward()
+            losses.append(loss.detach() * mb.shape[0])
         actor._finalize_grads([ddp])
         actor.optimizer.step()
-    return float(loss)
+    return float(torch.stack(losses).sum()) / ids.shape[0]
 
 
-def summarize(times: list[float], tokens: int, flops: float) -> dict[str, Any]:
-    """Median step time -> tokens/s, model TFLOP/s and MFU (fraction of the H200 bf16 peak); min/max step time."""
-    import statistics
+def parse_transformer(items: list[str]) -> dict[str, Any]:
+    """`--transformer KEY=VALUE` flags -> TransformerConfig fields (values read as YAML: true, 2, 1e-5, full)."""
+    import yaml
 
-    med = statistics.median(times)
-    tflops = flops / med / 1e12
-    return {"step_s": med, "step_s_min": min(times), "step_s_max": max(times), "steps": len(times),
-            "tokens_per_s": tokens / med, "tflops": tflops, "mfu": tflops / H200_BF16_PEAK_TFLOPS}
-
-
-def time_interleaved(fns: dict[str, Any], warmup: int, steps: int) -> dict[str, list[float]]:
-    """Seconds of `steps` timed calls of each of `fns`, alternating A, B, A, B... after `warmup` rounds, so
-    that slow drifts of the GPU (clocks, memory fragmentation) affect every variant alike."""
-    for _ in range(warmup):
-        for fn in fns.values():
-            fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(steps):
-        for name, fn in fns.items():
-            _sync()
-            t0 = time.perf_counter()
-            fn()
-            _sync()
-            times[name].append(time.perf_counter() - t0)
-    return times
-
-
-def profile_steps(fns: dict[str, Any], out_dir: Path, steps: int = 2) -> dict[str, str]:
-    """A torch profiler trace of `steps` calls of each of `fns` (after the timed runs), and the table of the
-    30 costliest operators by device time; returns {name: table}. Traces go to `out_dir/<name>.json.gz`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tables = {}
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    for name, fn in fns.items():
-        _sync()
-        with profile(activities=acts) as prof:
-            for _ in range(steps):
-                fn()
-            _sync()
-        prof.export_chrome_trace(str(out_dir / f"{name}.json.gz"))
-        key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        tables[name] = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
-        (out_dir / f"{name}.txt").write_text(tables[name])
-    return tables
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--transformer takes KEY=VALUE (e.g. apply_rope_fusion=true), got {item!r}")
+        out[key] = yaml.safe_load(value)
+    return out
 
 
 def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device: str) -> dict[str, Any]:
@@ -254,17 +215,20 @@ def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device
     spec = spec_from_hf_config(model_dir)
     logprob = {"chunk_tokens": args.logprob_chunk_tokens, "recompute": args.logprob_recompute,
                "kernel": args.logprob_kernel}
-    actor = TrainerActor(actor_config(model_dir, run, device, args.micro_batch_tokens, 1e-6, logprob), 0, 1)
-    out: dict[str, Any] = {"logprob": logprob}
+    transformer = parse_transformer(args.transformer)
+    actor = TrainerActor(actor_config(model_dir, run, device, args.micro_batch_tokens, 1e-6, logprob, transformer),
+                         0, 1)
+    out: dict[str, Any] = {"logprob": logprob, "transformer": transformer}
     try:
-        batches = {"fixed": fixed_batch(spec.vocab_size, args.batch, args.seq)}
+        batches = {"fixed": fixed_batch(spec.vocab_size, args.batch, args.seq, args.prompt_tokens)}
         if args.packed:
             batches["packed"] = packed_batch(spec.vocab_size, args.batch * args.seq, args.seq)
         if args.bare:
             ids = torch.tensor(batches["fixed"].tokens)
             fixed = batches.pop("fixed")
             last_rl: dict[str, float] = {}
-            fns = {"rl": lambda: last_rl.update(actor.train_step(fixed)), "bare": lambda: bare_lm_step(actor, ids)}
+            fns = {"rl": lambda: last_rl.update(actor.train_step(fixed)),
+                   "bare": lambda: bare_lm_step(actor, ids, args.micro_batch_tokens)}
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
             times = time_interleaved(fns, args.warmup, args.steps)
@@ -322,7 +286,7 @@ def guard_cost(args: argparse.Namespace, model_dir: Path, run: RunConfig, device
             raise RuntimeError("the trainer was built without its divergence guard (trainer.max_update_ratio=0)")
         undo = UpdateGuard(actor.optimizer, 1e-12)
         actor.cfg.trainer.max_diverged_skips = 10**9  # undone steps are the point here, not a reason to stop
-        batch = fixed_batch(spec.vocab_size, args.batch, args.seq)
+        batch = fixed_batch(spec.vocab_size, args.batch, args.seq, args.prompt_tokens)
         peaks: dict[str, float] = {}
         last: dict[str, dict[str, float]] = {}
 
@@ -433,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--configs", default="bf16,fp8-delayed,fp8-tensorwise,fp8-blockwise" if gpu else "fp32")
     p.add_argument("--batch", type=int, default=8, help="sequences of the fixed batch")
     p.add_argument("--seq", type=int, default=2048, help="tokens per sequence of the fixed batch")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="prompt tokens per sequence (default: seq / 4)")
+    p.add_argument("--transformer", action="append", default=[], metavar="KEY=VALUE",
+                   help="a TransformerConfig field for both steps (trainer.transformer); repeatable")
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
