@@ -4,7 +4,9 @@
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
 # Parts: versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora,
-# and the colocated hand-off ones (not in the default list): colocated-0.5b resident-0.5b colocated-7b.
+# and, not in the default list, the colocated hand-off ones (colocated-0.5b resident-0.5b colocated-7b) and
+# the RL step against the bare megatron-core step at the recipe's shape, with RoPE fused (the default on THD
+# rows) and unfused (speed-recipe speed-recipe-unfused).
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
 # Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
@@ -126,6 +128,12 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     guard-7b) part guard-7b "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 \
                 --configs bf16,fp8-delayed,fp8-tensorwise --steps 20 --warmup 2 --out "$out/guard-7b.json" ;;
     prefill-graphs) part prefill-graphs "$py" -c "$PREFILL_GRAPHS" ;;
+    # 512 sequences of 480 tokens (224 of prompt): about 34 sequences in each 16384-token micro-batch.
+    speed-recipe) part speed-recipe "$py" benchmarks/train_step.py --bare --configs bf16 --batch 512 --seq 480 \
+                    --prompt-tokens 224 --steps 20 --warmup 2 --out "$out/speed-recipe.json" ;;
+    speed-recipe-unfused) part speed-recipe-unfused "$py" benchmarks/train_step.py --bare --configs bf16 \
+                            --batch 512 --seq 480 --prompt-tokens 224 --steps 20 --warmup 2 \
+                            --transformer apply_rope_fusion=false --out "$out/speed-recipe-unfused.json" ;;
     # GRPO steps of the GSM8K shape, trainer and SGLang on one GPU: handing the GPU over, then both resident.
     colocated-0.5b) part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 8 --skip 2 \
                       --out "$out/colocated-0.5b.json" ;;
@@ -135,7 +143,7 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
                     --steps 3 --skip 1 --out "$out/colocated-7b.json" ;;
     lora) part lora lora_part ;;
     *) echo "unknown part $p (versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
-            "lora colocated-0.5b resident-0.5b colocated-7b)"
+            "lora colocated-0.5b resident-0.5b colocated-7b speed-recipe speed-recipe-unfused)"
        failed=$((failed + 1)) ;;
   esac
 done

@@ -220,6 +220,11 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig, runtime:
     """Megatron `TransformerConfig` for `spec` under the trainer's TP/precision choices."""
     from megatron.core.transformer import TransformerConfig
 
+    return TransformerConfig(**transformer_fields(spec, trainer, runtime))
+
+
+def transformer_fields(spec: HFModelSpec, trainer: TrainerConfig, runtime: Runtime) -> dict[str, Any]:
+    """The `TransformerConfig` fields of `build_transformer_config`, `trainer.transformer` applied last."""
     cpu = runtime.device == "cpu"
     fields: dict[str, Any] = dict(
         num_layers=spec.num_layers,
@@ -249,7 +254,10 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig, runtime:
         bias_activation_fusion=not cpu,
         bias_dropout_fusion=not cpu,
         masked_softmax_fusion=not cpu,
-        apply_rope_fusion=False,
+        # Packed THD rows: megatron's unfused RoPE splits the row per sequence (a host sync and a dozen
+        # small kernels per sequence, for q and k, in every layer and its backward); TransformerEngine's
+        # fused kernel takes the row whole, positions restarting per sequence as the unfused path does.
+        apply_rope_fusion=runtime.packed_thd,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         # Megatron's default ("full") is deprecated in favour of this equivalent and warns on every start.
@@ -263,7 +271,7 @@ def build_transformer_config(spec: HFModelSpec, trainer: TrainerConfig, runtime:
         fields["mrope_section"] = [spec.head_dim // 2, 0, 0]
     fields.update(_fp8_fields(runtime))
     fields.update(_passthrough(trainer.transformer))
-    return TransformerConfig(**fields)
+    return fields
 
 
 def _moe_config(spec: HFModelSpec, trainer: TrainerConfig, runtime: Runtime) -> dict[str, Any]:

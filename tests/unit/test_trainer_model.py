@@ -86,6 +86,20 @@ def test_transformer_passthrough_sets_and_rejects_fields() -> None:
                                  resolve_runtime(TrainerConfig(device="cpu")))
 
 
+def test_rope_fusion_follows_the_packed_layout_and_yields_to_the_passthrough() -> None:
+    # The fields alone: a TE TransformerConfig cannot be built without TransformerEngine.
+    from miles_lite.trainer.model import Runtime, transformer_fields
+
+    spec = spec_from_hf_config(QWEN25_05B)
+    te = Runtime("gpu", "te", "bf16", "delayed")
+    local = Runtime("cpu", "local", "fp32", "delayed")
+    assert transformer_fields(spec, TrainerConfig(), te)["apply_rope_fusion"] is True
+    fields = transformer_fields(spec, TrainerConfig(), local)
+    assert fields["apply_rope_fusion"] is False and fields["mrope_section"] == [32, 0, 0]
+    off = TrainerConfig(transformer={"apply_rope_fusion": False})
+    assert transformer_fields(spec, off, te)["apply_rope_fusion"] is False
+
+
 def test_padded_vocab_rejects_bad_divisor() -> None:
     with pytest.raises(ValueError, match="vocab_divisor"):
         padded_vocab_size(100, 1, 0)
