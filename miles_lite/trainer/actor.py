@@ -28,7 +28,7 @@ from miles_lite.trainer.dist_optimizer import is_distributed
 from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignment, scale_expert_grads
 from miles_lite.trainer.forward import LogprobOptions, ModelHandle, response_logprobs
 from miles_lite.trainer.fp8 import fp8_off
-from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, UpdateGuard
+from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, UpdateGuard, all_finite
 from miles_lite.trainer.hf_convert import mark_tensor_parallel
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
 from miles_lite.trainer.lora import attach_lora
@@ -348,7 +348,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
         if not grads:
             grads = [g for p in self.policy.model.parameters()
                      if (g := p.main_grad if getattr(p, "main_grad", None) is not None else p.grad) is not None]
-        grads_ok = torch.stack([torch.isfinite(g).all() for g in grads]).all() if grads else torch.tensor(True)
+        grads_ok = all_finite(grads)
         flag = torch.tensor([0.0 if ok else 1.0], device=self.policy.device)
         flag = torch.where(grads_ok.to(flag.device), flag, torch.ones_like(flag))
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)

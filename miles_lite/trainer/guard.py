@@ -53,6 +53,15 @@ class DivergedStepError(TrainingHalted):
     """Too many consecutive optimizer steps moved the weights by more than `trainer.max_update_ratio`."""
 
 
+def all_finite(tensors: list[Tensor]) -> Tensor:
+    """A device bool: no NaN or Inf in any of `tensors`, read with no host sync. Each tensor's min and max
+    (NaN propagates through both, an Inf is one of them): two scalars a tensor, where `isfinite(t)` would
+    make a temporary as large as `t` (28 GiB for a 7B model's fp32 gradient buffer, more than a full H200
+    has left during the step)."""
+    values = [v.float() for t in tensors if t.numel() for v in torch.aminmax(t)]
+    return torch.isfinite(torch.stack(values)).all() if values else torch.tensor(True)
+
+
 def _leaves(optimizer: Any) -> list[Any]:
     """The Megatron optimizers that own a torch optimizer (a ChainedOptimizer holds several)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from miles_lite.trainer.guard import UpdateGuard, adam_element_bound
+from miles_lite.trainer.guard import UpdateGuard, adam_element_bound, all_finite
 
 
 class Leaf(SimpleNamespace):
@@ -221,3 +221,17 @@ def test_another_optimizer_is_measured_exactly() -> None:
 def test_the_limit_must_be_positive() -> None:
     with pytest.raises(ValueError, match="trainer.max_update_ratio=0 must be > 0"):
         UpdateGuard(Leaf(torch.optim.SGD(_params(), lr=0.1)), max_ratio=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_all_finite_finds_one_bad_element_in_any_buffer(dtype: torch.dtype, bad: float) -> None:
+    buffers = [torch.randn(64, dtype=dtype), torch.zeros(0, dtype=dtype), torch.randn(1000, dtype=dtype)]
+    assert bool(all_finite(buffers))
+    for where in (0, 517, 999):
+        buffers[2][where] = bad
+        assert not bool(all_finite(buffers)), (dtype, bad, where)
+        buffers[2][where] = 0.0
+    # Mixed precisions (an fp32 and a bf16 gradient buffer) in one call; nothing at all is finite.
+    assert bool(all_finite([torch.ones(3), torch.ones(3, dtype=torch.bfloat16)]))
+    assert bool(all_finite([]))
