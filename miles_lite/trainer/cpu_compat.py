@@ -166,6 +166,18 @@ def install_rng_tracker(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int
     tracker.add(mrand._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
     mrand._CUDA_RNG_STATE_TRACKER = tracker
     mrand._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    # Activation recompute (`trainer.transformer.recompute_granularity`) saves the device generator's state
+    # beside the CPU one and restores both before recomputing; on CPU the CPU generator is the device's.
+    mrand._get_cuda_rng_state = _cpu_rng_state
+    mrand._set_cuda_rng_state = _set_cpu_rng_state
+
+
+def _cpu_rng_state(*_args: Any, **_kwargs: Any) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(state: torch.Tensor, *_args: Any, **_kwargs: Any) -> None:
+    torch.set_rng_state(state)
 
 
 def seed_model_parallel(seed: int, tp_rank: int) -> None:

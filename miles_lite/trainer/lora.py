@@ -108,6 +108,11 @@ class LoraAdapters(nn.Module):
                         raise ValueError(f"trainer.lora.targets {mine}: layer {i} has no {path} (expert layers are not "
                                          "adapted); target only the attention projections") from None
                     self._hooks.append(module.register_forward_hook(self._hook(i, path, module)))
+        embedding = getattr(model, "embedding", None)
+        if getattr(model.config, "recompute_granularity", None) == "full" and embedding is not None:
+            # Full recompute runs each chunk of layers as one autograd function, whose output needs grad only
+            # if an input does; with the whole base frozen none would, and the adapters inside get no grad.
+            self._hooks.append(embedding.register_forward_hook(_input_needs_grad))
 
     # ---- parameters -----------------------------------------------------------------------------
 
@@ -290,6 +295,10 @@ def fuse_rows(path: str, deltas: Mapping[str, Tensor], local_out: Any, spec: HFM
     v = v.reshape(*lead, groups, hd, *rest)
     fused = torch.cat([q, k, v], dim=dim + 1)
     return fused.reshape(*lead, groups * (qpg + 2) * hd, *rest)
+
+
+def _input_needs_grad(_module: nn.Module, _args: tuple[Any, ...], output: Tensor) -> Tensor:
+    return output.requires_grad_(True) if torch.is_grad_enabled() and not output.requires_grad else output
 
 
 def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
