@@ -4,7 +4,7 @@
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
 # Parts: versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora,
-# and, not in the default list, the colocated hand-off ones (colocated-0.5b resident-0.5b colocated-7b) and
+# and, not in the default list, the colocated hand-off ones (colocated-0.5b resident-0.5b colocated-7b lora-7b) and
 # the RL step against the bare megatron-core step at the recipe's shape, with RoPE fused (the default on THD
 # rows) and unfused (speed-recipe speed-recipe-unfused).
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
@@ -45,6 +45,21 @@ part() {
     failed=$((failed + 1))
   fi
   tail -n 4 "$out/$name.log" | sed 's/^/   /'
+}
+
+# A GRPO part: its run (engines' logs among its files) under a temporary directory of its own; whatever the
+# part's end (a failure, its time bound), the logs come back flattened into OUT_DIR/<part>.logs/, the last
+# 20 MiB of each.
+grpo_part() {
+  local name=$1
+  shift
+  local tmp
+  tmp=$(mktemp -d "/tmp/gpu-checks-$name.XXXX")
+  TMPDIR=$tmp part "$name" "$@"
+  mkdir -p "$out/$name.logs"
+  find "$tmp" -name '*.log' -type f | while read -r f; do
+    tail -c 20M "$f" > "$out/$name.logs/$(realpath --relative-to="$tmp" "$f" | tr / _)"
+  done
 }
 
 # An engine from the shipped defaults but with prefill CUDA graphs on, on the small shape that crashed
@@ -88,21 +103,15 @@ print("LoRA push bytes:", [p["bytes"] for p in result["push"]], "seconds:", [rou
 '
 
 # LoRA: the adapter-serving checks against a stock SGLang (the test must run, not skip), then GRPO steps of
-# the recipe's shape with rank-16 adapters on every projection, pushed as adapters.
-lora_part() {
-  local log
-  log=$("$py" -m pytest -q -s -rs --basetemp "$out/tmp-lora" -k sglang tests/integration/test_lora_engine.py 2>&1)
-  local rc=$?
-  echo "$log"
-  if [ $rc -ne 0 ] || ! grep -q " passed" <<<"$log" || grep -q " skipped" <<<"$log"; then
-    echo "the SGLang LoRA check did not pass"
-    return 1
+# the recipe's shape with rank-16 adapters on every projection, pushed as adapters, and each push's bytes.
+lora_parts() {
+  part lora-engine "$py" -m pytest -q -s -rs --basetemp "$out/tmp-lora" -k sglang tests/integration/test_lora_engine.py
+  if ! grep -q " passed" "$out/lora-engine.log" || grep -q " skipped" "$out/lora-engine.log"; then
+    echo "   the SGLang LoRA check did not run to a pass"
+    failed=$((failed + 1))
   fi
-  local env=()
-  [ -n "${MILES_ENGINE_PYTHONPATH:-}" ] && env=(--engine-env "PYTHONPATH=$MILES_ENGINE_PYTHONPATH:$PWD")
-  "$py" benchmarks/grpo_steps.py ${env[@]+"${env[@]}"} --steps 5 --out "$out/lora.json" \
-    trainer.lora.rank=16 trainer.lora.alpha=32 || return 1
-  "$py" -c "$LORA_PUSH" "$out/lora.json"
+  grpo_part lora "$py" "${grpo[@]}" --steps 5 --skip 1 --out "$out/lora.json" trainer.lora.rank=16 trainer.lora.alpha=32
+  part lora-push "$py" -c "$LORA_PUSH" "$out/lora.json"
 }
 
 for p in "${parts[@]}"; do
@@ -135,15 +144,18 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
                             --batch 512 --seq 480 --prompt-tokens 224 --steps 20 --warmup 2 \
                             --transformer apply_rope_fusion=false --out "$out/speed-recipe-unfused.json" ;;
     # GRPO steps of the GSM8K shape, trainer and SGLang on one GPU: handing the GPU over, then both resident.
-    colocated-0.5b) part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 8 --skip 2 \
+    colocated-0.5b) grpo_part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 8 --skip 2 \
                       --out "$out/colocated-0.5b.json" ;;
-    resident-0.5b) part resident-0.5b "$py" "${grpo[@]}" --memory resident --steps 8 --skip 2 \
+    resident-0.5b) grpo_part resident-0.5b "$py" "${grpo[@]}" --memory resident --steps 8 --skip 2 \
                      --out "$out/resident-0.5b.json" ;;
-    colocated-7b) part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
+    colocated-7b) grpo_part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
                     --steps 3 --skip 1 --out "$out/colocated-7b.json" ;;
-    lora) part lora lora_part ;;
+    lora) lora_parts ;;
+    # Whether a colocated LoRA GRPO step of the whole Qwen2.5-7B fits, its time and memory.
+    lora-7b) grpo_part lora-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 --skip 1 \
+               --out "$out/lora-7b.json" trainer.lora.rank=16 trainer.lora.alpha=32 ;;
     *) echo "unknown part $p (versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
-            "lora colocated-0.5b resident-0.5b colocated-7b speed-recipe speed-recipe-unfused)"
+            "lora colocated-0.5b resident-0.5b colocated-7b lora-7b speed-recipe speed-recipe-unfused)"
        failed=$((failed + 1)) ;;
   esac
 done
