@@ -232,6 +232,6 @@ def test_all_finite_finds_one_bad_element_in_any_buffer(dtype: torch.dtype, bad:
         buffers[2][where] = bad
         assert not bool(all_finite(buffers)), (dtype, bad, where)
         buffers[2][where] = 0.0
-    # Mixed precisions (an fp32 and a bf16 gradient buffer) in one call; nothing at all is finite.
+    # Mixed precisions (an fp32 and a bf16 gradient buffer) in one call; no tensors at all count as finite.
     assert bool(all_finite([torch.ones(3), torch.ones(3, dtype=torch.bfloat16)]))
     assert bool(all_finite([]))
