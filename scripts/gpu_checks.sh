@@ -37,7 +37,7 @@ part() {
   shift
   echo "== $name: $*"
   local start=$SECONDS
-  # PART_TIMEOUT_S bounds each part (a hung engine must not eat the rest of a lease).
+  # PART_TIMEOUT_S bounds each part (a hung engine must not eat the time left for the parts after it).
   if timeout --kill-after=10 "${PART_TIMEOUT_S:-3600}" "$@" >"$out/$name.log" 2>&1; then
     echo "   ok ($((SECONDS - start)) s)"
   else
