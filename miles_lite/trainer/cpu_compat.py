@@ -166,8 +166,17 @@ def install_rng_tracker(seed: int, tp_rank: int, ep_rank: int = 0, etp_rank: int
     tracker.add(mrand._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
     mrand._CUDA_RNG_STATE_TRACKER = tracker
     mrand._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    # Activation recompute (`trainer.transformer.recompute_granularity`) saves the device generator's state
-    # beside the CPU one and restores both before recomputing; on CPU the CPU generator is the device's.
+
+
+def use_cpu_rng_state() -> None:
+    """On CPU, megatron's device RNG state is the CPU generator's (idempotent).
+
+    Why: activation recompute (`trainer.transformer.recompute_granularity`) saves the CUDA generator's state
+    beside the CPU one and restores both before recomputing, which raises "Torch not compiled with CUDA
+    enabled" on a CPU build.
+    """
+    if not cpu_mode_needed():
+        return
     mrand._get_cuda_rng_state = _cpu_rng_state
     mrand._set_cuda_rng_state = _set_cpu_rng_state
 
@@ -184,6 +193,7 @@ def seed_model_parallel(seed: int, tp_rank: int) -> None:
     """Seed torch and megatron's model-parallel RNG streams on CPU or GPU."""
     if cpu_mode_needed():
         install_rng_tracker(seed, tp_rank)
+        use_cpu_rng_state()
     else:
         mrand.model_parallel_cuda_manual_seed(seed)
 

@@ -1,10 +1,11 @@
 """Step guards: an optimizer step that would leave diverged weights is undone before anyone sees them.
 
-The non-finite guard (in `actor.py`) catches NaN/Inf losses and gradients before the step. A finite
-but exploding step (a learning rate off by orders of magnitude) passes it and is only visible after
-the update: `UpdateGuard` keeps every step's update-to-weight ratio ||w' - w|| / ||w|| (over all ranks)
-within `trainer.max_update_ratio`, undoing a step that exceeds it. Restored weights and optimizer state
-are exactly the ones before the step, so nothing diverged is ever pushed to the engines or checkpointed.
+The non-finite guard (in `actor.py`, reading gradients through `all_finite`) catches NaN/Inf losses and
+gradients before the step. A finite but exploding step (a learning rate off by orders of magnitude)
+passes it and is only visible after the update: `UpdateGuard` keeps every step's update-to-weight
+ratio ||w' - w|| / ||w|| (over all ranks) within `trainer.max_update_ratio`, undoing a step that
+exceeds it. Restored weights and optimizer state are exactly the ones before the step, so nothing
+diverged is ever pushed to the engines or checkpointed.
 
 What it costs, per step:
 
