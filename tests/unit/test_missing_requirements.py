@@ -39,6 +39,8 @@ def test_unsatisfied_names_absent_and_out_of_range_distributions_only(mr):
     reqs = [Requirement(t) for t in ("torch>=999", "no-such-distribution-xyz", "torch>=1",
                                      "torch<1; python_version < '3'")]
     assert [str(r) for r in mr.unsatisfied(reqs)] == ["torch>=999", "no-such-distribution-xyz"]
+    # Absent only: an installed distribution at another version is left as it is.
+    assert [str(r) for r in mr.unsatisfied(reqs, absent_only=True)] == ["no-such-distribution-xyz"]
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -55,3 +57,5 @@ def test_cli_prints_what_pip_should_install_and_check_fails_on_it():
     assert checked.returncode == 1 and checked.stdout == ""
     assert "torch>=999 (installed: " in checked.stderr
     assert _run("--check", "--of", "miles-lite[k8s]", "torch>=1").returncode == 0
+    absent = _run("--absent", "--of", "miles-lite[k8s]", "torch>=999", "no-such-distribution-xyz")
+    assert absent.returncode == 0 and absent.stdout.split() == ["no-such-distribution-xyz"]
