@@ -38,6 +38,9 @@ MOE_METRIC_PREFIX = "miles_lite_moe_"
 STEPS = 4
 PROMPTS, GROUP = 4, 4
 RUN_TIMEOUT_S = 600.0
+# Several scrapes must fall inside the run: on an idle machine its exporter was up for under 2 s (warm-up,
+# STEPS steps and evaluations), within which 1 s scrapes saw it once before the final one.
+SCRAPE_INTERVAL = "250ms"
 # The embedded default, shortened. A KL coefficient keeps a reference model, so the trainer reports the
 # KL the "KL and entropy" panel plots; a checkpoint every 2 steps makes step STEPS's async checkpoint
 # the one the run's end waits for (blocked and flush seconds both measured).
@@ -105,7 +108,7 @@ def scraped_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ScrapedRun
     run = f"itest-{uuid.uuid4().hex[:8]}"
     workdir = tmp_path_factory.mktemp("prometheus")
     port = free_port(LOCAL_HOST)
-    server = PrometheusServer(workdir, [f"127.0.0.1:{port}"], binary, promtool)
+    server = PrometheusServer(workdir, [f"127.0.0.1:{port}"], binary, promtool, scrape_interval=SCRAPE_INTERVAL)
     config_check = server.check_config()
     server.start()
     try:
@@ -132,8 +135,8 @@ def test_promtool_accepts_generated_config(scraped_run: ScrapedRun) -> None:
 def test_the_run_was_scraped_while_alive_and_lingered_for_its_final_values(scraped_run: ScrapedRun) -> None:
     server, run = scraped_run.server, scraped_run.run
     up = server.raw_samples('up{job="miles-lite"}')
-    # Scraped during the run, not once at its end. How many scrapes (1 s apart) fit depends on the machine:
-    # 5 or more on a loaded 2-core one, 4 on an idle one where the whole run took about 4 s.
+    # Scraped during the run, not once at its end. How many scrapes (SCRAPE_INTERVAL apart) fit depends on
+    # the machine: the exporter was up for 1-2 s of an idle machine's run, several seconds of a loaded one's.
     before_final = [t for t, v in up if v == 1.0 and t < scraped_run.final_scrape]
     assert len(before_final) >= 2, up
     assert [v for t, v in up if t == scraped_run.final_scrape] == [1.0]

@@ -54,13 +54,14 @@ def ensure_prometheus_installed(timeout_s: float = 600.0) -> tuple[str, str]:
     return prom, tool
 
 
-def scrape_config(targets: list[str], interval_s: int = 1) -> str:
-    """prometheus.yml scraping `targets` (``host:port``) every `interval_s` seconds under job ``miles-lite``."""
+def scrape_config(targets: list[str], interval: str = "1s") -> str:
+    """prometheus.yml scraping `targets` (``host:port``) every `interval` (a Prometheus duration: 1s, 250ms)
+    under job ``miles-lite``."""
     quoted = ", ".join(json.dumps(t) for t in targets)
-    return (f"global: {{scrape_interval: {interval_s}s, evaluation_interval: {interval_s}s}}\n"
+    return (f"global: {{scrape_interval: {interval}, evaluation_interval: {interval}}}\n"
             "scrape_configs:\n"
             "  - job_name: miles-lite\n"
-            f"    scrape_interval: {interval_s}s\n"
+            f"    scrape_interval: {interval}\n"
             f"    static_configs: [{{targets: [{quoted}]}}]\n")
 
 
@@ -73,10 +74,11 @@ class ServerState(enum.Enum):
 class PrometheusServer:
     """One ``prometheus`` process on 127.0.0.1 with its own config and TSDB under `workdir`."""
 
-    def __init__(self, workdir: Path, targets: list[str], binary: str, promtool: str) -> None:
+    def __init__(self, workdir: Path, targets: list[str], binary: str, promtool: str,
+                 scrape_interval: str = "1s") -> None:
         self.workdir = workdir
         self.config_path = workdir / "prometheus.yml"
-        self.config_path.write_text(scrape_config(targets))
+        self.config_path.write_text(scrape_config(targets, scrape_interval))
         self.binary = binary
         self.promtool = promtool
         self.port = free_port(LOCAL_HOST)
