@@ -36,8 +36,8 @@ from step_timing import time_interleaved  # this directory: benchmarks run as sc
 from miles_lite.config.compose import load_config
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.data.problems import load_problems
-from miles_lite.model_assets import prepare_model
-from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.net.ports import LOCAL_HOST, free_port
+from miles_lite.run.model_assets import prepare_model
 from miles_lite.trainer.actor import TrainerActor
 from miles_lite.trainer.reference_layout import packed_row_layout
 from miles_lite.types import TrainBatch

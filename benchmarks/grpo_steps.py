@@ -64,11 +64,11 @@ from train_step import SHAPES, make_model_dir
 
 from miles_lite.config import load_config, validate
 from miles_lite.config.offload import OFFLOAD_PARTS
-from miles_lite.driver import train
+from miles_lite.run.driver import train
 from miles_lite.weight_sync.ipc_handles import LOADER as IPC_LOADER
 
 PHASES = ("generate", "reward", "train", "sync", "checkpoint")
-# The colocated hand-off's transitions (`miles_lite.handoff`), seconds per step.
+# The colocated hand-off's transitions (`miles_lite.run.handoff`), seconds per step.
 TRANSITIONS = ("offload", "engine_sleep", "onload", "engine_wake")
 # `memory/<phase>_<key>` (`Handoff.measure`), reported in GiB as `<phase>_<short>_gib`.
 MEMORY_PHASES = ("generate", "train", "sync")

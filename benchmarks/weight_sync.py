@@ -29,7 +29,7 @@ from pathlib import Path
 from miles_lite.cluster.ray_trainer import RayTrainerGroup
 from miles_lite.config.schema import MilesConfig, RolloutConfig, TinyModelShape
 from miles_lite.engines.launcher import EngineLauncher
-from miles_lite.ports import LOCAL_HOST
+from miles_lite.net.ports import LOCAL_HOST
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.tiny_hf import make_tiny_hf_model
 from miles_lite.weight_sync.buckets import MIB

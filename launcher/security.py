@@ -22,7 +22,7 @@ from typing import Any
 
 from launcher.kube import Conflict, KubeApi
 from launcher.spec import JobSpec
-from miles_lite.api_key import ENV_KEY_FILE, KEY_FILE_NAME, new_key
+from miles_lite.net.api_key import ENV_KEY_FILE, KEY_FILE_NAME, new_key
 
 KEY_DIR = "/var/run/miles-lite/api-key"
 # The uid/gid pods run as (the images run as any user: /work and /tmp are theirs through emptyDirs).

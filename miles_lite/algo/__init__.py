@@ -1,4 +1,6 @@
-"""RL algorithm math: advantages, losses and train/inference mismatch correction (pure torch)."""
+"""RL algorithm math: advantages, losses and train/inference mismatch correction (pure torch). A library: it
+imports nothing of the package but the shared types.
+"""
 
 from miles_lite.algo.advantages import (
     AdvantageEstimator,

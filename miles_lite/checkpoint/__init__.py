@@ -4,7 +4,8 @@ Modules: `payload` (what a rank saves), `async_ckpt` (snapshot + background writ
 flight), `writer` (per-rank files, rank-0 commit), `layout` (directory layout, manifest, atomic
 commit, retention), `resume` (find and read checkpoints, checksums), `driver_state` (the driver's
 resumable state), `trainer_state` (TrainerActor <-> TP-independent payload), `run_state` (what the
-driver calls), `convert_cli` (`miles-lite convert`).
+driver calls). A role: it may import the trainer's layouts, the libraries and the shared types; `miles-lite
+convert` (`cli/convert.py`) drives it from the command line.
 """
 
 from miles_lite.checkpoint.async_ckpt import AsyncCheckpointer, SaverState, SaveStats

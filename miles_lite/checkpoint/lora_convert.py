@@ -14,7 +14,7 @@ from torch import Tensor
 
 from miles_lite.checkpoint.resume import CheckpointReader
 from miles_lite.checkpoint.trainer_state import MODEL_PREFIX
-from miles_lite.lora_format import LoraSpec, merged_state, save_adapter_dir
+from miles_lite.formats.lora import LoraSpec, merged_state, save_adapter_dir
 
 
 def lora_info(reader: CheckpointReader) -> dict[str, Any] | None:

@@ -1,7 +1,7 @@
 """The per-rank checkpointer a trainer role owns: its shards (plus, on rank 0, the driver state and the
 HF assets) through one `AsyncCheckpointer`, held for the whole run so that one asynchronous save stays in
 flight between steps. The driver's side (what goes into `DriverState`, when to save, resuming) is in
-`miles_lite/run_io.py`.
+`miles_lite/run/outputs.py`.
 """
 
 from __future__ import annotations

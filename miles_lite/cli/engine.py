@@ -18,7 +18,6 @@ import json
 import os
 import sys
 
-from miles_lite.api_key import ApiKeyError
 from miles_lite.engines.reference.engine import add_reference_arguments, engine_key, run_from_args
 from miles_lite.engines.sglang.command import (
     build_sglang_command,
@@ -28,6 +27,7 @@ from miles_lite.engines.sglang.command import (
     sglang_option_names,
     with_weight_loader,
 )
+from miles_lite.net.api_key import ApiKeyError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,7 +64,7 @@ def prepare_job_model(overrides: list[str], model_dir: str) -> str:
     from pathlib import Path
 
     from miles_lite.config import load_config
-    from miles_lite.model_assets import prepare_model
+    from miles_lite.run.model_assets import prepare_model
 
     cfg, _ = prepare_model(load_config(list(overrides)), Path(model_dir))
     return str(cfg.model.hf_path)

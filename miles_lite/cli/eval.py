@@ -70,7 +70,7 @@ def _eval_math(args: argparse.Namespace, cfg) -> int:
     from miles_lite.data.encoding import PromptEncoder
     from miles_lite.data.problems import read_problems
     from miles_lite.engines.fleet_launch import build_rollout
-    from miles_lite.evaluation import evaluate
+    from miles_lite.evaluation.greedy import evaluate
     from miles_lite.rollout.prompt_spec import sampling_from_config
 
     problems = read_problems(args.data, args.n if args.n or args.data != "synthetic" else 64, cfg)
@@ -96,9 +96,9 @@ def _eval_sets(args: argparse.Namespace, cfg) -> int:
     from miles_lite.data.encoding import PromptEncoder
     from miles_lite.data.problems import EvalSet, load_data_file, load_eval_sets
     from miles_lite.engines.fleet_launch import build_rollout
-    from miles_lite.eval_sets import evaluate_set
+    from miles_lite.evaluation.sets import evaluate_set
     from miles_lite.rollout.prompt_spec import sampling_from_config
-    from miles_lite.task_check import check_task, run_reward_set
+    from miles_lite.run.task_check import check_task, run_reward_set
 
     if args.data is not None:
         items = load_data_file(cfg, args.data)

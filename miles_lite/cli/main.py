@@ -20,11 +20,11 @@ from collections.abc import Sequence
 
 # subcommand -> (module implementing it, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("miles_lite.train_cli", "run RL training; arguments are Hydra overrides (trainer.tp=2 ...)"),
-    "presample": ("miles_lite.presample_cli", "k samples per question: pass@k and a filtered data set"),
-    "engine": ("miles_lite.engines.serve", "serve the CPU reference engine (SGLang's HTTP API)"),
-    "eval": ("miles_lite.eval_cli", "greedy evaluation of a model or checkpoint on a data set"),
-    "convert": ("miles_lite.checkpoint.convert_cli", "convert checkpoints to and from HF safetensors"),
+    "train": ("miles_lite.cli.train", "run RL training; arguments are Hydra overrides (trainer.tp=2 ...)"),
+    "presample": ("miles_lite.cli.presample", "k samples per question: pass@k and a filtered data set"),
+    "engine": ("miles_lite.cli.engine", "serve the CPU reference engine (SGLang's HTTP API)"),
+    "eval": ("miles_lite.cli.eval", "greedy evaluation of a model or checkpoint on a data set"),
+    "convert": ("miles_lite.cli.convert", "convert checkpoints to and from HF safetensors"),
     "report": ("miles_lite.observability.report", "write a self-contained HTML report of a run directory"),
 }
 
@@ -64,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(args_list)
     code = int(args._module.run(args) or 0)
     if argv is None:
-        from miles_lite.process_exit import before_interpreter_exit
+        from miles_lite.net.process_exit import before_interpreter_exit
 
         before_interpreter_exit()
     return code

@@ -90,16 +90,16 @@ def run(args: argparse.Namespace) -> int:
 
         print(to_yaml(cfg), end="")
         return 0
-    from miles_lite.stop import StopRequest
+    from miles_lite.run.stop import StopRequest
 
     # Installed before the heavy imports below: a pre-emption signal during start-up still stops cleanly.
     stop = StopRequest().install()
     from miles_lite.data.gsm8k import DatasetError
-    from miles_lite.dir_probe import OutputDirError
-    from miles_lite.driver import train
-    from miles_lite.run_failure import EXIT_PLUGIN_FAILED, RunEndedByPlugin
-    from miles_lite.run_lock import RunDirInUseError
-    from miles_lite.run_record import ResumeRefused
+    from miles_lite.run.dir_probe import OutputDirError
+    from miles_lite.run.driver import train
+    from miles_lite.run.failure import EXIT_PLUGIN_FAILED, RunEndedByPlugin
+    from miles_lite.run.lock import RunDirInUseError
+    from miles_lite.run.record import ResumeRefused
 
     try:
         summary = train(cfg, stop)

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from miles_lite.config.schema import RolloutConfig
-from miles_lite.ports import node_address
+from miles_lite.net.ports import node_address
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,8 @@ class EngineServer:
         """`own_gpus`: the actor holds its engine's GPUs (Ray shows it only those); False when colocated,
         where the engine shares the node's GPUs with the trainer and `sglang_args.base_gpu_id` applies.
         `api_key`: the run's key, written to a private file on this node for the server (removed at `stop`)."""
-        from miles_lite.api_key import ApiKey
         from miles_lite.engines.launcher import EngineLauncher
+        from miles_lite.net.api_key import ApiKey
 
         self.key = ApiKey.private(api_key) if api_key is not None else None
 

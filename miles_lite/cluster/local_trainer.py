@@ -11,7 +11,7 @@ from miles_lite.checkpoint.async_ckpt import SaveStats
 from miles_lite.checkpoint.driver_state import DriverState
 from miles_lite.cluster.rank import TrainerRank
 from miles_lite.config.schema import MilesConfig
-from miles_lite.ports import LOCAL_HOST, free_port, node_address, url_host
+from miles_lite.net.ports import LOCAL_HOST, free_port, node_address, url_host
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.types import TrainBatch
 

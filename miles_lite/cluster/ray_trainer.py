@@ -56,7 +56,7 @@ class RayTrainerRank(TrainerRank):
 
     def rendezvous(self) -> str:
         """`tcp://<this node's address>:<free port>`: the process-group rendezvous rank 0 will host."""
-        from miles_lite.ports import free_port, node_address
+        from miles_lite.net.ports import free_port, node_address
 
         address = node_address()
         return f"tcp://{address}:{free_port(address)}"
@@ -64,7 +64,7 @@ class RayTrainerRank(TrainerRank):
     def weight_group_endpoint(self, advertise: str | None) -> tuple[str, int]:
         """(address, port) the engines dial to join the weight-update group this rank hosts as group rank 0:
         `advertise` or this node's address, and a port free on this node."""
-        from miles_lite.ports import free_port, node_address
+        from miles_lite.net.ports import free_port, node_address
 
         return node_address(advertise), free_port("")
 

@@ -373,7 +373,7 @@ def validate(cfg: MilesConfig) -> ModelDims | None:
     _check_rollout(cfg, problems)
     _check_paths_and_devices(cfg, problems)
     if cfg.cluster.api_key_file:
-        from miles_lite.api_key import ApiKeyError, read_key_file
+        from miles_lite.net.api_key import ApiKeyError, read_key_file
 
         try:
             read_key_file(cfg.cluster.api_key_file)

@@ -1,4 +1,6 @@
-"""Math problem data: GSM8K loading, synthetic arithmetic problems, prompts and tokenizers."""
+"""Task data: records and their adapters (GSM8K, synthetic arithmetic, the calculator task), prompts and
+tokenizers. A library: it may import `config`, `formats` and the shared types, nothing above them.
+"""
 
 from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems, write_dataset
 from miles_lite.data.gsm8k import DatasetError, MathProblem, load_gsm8k, save_gsm8k

@@ -13,7 +13,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from miles_lite.answer_format import (
+from miles_lite.formats.answer import (
     CALC_END,
     CALC_START,
     RESULT_END,

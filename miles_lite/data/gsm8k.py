@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lite.answer_format import numbers_equal, parse_final_answer, parse_number
+from miles_lite.formats.answer import numbers_equal, parse_final_answer, parse_number
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 _ANNOTATION_RE = re.compile(r"<<([^<>]*)>>")

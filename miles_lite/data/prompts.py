@@ -1,6 +1,6 @@
 """Prompt format: the system prompt and rendering of prompts and targets in the answer format.
 
-The tags and number formatting come from `miles_lite.answer_format`, which the reward functions
+The tags and number formatting come from `miles_lite.formats.answer`, which the reward functions
 score completions against.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from miles_lite.answer_format import (
+from miles_lite.data.gsm8k import MathProblem, strip_annotations
+from miles_lite.formats.answer import (
     CALC_END,
     CALC_START,
     RESULT_END,
@@ -20,7 +21,6 @@ from miles_lite.answer_format import (
     WORK_START,
     format_number,
 )
-from miles_lite.data.gsm8k import MathProblem, strip_annotations
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

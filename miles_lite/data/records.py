@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from miles_lite.answer_format import numeric_label
 from miles_lite.data.gsm8k import DatasetError
+from miles_lite.formats.answer import numeric_label
 
 DEFAULT_SOURCE_COLUMN = "data_source"
 ROLES = ("system", "user", "assistant", "tool")

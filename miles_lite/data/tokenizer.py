@@ -17,9 +17,9 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from miles_lite.answer_format import ANSWER_TAGS
 from miles_lite.data.arithmetic import SUPPORTED_OPS, ArithmeticSpec, generate_problems
 from miles_lite.data.prompts import SYSTEM_PROMPT, format_solution, render_plain_prompt
+from miles_lite.formats.answer import ANSWER_TAGS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -2,6 +2,6 @@
 (`sglang/`), and the launcher that starts engine servers and hands their clients to the rollout fleet.
 
 Imports point one way: engines use the rollout client (process, HTTP client, fleet), the weight-sync
-pieces both sides share (plan, engine layout, shard protocol, weight group) and the libraries; the
-rollout client never imports an engine.
+pieces both sides share (plan, engine layout, shard protocol, weight group) and the libraries, never the
+run layer; the rollout client never imports an engine.
 """

@@ -11,13 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lite.api_key import ApiKey
 from miles_lite.config.colocation import engine_rollout
 from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
 from miles_lite.config.validate import model_dims
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted
 from miles_lite.engines.launcher import EngineLauncher
+from miles_lite.net.api_key import ApiKey
 from miles_lite.plugins import load_sync_fn
 from miles_lite.rollout.environment import load_environment
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher

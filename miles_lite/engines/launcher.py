@@ -24,7 +24,6 @@ import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from miles_lite.api_key import ApiKey
 from miles_lite.config.colocation import ALLOC_CONF_VARS, memory_saver_env, memory_saver_on
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.reference.engine import build_reference_command
@@ -37,7 +36,8 @@ from miles_lite.engines.sglang.command import (
     probe_sglang_option_names,
     with_weight_loader,
 )
-from miles_lite.ports import LOCAL_HOST
+from miles_lite.net.api_key import ApiKey
+from miles_lite.net.ports import LOCAL_HOST
 from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.process import CommandFactory, EngineProcess
 

@@ -96,7 +96,7 @@ def serving_key(api_key_file: str | None, host: str, insecure: bool) -> str | No
 
     The file's path is put in this process's environment, so the code it runs for the weight-update group
     (and the processes it starts: TP ranks, SGLang's workers) present the same key."""
-    from miles_lite.ports import is_loopback
+    from miles_lite.net.ports import is_loopback
 
     key = read_key_file(api_key_file) if api_key_file else key_from_env()
     if api_key_file:

@@ -1,7 +1,7 @@
 """Observability: Prometheus metrics and exporter, rollout table, metrics file and sinks, progress, report.
 
 The HTML report (`report.py`, `plots.py`) is not imported here so that training processes do not
-load matplotlib.
+load matplotlib. A role: it may import `config`, `net` and the shared types; the run layer feeds it.
 """
 
 from miles_lite.observability.exporter import ExporterState, MetricsExporter, start_exporter

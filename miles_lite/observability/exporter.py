@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.exposition import choose_encoder
 
+from miles_lite.net.ports import AddressError, is_loopback, ray_node_address, route_address
 from miles_lite.observability.metrics import MetricsRegistry
 from miles_lite.observability.scrape_server import ScrapeLimits, ScrapeServer
-from miles_lite.ports import AddressError, is_loopback, ray_node_address, route_address
 
 # `observability.metrics_host` value for this node's own address.
 NODE = "node"

@@ -1,10 +1,12 @@
-"""Rewards for tagged math completions, reward sets and batch scoring."""
+"""Rewards for tagged math completions, reward sets and batch scoring. A library: it may import `formats`,
+`plugins` and the shared types, nothing above them.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from miles_lite.answer_format import (
+from miles_lite.formats.answer import (
     answer_matches,
     find_numbers,
     numbers_equal,

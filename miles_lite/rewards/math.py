@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Sequence
 
-from miles_lite.answer_format import (
+from miles_lite.formats.answer import (
     ANSWER_TAGS,
     SOLUTION_END,
     SOLUTION_START,

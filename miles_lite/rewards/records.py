@@ -15,7 +15,7 @@ import math
 import re
 from typing import Any
 
-from miles_lite.answer_format import answer_matches, numeric_label, parse_solution_number
+from miles_lite.formats.answer import answer_matches, numeric_label, parse_solution_number
 from miles_lite.rewards.batch import RewardBatch
 from miles_lite.rewards.math import solution_text
 

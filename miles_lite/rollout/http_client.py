@@ -33,7 +33,7 @@ from typing import Any
 import aiohttp
 import numpy as np
 
-from miles_lite.api_key import authorization
+from miles_lite.net.api_key import authorization
 from miles_lite.rollout.engine import MEMORY_TAGS, EngineError
 from miles_lite.types import Generation, SamplingParams
 

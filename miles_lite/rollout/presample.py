@@ -22,9 +22,9 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from miles_lite.answer_format import answer_matches, find_numbers
 from miles_lite.config.schema import PresampleConfig
 from miles_lite.data.gsm8k import MathProblem
+from miles_lite.formats.answer import answer_matches, find_numbers
 from miles_lite.rewards import RewardSet, score_groups
 from miles_lite.rewards.math import score_exact
 from miles_lite.rollout.manager import RolloutManager

@@ -32,8 +32,8 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 
-from miles_lite.api_key import authorization
-from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.net.api_key import authorization
+from miles_lite.net.ports import LOCAL_HOST, free_port
 from miles_lite.rollout import lifeline
 
 # (port, fd of an inherited bound socket or None) -> argv of the server.

@@ -38,23 +38,30 @@ from miles_lite.config.changes import config_tree
 from miles_lite.data.identity import data_identity
 from miles_lite.data.problems import EvalSet, load_eval_sets, load_problems
 from miles_lite.data.source import PromptSource
-from miles_lite.dir_probe import OutputDirError, probe_run_dirs
-from miles_lite.eval_sets import SetResult, evaluate_set
-from miles_lite.evaluation import EvalResult, evaluate
-from miles_lite.handoff import Handoff
+from miles_lite.evaluation.greedy import EvalResult, evaluate
+from miles_lite.evaluation.sets import SetResult, evaluate_set
 from miles_lite.plugins import PluginFailed
 from miles_lite.rewards import score_groups
-from miles_lite.rl_batch import build_train_batch, drop_stale, reward_stats, rl_distill_coef, rollout_stats, tool_stats
 from miles_lite.rollout.pipeline import RolloutPipeline
-from miles_lite.run_failure import end_on_plugin_failure
-from miles_lite.run_io import RunIO, checkpoint_root, finished_summary
-from miles_lite.run_lock import RunLock
-from miles_lite.run_record import ResumePlan, plan_resume, record_start_config
-from miles_lite.stop import StopRequest
-from miles_lite.system import System
-from miles_lite.task_check import check_task
+from miles_lite.run.dir_probe import OutputDirError, probe_run_dirs
+from miles_lite.run.failure import end_on_plugin_failure
+from miles_lite.run.handoff import Handoff
+from miles_lite.run.lock import RunLock
+from miles_lite.run.outputs import RunIO, checkpoint_root, finished_summary
+from miles_lite.run.record import ResumePlan, plan_resume, record_start_config
+from miles_lite.run.rl_batch import (
+    build_train_batch,
+    drop_stale,
+    reward_stats,
+    rl_distill_coef,
+    rollout_stats,
+    tool_stats,
+)
+from miles_lite.run.stop import StopRequest
+from miles_lite.run.system import System
+from miles_lite.run.task_check import check_task
+from miles_lite.run.warmup import presample_filter, run_warmup
 from miles_lite.trainer.guard import TrainingHalted
-from miles_lite.warmup import presample_filter, run_warmup
 
 
 @dataclass
@@ -69,7 +76,7 @@ class RunSummary:
     stopped_by_signal: bool = False
     # Why the run ended before `experiment.steps` (the signal, the guard that halted training, a plug-in).
     stopped_reason: str | None = None
-    # A resume's changes of the configuration (`run_record.ResumePlan.as_json`); None: a fresh start.
+    # A resume's changes of the configuration (`record.ResumePlan.as_json`); None: a fresh start.
     config_changes: dict[str, Any] | None = None
     # The plug-in that ended the run: plugin, where, error, log, resume_from.
     plugin_failure: dict[str, Any] | None = None

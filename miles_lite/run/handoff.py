@@ -31,7 +31,7 @@ from typing import Any
 from miles_lite.config.colocation import hands_off
 from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.rollout.engine import MEMORY_TAGS
-from miles_lite.system import System
+from miles_lite.run.system import System
 from miles_lite.weight_sync.coordinator import SyncReport
 from miles_lite.weight_sync.factory import adapter_push
 

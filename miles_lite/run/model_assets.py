@@ -9,10 +9,10 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from miles_lite.answer_format import CALCULATOR_TAGS
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import tokenizer_problem
 from miles_lite.data.tokenizer import load_or_build_tokenizer
+from miles_lite.formats.answer import CALCULATOR_TAGS
 
 
 def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:

@@ -15,7 +15,7 @@ from miles_lite.checkpoint.driver_state import DriverState, capture_driver_rng
 from miles_lite.checkpoint.resume import set_aside_newer
 from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.schema import MilesConfig
-from miles_lite.evaluation import EvalResult
+from miles_lite.evaluation.greedy import EvalResult
 from miles_lite.observability.exporter import MetricsExporter, start_exporter
 from miles_lite.observability.gpu import nvml_collector
 from miles_lite.observability.metrics import ENGINE_STATES, MetricsRegistry

@@ -13,7 +13,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles_lite.api_key import ApiKey
 from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.colocation import hands_off
 from miles_lite.config.schema import MilesConfig
@@ -21,12 +20,13 @@ from miles_lite.config.validate import remote_reward_spec
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.fleet_launch import Rollout, build_rollout
 from miles_lite.engines.lora_serving import with_lora_serving
-from miles_lite.model_assets import prepare_model
+from miles_lite.net.api_key import ApiKey
 from miles_lite.rewards.setup import build_reward_set
 from miles_lite.rollout.fleet import EngineFleet
 from miles_lite.rollout.prompt_spec import sampling_from_config
 from miles_lite.rollout.starvation import StarvationRelay
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
+from miles_lite.run.model_assets import prepare_model
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
 from miles_lite.weight_sync.fleet_push import FleetPusher
 from miles_lite.weight_sync.transport import EngineLoop, WeightSyncError

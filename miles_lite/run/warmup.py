@@ -11,8 +11,8 @@ from typing import Any
 
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.source import PromptSource
-from miles_lite.rl_batch import distill_batch
 from miles_lite.rollout.presample import presample
+from miles_lite.run.rl_batch import distill_batch
 
 # experiment.warmup_stop_loss compares the mean loss of this many steps (one batch's loss is noisy).
 STOP_LOSS_WINDOW = 10

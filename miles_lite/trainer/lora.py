@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from miles_lite.lora_format import TARGETS, LoraSpec, tensor_name
+from miles_lite.formats.lora import TARGETS, LoraSpec, tensor_name
 from miles_lite.trainer.layout import LayoutKind, ParamLayout
 from miles_lite.trainer.model import HFModelSpec
 

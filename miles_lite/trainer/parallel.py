@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from miles_lite.config.schema import TrainerConfig
-from miles_lite.rendezvous import store_from_url
+from miles_lite.net.rendezvous import store_from_url
 from miles_lite.trainer import cpu_compat
 
 

@@ -16,7 +16,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from miles_lite.lora_format import LoraSpec, adapter_bytes, save_adapter_dir
+from miles_lite.formats.lora import LoraSpec, adapter_bytes, save_adapter_dir
 from miles_lite.weight_sync.disk import VERSION_DIR, version_dir
 from miles_lite.weight_sync.transport import (
     EngineLoop,

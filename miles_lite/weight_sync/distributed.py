@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_lite.ports import free_port
+from miles_lite.net.ports import free_port
 from miles_lite.weight_sync.buckets import Bucket, full_buckets, shard_buckets
 from miles_lite.weight_sync.loader_protocol import (
     LOADER_FUNCTION,

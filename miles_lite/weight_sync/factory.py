@@ -42,7 +42,7 @@ def build_transport(cfg: MilesConfig, trainer: WeightSource, loop: EngineLoop, r
         return DiskTransport(specs, cfg.trainer.tp, root, loop, bucket_bytes=bucket_bytes_limit(ws.bucket_mib))
     if ws.transport == "distributed":
         from miles_lite.config.weight_sync_choice import collective_backend
-        from miles_lite.ports import LOCAL_HOST, node_address, url_host
+        from miles_lite.net.ports import LOCAL_HOST, node_address, url_host
         from miles_lite.weight_sync.distributed import DistributedTransport
 
         backend = collective_backend(cfg)

@@ -40,8 +40,8 @@ from torch.distributed.distributed_c10d import (
     _world,
 )
 
-from miles_lite.api_key import derive
-from miles_lite.rendezvous import RendezvousServer
+from miles_lite.net.api_key import derive
+from miles_lite.net.rendezvous import RendezvousServer
 
 _NONCE = "miles_admission/nonce"
 _PROOF = "miles_admission/proof"

@@ -43,8 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
 
+    from miles_lite.cli.train import compose_or_explain
     from miles_lite.cluster.gang import fit_problem, rollout_gang, trainer_gang
-    from miles_lite.train_cli import compose_or_explain
 
     cfg = compose_or_explain(argparse.Namespace(overrides=args.overrides, config_dir=None, config_name="config"),
                              check=False)

@@ -19,7 +19,7 @@ from miles_lite.checkpoint.layout import load_manifest, read_latest
 from miles_lite.checkpoint.resume import verify_checkpoint
 from miles_lite.data.arithmetic import ArithmeticSpec, write_dataset
 from miles_lite.data.identity import file_sha256
-from miles_lite.run_failure import EXIT_PLUGIN_FAILED
+from miles_lite.run.failure import EXIT_PLUGIN_FAILED
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_lite.api_key import ENV_KEY, ENV_KEY_FILE
+from miles_lite.net.api_key import ENV_KEY, ENV_KEY_FILE
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 

@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "integration"))
 from engine_auth import Endpoint, call, keyed_engine, statuses  # noqa: E402
 from engine_contract import SGLANG_TEST_ARGS, save_tiny_qwen2  # noqa: E402
 
-from miles_lite.api_key import ApiKey, authorization, new_key  # noqa: E402
 from miles_lite.config.schema import RolloutConfig  # noqa: E402
 from miles_lite.engines.launcher import LaunchedEngine  # noqa: E402
 from miles_lite.engines.sglang.command import sglang_available  # noqa: E402
+from miles_lite.net.api_key import ApiKey, authorization, new_key  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not sglang_available(), reason="needs sglang and a CUDA GPU")]
 

@@ -38,7 +38,7 @@ from engine_contract import GREEDY, PROMPT, SGLANG_SLEEP_ARGS, EngineContract, r
 from miles_lite.config.schema import RolloutConfig, TinyModelShape  # noqa: E402
 from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine  # noqa: E402
 from miles_lite.engines.sglang.command import sglang_available  # noqa: E402
-from miles_lite.ports import LOCAL_HOST, free_port  # noqa: E402
+from miles_lite.net.ports import LOCAL_HOST, free_port  # noqa: E402
 from miles_lite.rollout.http_client import HttpEngine  # noqa: E402
 from miles_lite.rollout.sync_api import EventLoopThread  # noqa: E402
 from miles_lite.trainer.hf_convert import layout_for, read_hf_state  # noqa: E402

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lite.api_key import ApiKey, authorization, new_key
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.launcher import EngineLauncher, LaunchedEngine
+from miles_lite.net.api_key import ApiKey, authorization, new_key
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.net.ports import LOCAL_HOST, free_port
 from miles_lite.weight_sync.senders import RankSender
 from miles_lite.weight_sync.shard_protocol import RankSchedule, SendStats
 

@@ -18,10 +18,10 @@ from trainer_harness import run_ranks
 from trainer_scenarios import make_batch, make_config
 
 from miles_lite.checkpoint import CheckpointReader, DriverState, newest_complete
-from miles_lite.checkpoint.convert_cli import to_hf
 from miles_lite.checkpoint.host_buffers import HostBuffers
 from miles_lite.checkpoint.run_state import RankCheckpointer
 from miles_lite.checkpoint.trainer_state import snapshot_sizes
+from miles_lite.cli.convert import to_hf
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.source import PromptSource
 

@@ -15,8 +15,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from engine_auth import Endpoint, call, keyed_engine, statuses  # noqa: E402
 from engine_contract import GREEDY, PROMPT, save_tiny_qwen2  # noqa: E402
 
-from miles_lite.api_key import authorization, new_key  # noqa: E402
 from miles_lite.config.schema import RolloutConfig  # noqa: E402
+from miles_lite.net.api_key import authorization, new_key  # noqa: E402
 from miles_lite.rollout.engine import EngineError  # noqa: E402
 from miles_lite.rollout.http_client import HttpEngine  # noqa: E402
 

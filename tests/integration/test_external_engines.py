@@ -11,15 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from miles_lite.api_key import new_key, read_key_file, write_key_file
 from miles_lite.config import load_config, validate
 from miles_lite.engines.fleet_launch import attach_fleet
-from miles_lite.model_assets import prepare_model
-from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.net.api_key import new_key, read_key_file, write_key_file
+from miles_lite.net.ports import LOCAL_HOST, free_port
 from miles_lite.rollout.engine_state import EngineState
 from miles_lite.rollout.process import EngineProcess
 from miles_lite.rollout.sync_api import EventLoopThread
-from miles_lite.system import System
+from miles_lite.run.model_assets import prepare_model
+from miles_lite.run.system import System
 from miles_lite.types import SamplingParams
 
 pytestmark = pytest.mark.slow

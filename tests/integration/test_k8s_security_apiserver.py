@@ -28,7 +28,7 @@ from launcher.reconcile import OperatorConfig, Reconciler
 from launcher.render import key_secret_metadata, render
 from launcher.security import KEY_DIR, render_key_secret, secret_name
 from launcher.spec import API_VERSION, parse_job
-from miles_lite.api_key import ENV_KEY_FILE
+from miles_lite.net.api_key import ENV_KEY_FILE
 
 pytestmark = [pytest.mark.integration,
               pytest.mark.filterwarnings("ignore::urllib3.exceptions.InsecureRequestWarning")]

@@ -18,7 +18,7 @@ from trainer_scenarios import make_batch, make_config
 from miles_lite.checkpoint import CheckpointReader, DriverState, newest_complete
 from miles_lite.checkpoint.run_state import RankCheckpointer
 from miles_lite.cli import main
-from miles_lite.lora_format import TARGETS, LoraSpec, merged_state, tensor_name
+from miles_lite.formats.lora import TARGETS, LoraSpec, merged_state, tensor_name
 from miles_lite.trainer.hf_convert import read_hf_state, tensor_sha256
 
 pytestmark = pytest.mark.timeout(900)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.net.ports import LOCAL_HOST, free_port
 
 pytestmark = pytest.mark.timeout(900)
 

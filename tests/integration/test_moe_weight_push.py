@@ -25,7 +25,7 @@ from trainer_scenarios import make_batch
 from miles_lite.config.compose import load_config
 from miles_lite.config.validate import validate
 from miles_lite.rollout.engine_state import EngineState
-from miles_lite.system import System
+from miles_lite.run.system import System
 from miles_lite.weight_sync.factory import build_coordinator
 from miles_lite.weight_sync.transport import EngineLoop
 

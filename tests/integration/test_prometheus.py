@@ -25,8 +25,8 @@ from typing import Any
 import pytest
 from services.prometheus import PrometheusServer, PrometheusUnavailable, ensure_prometheus_installed, free_port
 
+from miles_lite.net.ports import LOCAL_HOST
 from miles_lite.observability import ENGINE_STATES, nvml_collector, read_metrics_file, read_rollouts
-from miles_lite.ports import LOCAL_HOST
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ import pytest
 
 from miles_lite.config import load_config, validate
 from miles_lite.rollout.engine_state import EngineState
-from miles_lite.system import System
+from miles_lite.run.system import System
 
 pytestmark = pytest.mark.slow
 

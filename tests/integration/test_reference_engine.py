@@ -33,7 +33,7 @@ from engine_contract import (  # noqa: E402
 
 from miles_lite.engines.launcher import LaunchedEngine  # noqa: E402
 from miles_lite.engines.reference.model import serialize_named_tensors  # noqa: E402
-from miles_lite.ports import LOCAL_HOST, free_port  # noqa: E402
+from miles_lite.net.ports import LOCAL_HOST, free_port  # noqa: E402
 from miles_lite.rollout.engine import EngineError  # noqa: E402
 from miles_lite.types import SamplingParams  # noqa: E402
 from miles_lite.weight_sync.weight_group import init_custom_process_group  # noqa: E402

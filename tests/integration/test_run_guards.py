@@ -52,7 +52,7 @@ def test_rerun_of_a_finished_run_is_a_noop(tmp_path: Path) -> None:
 def test_second_writer_of_a_run_directory_is_refused(tmp_path: Path) -> None:
     run = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from miles_lite.run_lock import RunLock; RunLock(sys.argv[1]); "
+        [sys.executable, "-c", "import sys; from miles_lite.run.lock import RunLock; RunLock(sys.argv[1]); "
                                "print('held', flush=True); sys.stdin.read()", str(run)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
@@ -67,7 +67,7 @@ def test_second_writer_of_a_run_directory_is_refused(tmp_path: Path) -> None:
         holder.kill()
         holder.wait()
     # The kernel released the lock with its holder: the directory is free again.
-    from miles_lite.run_lock import RunLock
+    from miles_lite.run.lock import RunLock
 
     RunLock(run).release()
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.net.ports import LOCAL_HOST, free_port
 from miles_lite.trainer.logprobs import vocab_parallel_logprobs
 
 REAL_VOCAB = 13  # 2 ranks x 8 columns: rank 1 holds 5 real columns and 3 padding columns

@@ -22,10 +22,10 @@ from shard_senders import ProcessSenders
 from test_weight_sync_reference import SHAPE, VOCAB, Trainer, make_verifier
 from test_weight_sync_tp import assert_serves, layouts_for
 
-from miles_lite.api_key import ApiKey, new_key
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.launcher import EngineLauncher
-from miles_lite.ports import LOCAL_HOST
+from miles_lite.net.api_key import ApiKey, new_key
+from miles_lite.net.ports import LOCAL_HOST
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.model import spec_from_hf_config
 from miles_lite.trainer.tiny_hf import make_tiny_hf_model

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from miles_lite.api_key import new_key
-from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.net.api_key import new_key
+from miles_lite.net.ports import LOCAL_HOST, free_port
 
 GROUP = "miles_lite_weights_1"
 

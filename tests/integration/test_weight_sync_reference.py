@@ -16,7 +16,7 @@ import torch
 
 from miles_lite.config.schema import RolloutConfig, TinyModelShape
 from miles_lite.engines.launcher import EngineLauncher
-from miles_lite.ports import LOCAL_HOST
+from miles_lite.net.ports import LOCAL_HOST
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.hf_convert import layout_for

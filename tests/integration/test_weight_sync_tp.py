@@ -18,7 +18,7 @@ from test_weight_sync_reference import SHAPE, VOCAB, Trainer, make_verifier, meg
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.engines.reference.model import serialize_named_tensors
-from miles_lite.ports import LOCAL_HOST
+from miles_lite.net.ports import LOCAL_HOST
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.trainer.hf_convert import layout_for
 from miles_lite.trainer.model import padded_vocab_size, spec_from_hf_config

@@ -26,7 +26,7 @@ from trainer_scenarios import make_batch
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import validate
 from miles_lite.rollout.engine_state import EngineState
-from miles_lite.system import System
+from miles_lite.run.system import System
 from miles_lite.weight_sync.disk import complete_versions
 from miles_lite.weight_sync.factory import build_coordinator
 from miles_lite.weight_sync.transport import EngineLoop

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.net.ports import LOCAL_HOST, free_port
 
 
 def _entry(rank: int, world_size: int, port: int, scenario: Callable[..., Any], kwargs: dict[str, Any],

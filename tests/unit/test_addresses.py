@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from miles_lite.ports import AddressError, free_port, is_loopback, node_address, route_address, url_host
+from miles_lite.net.ports import AddressError, free_port, is_loopback, node_address, route_address, url_host
 
 REPO = Path(__file__).resolve().parents[2]
-# Everything a cluster run executes to place roles, start engines and connect them. `miles_lite/ports.py`
+# Everything a cluster run executes to place roles, start engines and connect them. `miles_lite/net/ports.py`
 # names loopback once, for cluster=local.
 CLUSTER_PATH = ("miles_lite/cluster", "miles_lite/rollout", "miles_lite/engines", "miles_lite/weight_sync",
-                "miles_lite/system.py", "slurm", "launcher")
+                "miles_lite/run/system.py", "slurm", "launcher")
 LOOPBACK = re.compile(r"127\.0\.0\.1|\blocalhost\b|\[::1\]|'::1'|\"::1\"")
 
 

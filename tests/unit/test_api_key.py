@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from miles_lite.api_key import (
+from miles_lite.net.api_key import (
     ENV_KEY,
     ENV_KEY_FILE,
     ApiKey,

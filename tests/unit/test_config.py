@@ -265,7 +265,7 @@ def test_top_k_zero_is_refused_before_any_engine_starts():
 
 
 def test_api_key_file_is_checked_with_the_other_fields(tmp_path: Path):
-    from miles_lite.api_key import write_key_file
+    from miles_lite.net.api_key import write_key_file
 
     loose = tmp_path / "loose"
     loose.write_text("k" * 32)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from miles_lite.config import load_config
-from miles_lite.dir_probe import OutputDirError, probe_run_dirs
+from miles_lite.run.dir_probe import OutputDirError, probe_run_dirs
 
 
 def test_a_run_without_checkpoints_needs_no_room_for_one(tmp_path: Path) -> None:

@@ -1,9 +1,9 @@
 """The package's shape, read from the source: imports point one way and files stay readable.
 
-Layers, top to bottom: the entry points (`driver`, `handoff`, `system`, the CLIs) -> the roles and engines
-(trainer, cluster, rollout client, weight_sync, checkpoint, observability, engines) -> the libraries
-(types, answer format, ports, config, data, rewards, algo). Every `import` counts, also those inside
-functions: a lazy import is still a dependency.
+Layers, top to bottom: the command line (`cli`) -> the run (`run`: the loop, its helpers, what a run writes) ->
+the roles and engines (trainer, cluster, rollout client, weight_sync, checkpoint, observability, evaluation,
+engines) -> the libraries (the shared `types` and `plugins`, `formats`, `net`, config, data, rewards, algo).
+Every `import` counts, also those inside functions: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
@@ -20,10 +20,18 @@ PACKAGE = Path(__file__).resolve().parents[2] / "miles_lite"
 REPO = PACKAGE.parent
 MAX_LINES = 500
 
-ENTRY_POINTS = {"driver", "handoff", "system", "cli", "train_cli", "eval_cli", "presample_cli"}
-LIBRARIES = {"types", "answer_format", "api_key", "lora_format", "ports", "plugins", "config", "data", "rewards",
-             "algo"}
-ENGINES = {"engines"}
+COMMAND_LINE = {"cli"}
+RUN = {"run"}
+ROLES = {"trainer", "cluster", "rollout", "weight_sync", "checkpoint", "observability", "evaluation", "engines"}
+LIBRARIES = {"types", "plugins", "formats", "net", "config", "data", "rewards", "algo"}
+LAYERS = (COMMAND_LINE, RUN, ROLES, LIBRARIES)  # top to bottom
+MAX_TOP_LEVEL_MODULES = 6
+
+
+def _rank(unit: str) -> int:
+    if unit == "miles_lite":  # the package's empty root (`import miles_lite` to find its files)
+        return len(LAYERS) - 1
+    return next(i for i, layer in enumerate(LAYERS) if unit in layer)
 
 
 def _module_name(path: Path) -> str:
@@ -32,7 +40,7 @@ def _module_name(path: Path) -> str:
 
 
 def _unit(module: str) -> str:
-    """The package-level node of a module: `miles_lite.rollout.fleet` -> `rollout`, `miles_lite.system` -> `system`."""
+    """The package-level node of a module: `miles_lite.rollout.fleet` -> `rollout`, `miles_lite.types` -> `types`."""
     parts = module.split(".")
     return parts[1] if len(parts) > 1 else parts[0]
 
@@ -112,17 +120,35 @@ def test_no_import_loops_between_packages() -> None:
     assert not loops, "package-level import loops:\n" + "\n".join(detail)
 
 
+def test_every_unit_has_a_layer() -> None:
+    units = {_unit(_module_name(p)) for p in PACKAGE.rglob("*.py")} - {"miles_lite"}
+    unplaced = units - set().union(*LAYERS)
+    assert not unplaced, f"place these in a layer of this test (and in docs/architecture.md's map): {unplaced}"
+
+
 def test_layers_point_down() -> None:
     graph = package_graph(import_edges())
-    assert {"rollout", "weight_sync", "engines", "trainer"} <= set(graph), "the graph misses packages"
+    assert {"rollout", "weight_sync", "engines", "trainer", "run", "cli"} <= set(graph), "the graph misses packages"
     wrong = []
     for src, targets in graph.items():
         for dst, why in targets.items():
-            if src in LIBRARIES and dst not in LIBRARIES:
-                wrong.append(f"library {src} imports {dst}: {why}")
-            if src not in ENTRY_POINTS and dst in ENTRY_POINTS:
-                wrong.append(f"{src} imports the entry point {dst}: {why}")
+            if _rank(dst) < _rank(src):
+                wrong.append(f"{src} imports {dst}, a layer above it: {why}")
     assert not wrong, "\n".join(wrong)
+
+
+def test_layer_check_sees_an_upward_import() -> None:
+    assert _rank("run") < _rank("trainer") < _rank("config")
+    assert _rank("cli") == 0 and _rank("types") == len(LAYERS) - 1
+
+
+def test_few_modules_at_the_top_and_every_room_says_what_it_is() -> None:
+    top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= MAX_TOP_LEVEL_MODULES, f"modules at the package's top: {top}"
+    for init in PACKAGE.glob("*/__init__.py"):
+        doc = ast.get_docstring(ast.parse(init.read_text()))
+        assert doc, f"{init.relative_to(REPO)} opens without a docstring saying what the layer does"
+        assert "import" in doc, f"{init.relative_to(REPO)}'s docstring does not say what the layer may import"
 
 
 def test_rollout_client_never_imports_an_engine() -> None:
@@ -137,7 +163,7 @@ def test_no_file_over_the_line_limit() -> None:
     assert not long, f"files over {MAX_LINES} lines (split them by responsibility): {long}"
 
 
-@pytest.mark.parametrize("module", ["miles_lite.data", "miles_lite.rewards", "miles_lite.answer_format"])
+@pytest.mark.parametrize("module", ["miles_lite.data", "miles_lite.rewards", "miles_lite.formats.answer"])
 def test_libraries_import_alone_and_light(module: str) -> None:
     # Each library works as the first import of a process and does not pull in transformers.
     code = f"import {module}, sys; assert 'transformers' not in sys.modules"

@@ -16,7 +16,7 @@ from miles_lite.config.validate import ConfigError, validate
 from miles_lite.engines.lora_serving import with_lora_serving
 from miles_lite.engines.reference.engine import reference_flags
 from miles_lite.engines.sglang.command import sglang_flag_args
-from miles_lite.lora_format import (
+from miles_lite.formats.lora import (
     MODULE_PATHS,
     TARGETS,
     LoraSpec,

@@ -13,11 +13,11 @@ from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.observability.metrics import MetricsRegistry
 from miles_lite.observability.rollout_table import rows_from_groups
-from miles_lite.rl_batch import rollout_stats
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, EngineState, FleetExhausted
 from miles_lite.rollout.manager import RolloutError, RolloutManager, is_mixed_version
 from miles_lite.rollout.prompt_spec import PromptSpec, as_prompt_spec
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
+from miles_lite.run.rl_batch import rollout_stats
 from miles_lite.types import Group, Sample, SamplingParams
 
 

@@ -337,8 +337,8 @@ def test_exporter_is_read_only() -> None:
 
 
 def test_metrics_host_node_binds_this_nodes_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    from miles_lite.net.ports import AddressError
     from miles_lite.observability import exporter as exporter_module
-    from miles_lite.ports import AddressError
 
     assert exporter_module.bind_address("127.0.0.1") == "127.0.0.1"
     monkeypatch.setattr(exporter_module, "ray_node_address", lambda: None)

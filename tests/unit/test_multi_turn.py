@@ -12,12 +12,12 @@ import pytest
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.data.calculator import Calculator, evaluate, tool_solution_segments
 from miles_lite.data.gsm8k import MathProblem
-from miles_lite.rl_batch import build_train_batch
 from miles_lite.rollout.environment import load_environment
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle
 from miles_lite.rollout.generate_plugin import load_generate_fn
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.prompt_spec import PromptSpec
+from miles_lite.run.rl_batch import build_train_batch
 from miles_lite.types import Generation, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -182,8 +182,8 @@ def test_masked_tokens_get_no_gradient_and_leave_the_mismatch_metrics():
 
 def test_tool_use_is_counted_per_step_and_in_evaluation():
     from miles_lite.data.calculator import call_outcomes
-    from miles_lite.evaluation import summarise
-    from miles_lite.rl_batch import tool_stats
+    from miles_lite.evaluation.greedy import summarise
+    from miles_lite.run.rl_batch import tool_stats
     from miles_lite.types import Group, Sample
 
     text = "<calc>2*3</calc><result>6</result><calc>6+1</calc><result>9</result>so 9"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from miles_lite.answer_format import ANSWER_TAGS, SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
 from miles_lite.data import (
     SYSTEM_PROMPT,
     ArithmeticSpec,
@@ -14,6 +13,7 @@ from miles_lite.data import (
     generate_problems,
     render_prompt,
 )
+from miles_lite.formats.answer import ANSWER_TAGS, SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
 from miles_lite.rewards import score_completions
 from miles_lite.rewards.math import relevant_steps
 

@@ -12,14 +12,14 @@ import types
 import pytest
 
 from miles_lite.data.records import Record
-from miles_lite.eval_sets import pass_points, summarise_set
+from miles_lite.evaluation.sets import pass_points, summarise_set
 from miles_lite.plugins import PluginError
 from miles_lite.rewards import score_groups
 from miles_lite.rewards.batch import batch_from_records, columns_problem, reward_style
 from miles_lite.rewards.records import ExactMatch, boxed_text, math_answer
 from miles_lite.rewards.setup import build_reward_set
-from miles_lite.rl_batch import reward_stats
 from miles_lite.rollout.environment import start_trajectory
+from miles_lite.run.rl_batch import reward_stats
 from miles_lite.types import Group, Sample
 
 SEEN: dict[str, list] = {}

@@ -217,7 +217,7 @@ def test_sglang_engine_command_is_what_miles_lite_engine_parses():
     """The pod's command parses with `miles-lite engine`'s own parser into the SGLang command it execs."""
     import argparse
 
-    from miles_lite.engines.serve import add_arguments, sglang_argv
+    from miles_lite.cli.engine import add_arguments, sglang_argv
 
     body = example("gsm8k-gpu.yaml", rollout={"engines": 1, "gpusPerEngine": 2,
                                              "sglangArgs": {"tp_size": 2, "enable_x": True, "off": False}})

@@ -12,7 +12,7 @@ from test_render import by_kind, example
 from launcher.render import key_secret_metadata, render
 from launcher.security import KEY_DIR, ensure_key_secret, render_key_secret, secret_name
 from launcher.spec import SpecError, parse_job
-from miles_lite.api_key import ENV_KEY_FILE
+from miles_lite.net.api_key import ENV_KEY_FILE
 
 
 def _pods(objs: list[dict]) -> list[dict]:

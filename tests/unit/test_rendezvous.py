@@ -11,8 +11,8 @@ SCRIPT = """
 import os
 from datetime import timedelta
 from miles_lite.config.schema import TrainerConfig
-from miles_lite.ports import free_port
-from miles_lite.rendezvous import RendezvousServer
+from miles_lite.net.ports import free_port
+from miles_lite.net.rendezvous import RendezvousServer
 from miles_lite.trainer.parallel import init_parallel
 from miles_lite.weight_sync.weight_group import init_custom_process_group
 

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from miles_lite.answer_format import (
+from miles_lite.formats.answer import (
     answer_matches,
     decimal_places,
     find_numbers,

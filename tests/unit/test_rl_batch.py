@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from miles_lite.config.schema import AlgoConfig
-from miles_lite.rl_batch import build_train_batch, distill_batch, drop_stale, oldest_version, reward_stats
+from miles_lite.run.rl_batch import build_train_batch, distill_batch, drop_stale, oldest_version, reward_stats
 from miles_lite.types import Group, Sample
 
 

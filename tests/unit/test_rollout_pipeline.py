@@ -10,11 +10,11 @@ from fake_rollout_engine import FakeEngine
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.data.gsm8k import MathProblem
-from miles_lite.rl_batch import drop_stale
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle
 from miles_lite.rollout.manager import RolloutManager, is_mixed_version
 from miles_lite.rollout.pipeline import PipelineState, RolloutPipeline
 from miles_lite.rollout.sync_api import EventLoopThread
+from miles_lite.run.rl_batch import drop_stale
 
 GROUP, TOKENS = 3, 8
 

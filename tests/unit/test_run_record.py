@@ -16,7 +16,7 @@ from miles_lite.config.changes import UNSET, Change, change_kind, config_changes
 from miles_lite.config.schema import CheckpointConfig, DataConfig, MilesConfig, SyntheticDataConfig
 from miles_lite.data.arithmetic import ArithmeticSpec, write_dataset
 from miles_lite.data.identity import IDENTITY_BY_SOURCE, data_identity, same_data
-from miles_lite.run_record import ResumeRefused, plan_resume, record_start_config
+from miles_lite.run.record import ResumeRefused, plan_resume, record_start_config
 
 
 @pytest.mark.parametrize(("field", "kind"), [

@@ -8,10 +8,10 @@ import sys
 
 import pytest
 
+from miles_lite.cli.engine import add_arguments, sglang_argv
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.engines.reference.engine import add_reference_arguments, build_reference_command, reference_flags
-from miles_lite.engines.serve import add_arguments, sglang_argv
 from miles_lite.engines.sglang.command import (
     build_sglang_command,
     check_sglang_command,

@@ -9,9 +9,9 @@ import subprocess
 import sys
 from typing import Any
 
-from miles_lite.api_key import authorization, new_key
 from miles_lite.engines.sglang.command import build_sglang_command
 from miles_lite.engines.sglang.launch import LAUNCH_MODULE, RequireKey, launch_keyed, split_own_flags
+from miles_lite.net.api_key import authorization, new_key
 
 KEY = new_key()
 

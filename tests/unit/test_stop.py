@@ -8,7 +8,7 @@ import signal
 
 import pytest
 
-from miles_lite.stop import StopRequest
+from miles_lite.run.stop import StopRequest
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1, signal.SIGINT])

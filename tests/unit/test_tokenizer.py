@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 import miles_lite.data.tokenizer as tokenizer_module
-from miles_lite.answer_format import ANSWER_TAGS
 from miles_lite.data import build_tokenizer, load_or_build_tokenizer, render_prompt
 from miles_lite.data.prompts import SYSTEM_PROMPT
 from miles_lite.data.tokenizer import CONTROL_TOKENS, tokenizer_cache_key
+from miles_lite.formats.answer import ANSWER_TAGS
 
 
 @pytest.fixture(scope="module")

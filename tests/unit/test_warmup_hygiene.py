@@ -12,8 +12,8 @@ from miles_lite.data.arithmetic import generate_problems
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.data.prompts import WORKLOG_SYSTEM_PROMPT, render_prompt
 from miles_lite.data.source import PromptSource
-from miles_lite.rl_batch import rl_distill_coef
-from miles_lite.warmup import run_warmup
+from miles_lite.run.rl_batch import rl_distill_coef
+from miles_lite.run.warmup import run_warmup
 
 
 class _Trainer:

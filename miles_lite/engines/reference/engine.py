@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from aiohttp import web
 
-from miles_lite.api_key import ENV_KEY, ENV_KEY_FILE, ApiKeyError, serving_key
 from miles_lite.engines.reference.server import FAIL_MODES, ReferenceServer, ServerOptions
-from miles_lite.ports import LOCAL_HOST
+from miles_lite.net.api_key import ENV_KEY, ENV_KEY_FILE, ApiKeyError, serving_key
+from miles_lite.net.ports import LOCAL_HOST
 
 log = logging.getLogger("miles_lite.reference_engine")
 
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     code = main()
-    from miles_lite.process_exit import before_interpreter_exit
+    from miles_lite.net.process_exit import before_interpreter_exit
 
     before_interpreter_exit()  # the trainer waits for this process to end when it stops the engine
     sys.exit(code)

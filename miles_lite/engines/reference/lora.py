@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from miles_lite.lora_format import LoraSpec, load_adapter_dir, pairs
+from miles_lite.formats.lora import LoraSpec, load_adapter_dir, pairs
 
 
 @dataclass(frozen=True, eq=False)

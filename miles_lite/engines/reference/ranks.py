@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from miles_lite.api_key import key_from_env
 from miles_lite.engines.reference.shards import RankParameters
 from miles_lite.engines.sglang.weight_loader import receiver_of
+from miles_lite.net.api_key import key_from_env
 from miles_lite.weight_sync.engine_layout import Store, shard_full
 from miles_lite.weight_sync.loader_protocol import deserialize
 from miles_lite.weight_sync.plan import EngineSpec, ParamSpec

@@ -20,7 +20,6 @@ from typing import Any
 
 from aiohttp import web
 
-from miles_lite.api_key import bearer_matches
 from miles_lite.engines.reference import request_fields as rf
 from miles_lite.engines.reference.http_io import bad_request, json_error, json_result, read_body, split_batch
 from miles_lite.engines.reference.memory import EngineMemory, MemoryRequestError, requested_tags
@@ -29,6 +28,7 @@ from miles_lite.engines.reference.ranks import EngineRanks
 from miles_lite.engines.reference.sampling import RequestSampling
 from miles_lite.engines.reference.scheduler import GenRequest, PauseMode, Scheduler
 from miles_lite.engines.reference.shards import ShardedWeights
+from miles_lite.net.api_key import bearer_matches
 
 log = logging.getLogger("miles_lite.reference_engine")
 

@@ -36,7 +36,7 @@ from typing import Any
 import miles_lite
 from miles_lite.config.engine_flags import flag_name
 from miles_lite.engines.sglang.launch import LAUNCH_MODULE, split_own_flags
-from miles_lite.ports import LOCAL_HOST
+from miles_lite.net.ports import LOCAL_HOST
 from miles_lite.weight_sync.loader_protocol import LOADER_FUNCTION
 
 # Flags declared with argparse.BooleanOptionalAction in SGLang 0.5.10's server_args.py.

@@ -28,7 +28,7 @@ import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from miles_lite.api_key import ApiKeyError, bearer_matches, serving_key
+from miles_lite.net.api_key import ApiKeyError, bearer_matches, serving_key
 
 # Paths SGLang serves to anyone: the liveness check (kubelet probes), which takes no input.
 OPEN_PATHS = frozenset({"/health"})

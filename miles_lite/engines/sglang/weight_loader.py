@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from miles_lite.api_key import key_from_env
+from miles_lite.net.api_key import key_from_env
 from miles_lite.weight_sync.loader_protocol import LoaderRequest, from_named_tensors
 from miles_lite.weight_sync.weight_group import init_custom_process_group
 

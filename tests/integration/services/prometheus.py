@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from miles_lite.ports import LOCAL_HOST, free_port
+from miles_lite.net.ports import LOCAL_HOST, free_port
 
 APT_ENV = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
 

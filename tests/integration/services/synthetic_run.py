@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from miles_lite.algo import LossConfig, compute_advantages, kl_penalty, mismatch_metrics, total_loss
-from miles_lite.answer_format import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
 from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems
+from miles_lite.formats.answer import SOLUTION_END, SOLUTION_START, WORK_END, WORK_START
 from miles_lite.rewards import score_completions
 from miles_lite.types import Group, Sample
 

@@ -1,0 +1,5 @@
+"""Formats several layers speak: the answer tags and number parsing of the math task (`answer`, shared by
+`data/`, `rewards/` and presampling) and the PEFT LoRA adapter format (`lora`: names, `adapter_config.json`,
+merging; shared by the trainer, the weight push, the reference engine and checkpoint conversion). A library:
+it imports nothing of the package.
+"""
