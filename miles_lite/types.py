@@ -84,6 +84,8 @@ class Sample:
     # MoE models: the engine's expert ids of the generated tokens it ran, `[R - 1, MoE layers, top_k]` int8/int16
     # numpy (rollout/routing.py), or None.
     routed_experts: Any = None
+    # What reward plug-ins logged for this completion with `log_extra(column, values)`: column -> value.
+    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def reward(self) -> float:

@@ -75,7 +75,7 @@ def _eval_math(args: argparse.Namespace, cfg) -> int:
 
     problems = read_problems(args.data, args.n if args.n or args.data != "synthetic" else 64, cfg)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    encoder = PromptEncoder(tokenizer, cfg.data.prompt_template)
+    encoder = PromptEncoder(tokenizer, cfg.data.prompt_template, chat_template=cfg.data.chat_template)
     rollout = build_rollout(cfg, tokenizer, args.log_dir)
     try:
         result = evaluate(rollout.manager, problems, encoder.render, encoder.encode,

@@ -82,7 +82,7 @@ def _presample(cfg: MilesConfig, problems: list[MathProblem], tokenizer: Any, lo
                chunk: int) -> PresampleReport:
     rollout = build_rollout(cfg, tokenizer, log_dir, seed=seed)
     try:
-        encoder = PromptEncoder(tokenizer, cfg.data.prompt_template)
+        encoder = PromptEncoder(tokenizer, cfg.data.prompt_template, chat_template=cfg.data.chat_template)
 
         def progress(done: int, total: int) -> None:
             print(f"presampled {done:,}/{total:,} questions", file=sys.stderr, flush=True)

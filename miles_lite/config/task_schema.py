@@ -4,6 +4,7 @@ and the rewards. Composed into `MilesConfig` by `schema.py`."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from miles_lite.config.fields import bounded, one_of
 
@@ -44,7 +45,8 @@ class EvalSetConfig:
     a prompt gets. A sample is correct when its total reward reaches `threshold` (None: the most the
     reward set can give that sample)."""
 
-    path: str | None = None
+    # A records file, several (a list) or a glob, read like data.train_path.
+    path: Any = None
     k: int = bounded(1, ge=1)
     temperature: float = bounded(0.0, ge=0)
     top_p: float = bounded(1.0, gt=0, le=1)
@@ -61,14 +63,19 @@ class DataConfig:
 
     # synthetic (seeded arithmetic) | gsm8k (question/answer files) | records (any jsonl/parquet, key mapping below)
     source: str = one_of("synthetic", "gsm8k", "records")
-    # GSM8K or records jsonl/parquet files (source=gsm8k or records).
-    train_path: str | None = None
-    eval_path: str | None = None
-    # Records: the prompt is the string column `prompt_key`, or the chat messages ({role, content} list) of
-    # `messages_key`, rendered with the tokenizer's chat template; exactly one of the two.
+    # GSM8K jsonl/parquet files (source=gsm8k); records (source=records): a .jsonl, .json (JSON Lines or one
+    # array), .parquet or .arrow file, a `datasets` save_to_disk folder, a list of any of these, or a glob.
+    train_path: Any = None
+    eval_path: Any = None
+    # Records: the prompt is the column `prompt_key` (a string, or a list of {role, content} chat messages as
+    # in TRL's conversational data), or the chat messages of `messages_key`; exactly one of the two.
     prompt_key: str | None = None
     messages_key: str | None = None
-    # The label column, any JSON value, handed to the rewards as it is.
+    # Records: render prompts with the tokenizer's chat template (add_generation_prompt). false: a string
+    # prompt is fed as it is (as TRL feeds standard, non-conversational data); chat messages need the template.
+    chat_template: bool = True
+    # The label column, any JSON value, handed to the rewards as it is; records may lack it (label-less
+    # data), unless a reward needs it.
     label_key: str = "label"
     # Optional columns: metadata (any JSON value), the data source (routes `rewards.by_source`; the column
     # `data_source` is used when present and this is unset), a reference response (the SFT warm-up's target).
@@ -113,9 +120,11 @@ class RewardsConfig:
     # the remote reward model only.
     set: str = "worklog"
     weights: dict[str, float] = field(default_factory=dict)
-    # Plug-in by import path "package.module:name": a batch reward function (added to the set under its
-    # name, weight 1.0 unless `weights` names it) or a RewardSet (replaces `set`).
-    custom: str | None = None
+    # Plug-ins, one or a list (TRL's reward_funcs): "package.module:fn" (a batch reward function, added to the
+    # set under its name, weight 1.0 unless `weights` names it; or a RewardSet, which replaces `set`),
+    # "package.module:factory(arg=value, ...)" (the function a factory returns), or a block {fn, kwargs, name,
+    # max_value} (miles_lite/rewards/specs.py).
+    custom: Any = None
     # Data source -> plug-in "package.module:fn": each record is scored by the function of its source
     # (the others return None for it); every source in the data needs one.
     by_source: dict[str, str] = field(default_factory=dict)

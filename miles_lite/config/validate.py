@@ -271,15 +271,18 @@ def _check_records(cfg: MilesConfig, problems: list[str]) -> None:
     data = cfg.data
     if data.source != "records":
         set_keys = [f"data.{k}" for k in RECORD_KEYS if getattr(data, k) is not None]
+        if not data.chat_template:
+            set_keys.append("data.chat_template=false")
         if set_keys:
             problems.append(f"{', '.join(set_keys)} apply to data.source=records only; set data.source=records or "
                             "remove them")
         return
     if not data.train_path:
-        problems.append("data.train_path is not set; data.source=records reads a .jsonl or .parquet file")
+        problems.append("data.train_path is not set; data.source=records reads records files (.jsonl, .json, "
+                        ".parquet, .arrow), a datasets save_to_disk folder, a glob or a list of them")
     if (data.prompt_key is None) == (data.messages_key is None):
-        problems.append("data.source=records needs exactly one of data.prompt_key (a string prompt) and "
-                        "data.messages_key (a list of chat messages)")
+        problems.append("data.source=records needs exactly one of data.prompt_key (a string prompt, or chat "
+                        "messages) and data.messages_key (a list of chat messages)")
     if cfg.experiment.warmup == "sft" and data.response_key is None:
         problems.append("experiment.warmup=sft on records trains on reference responses: set data.response_key, or "
                         "experiment.warmup=none")

@@ -4,7 +4,7 @@ manager, and the tokenised SFT pairs of the warm-up."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from miles_lite.data.calculator import tool_solution_segments
@@ -13,27 +13,51 @@ from miles_lite.data.prompts import format_solution, render_messages, render_pro
 from miles_lite.types import PromptSpec, TrainBatch
 
 
+def as_template_message(message: Mapping[str, str]) -> dict[str, str]:
+    """A record's message as chat templates take it: the `developer` role (OpenAI's name for the system turn)
+    rendered as the template renders `system`."""
+    role = message["role"]
+    return {"role": "system" if role == "developer" else role, "content": message["content"]}
+
+
 class PromptEncoder:
     """Renders and tokenises prompts and targets with `tokenizer` (an HF tokenizer) and the system prompt
     `template` (`data.prompt_template`). With `tool_solutions` the SFT targets show the calculator's turns."""
 
     def __init__(self, tokenizer: Any, template: str = "default", tool_solutions: bool = False,
-                 max_prompt_tokens: int | None = None) -> None:
+                 max_prompt_tokens: int | None = None, chat_template: bool = True) -> None:
         self.tokenizer = tokenizer
         self.max_prompt_tokens = max_prompt_tokens
         self.template = template
         self.tool_solutions = tool_solutions
+        # `data.chat_template=false`: a record's string prompt is fed as it is.
+        self.chat_template = chat_template
         eos = getattr(tokenizer, "eos_token_id", None)  # None tokenizer: plain-text prompts, no stop ids
         self.stop_token_ids: list[int] = [eos] if eos is not None else []
+        self._raw_prefix: str | None = None
 
     def render(self, item: Any) -> str:
         """The prompt text the policy continues (chat template when the tokenizer has one) for a question
         string or a math problem (with `data.prompt_template`'s system prompt), or a record (its messages,
-        or its prompt as the user turn)."""
+        or its prompt as the user turn; with `chat_template=False` its string prompt as it is)."""
         if isinstance(item, str) or isinstance(item, MathProblem):
             return render_prompt(self.tokenizer, item if isinstance(item, str) else item.question, self.template)
+        if item.messages is None and not self.chat_template:
+            return self.raw_prefix() + item.prompt
         messages = item.messages if item.messages is not None else ({"role": "user", "content": item.prompt},)
-        return render_messages(self.tokenizer, messages)
+        return render_messages(self.tokenizer, [as_template_message(m) for m in messages])
+
+    def raw_prefix(self) -> str:
+        """What the tokenizer puts before a text of its own accord (a BOS token for Llama's, nothing for
+        Qwen's): a raw prompt starts with it, as TRL tokenizes standard prompts with the special tokens."""
+        if self._raw_prefix is None:
+            tok = self.tokenizer
+            plain = list(tok("x", add_special_tokens=False)["input_ids"]) if tok is not None else []
+            full = list(tok("x", add_special_tokens=True)["input_ids"]) if tok is not None else []
+            cut = len(full) - len(plain)
+            prefix = full[:cut] if cut > 0 and full[cut:] == plain else []
+            self._raw_prefix = tok.decode(prefix) if prefix else ""
+        return self._raw_prefix
 
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])

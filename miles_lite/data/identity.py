@@ -4,7 +4,8 @@ A checkpoint's cursor is a position in a list of problems; it means something on
 Each `data.source` supplies its identity through one function of `IDENTITY_BY_SOURCE`:
 
 - files (`gsm8k`): the training file's path, size and sha256 (the content, wherever the file now lives);
-- `records`: the same of its file, plus the key mapping (another mapping can yield other prompts);
+- `records`: the same of each of its files (a folder's data files, a glob's matches, a list's entries, in
+  order), plus the key mapping (another mapping can yield other prompts);
 - `synthetic`: the generator's spec, the number of problems and the seed.
 
 An identity is a JSON-able dict: `source`, `what` (a line naming the data for messages) and `key` (what
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.config.schema import DataConfig
+from miles_lite.data.record_files import data_files, record_paths
 from miles_lite.data.records import RecordKeys
 
 _CHUNK = 1 << 20
@@ -47,13 +49,20 @@ def _gsm8k(data: DataConfig) -> dict[str, Any]:
     return file_identity(str(data.train_path))
 
 
-def records_identity(path: str | Path, keys: RecordKeys) -> dict[str, Any]:
-    """A records file by content and the key mapping that reads it."""
-    return file_identity(path, extra={"keys": keys.as_dict()})
+def records_identity(spec: Any, keys: RecordKeys) -> dict[str, Any]:
+    """Records by content (every file `spec` names, in reading order) and the key mapping that reads them.
+    One file keeps the identity of a single file, so checkpoints of earlier runs still match."""
+    files = [f for path in record_paths(spec) for f in data_files(path)]
+    if len(files) == 1:
+        return file_identity(files[0], extra={"keys": keys.as_dict()})
+    each = [file_identity(f) for f in files]
+    size = sum(e["key"]["bytes"] for e in each)
+    return {"what": f"{len(files)} files from {files[0].parent} ({size} bytes; first {files[0].name})",
+            "path": [e["path"] for e in each], "key": {"files": [e["key"] for e in each], "keys": keys.as_dict()}}
 
 
 def _records(data: DataConfig) -> dict[str, Any]:
-    return records_identity(str(data.train_path), RecordKeys.from_config(data))
+    return records_identity(data.train_path, RecordKeys.from_config(data))
 
 
 def _synthetic(data: DataConfig) -> dict[str, Any]:

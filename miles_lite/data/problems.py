@@ -33,7 +33,7 @@ def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem
     """
     size = cfg.experiment.eval_size
     if cfg.data.source == "records":  # held-out records are an evaluation set (`eval_set_configs`)
-        return load_records(str(cfg.data.train_path), RecordKeys.from_config(cfg.data)), []
+        return load_records(cfg.data.train_path, RecordKeys.from_config(cfg.data)), []
     if cfg.data.source == "gsm8k":
         train = load_gsm8k(str(cfg.data.train_path))
         if not size:
@@ -61,10 +61,11 @@ def read_problems(data: str, n: int | None, cfg: MilesConfig) -> list[MathProble
     return problems[:n] if n is not None else problems
 
 
-def load_data_file(cfg: MilesConfig, path: str) -> list[Any]:
-    """A file in the run's data format: records through `data.*_key`, else GSM8K question/answer records."""
+def load_data_file(cfg: MilesConfig, path: Any, field: str = "data.eval_path") -> list[Any]:
+    """A file in the run's data format: records through `data.*_key` (any records path: a file, a folder, a
+    glob, a list), else GSM8K question/answer records."""
     if cfg.data.source == "records":
-        return load_records(path, RecordKeys.from_config(cfg.data))
+        return load_records(path, RecordKeys.from_config(cfg.data), field)
     return load_gsm8k(path)
 
 
@@ -92,6 +93,6 @@ def load_eval_sets(cfg: MilesConfig) -> list[EvalSet]:
     for name, set_cfg in eval_set_configs(cfg).items():
         if not set_cfg.path:
             raise DatasetError(f"data.eval_sets.{name}.path is not set; give the set's jsonl/parquet file")
-        items = load_data_file(cfg, set_cfg.path)
+        items = load_data_file(cfg, set_cfg.path, f"data.eval_sets.{name}.path")
         sets.append(EvalSet(name, set_cfg, items[: set_cfg.size] if set_cfg.size else items))
     return sets

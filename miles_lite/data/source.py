@@ -91,6 +91,11 @@ class PromptSource:
         return batch
 
     @_locked
+    def epochs_done(self) -> float:
+        """Passes over the data so far: finished epochs plus the share of the current one drawn."""
+        return self.epoch + (self.cursor / len(self.order) if self.order else 0.0)
+
+    @_locked
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue the exact same order after a restart."""
         return {"seed": self.seed, "epoch": self.epoch, "cursor": self.cursor, "order": list(self.order),

@@ -1,6 +1,7 @@
 """Named evaluation sets: k samples of every prompt with the set's own sampling, scored by the run's
-reward set. A sample is correct when its total reward reaches the set's threshold (default: the most
-the reward set can give a record of its source). Each set reports, as `eval/<set>/<measure>`:
+reward set. A sample is correct when its total reward reaches the set's threshold, by default the reward
+set's best (`rewards.success`: each reward's declared maximum, or the best it reached over the set's
+samples of that source). Each set reports, as `eval/<set>/<measure>`:
 
 - `reward_mean`: the mean total reward over every sample;
 - `avg@<k>`: the mean share of correct samples per prompt;
@@ -17,11 +18,10 @@ from typing import Any
 
 from miles_lite.data.problems import EvalSet
 from miles_lite.rewards import RewardSet, score_groups
+from miles_lite.rewards.context import RewardContext
+from miles_lite.rewards.success import right_flags
 from miles_lite.rollout.presample import pass_at_k
 from miles_lite.types import Group, SamplingParams
-
-# Correct: total >= threshold - TOLERANCE (the total is a float sum of weighted rewards).
-TOLERANCE = 1e-9
 
 
 @dataclass(frozen=True)
@@ -68,23 +68,23 @@ def summarise_set(name: str, groups: Sequence[Group], k: int, reward_set: Reward
                   threshold: float | None) -> SetResult:
     """Mean reward, avg@k and pass@j of scored groups (k samples each)."""
     rewards = [s.reward for g in groups for s in g.samples]
-    correct = []
-    for group in groups:
-        bar = threshold if threshold is not None else reward_set.max_total_for(group.source)
-        correct.append(sum(s.reward >= bar - TOLERANCE for s in group.samples))
+    right = iter(right_flags(reward_set, [s.rewards for g in groups for s in g.samples],
+                             [g.source for g in groups for _ in g.samples], threshold))
+    correct = [sum(next(right) for _ in group.samples) for group in groups]
     n = max(len(groups), 1)
     return SetResult(name, len(groups), k, sum(rewards) / max(len(rewards), 1), sum(c / k for c in correct) / n,
                      {j: sum(pass_at_k(k, c, j) for c in correct) / n for j in pass_points(k)})
 
 
 def evaluate_set(manager: Any, eval_set: EvalSet, encoder: Any, sampling: SamplingParams,
-                 reward_set: RewardSet) -> SetResult:
-    """Sample `k` completions of every prompt of the set through the engines and score them."""
+                 reward_set: RewardSet, context: RewardContext | None = None) -> SetResult:
+    """Sample `k` completions of every prompt of the set through the engines and score them (`context`: the
+    trainer state reward plug-ins see)."""
     specs = encoder.prompt_specs(list(enumerate(eval_set.items)))
     groups: list[Group] = manager.generate_groups(specs, eval_set.cfg.k, set_sampling(sampling, eval_set))
     if len(groups) != len(specs):
         raise RuntimeError(f"evaluation set {eval_set.name!r} got {len(groups)} groups for {len(specs)} prompts")
-    score_groups(reward_set, groups)
+    score_groups(reward_set, groups, context)
     result = summarise_set(eval_set.name, groups, eval_set.cfg.k, reward_set, eval_set.cfg.threshold)
     assert all(math.isfinite(v) for v in result.stats().values())
     return result

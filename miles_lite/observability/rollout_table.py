@@ -43,6 +43,9 @@ SCHEMA = pa.schema([
     # The prompt's label (a string as it is, any other JSON value as JSON) and its data source (null: none).
     pa.field("label", pa.string()),
     pa.field("source", pa.string()),
+    # What reward plug-ins logged for the completion with `log_extra(column, values)`: column -> the value (a
+    # string as it is, any other value as JSON).
+    pa.field("extra", pa.map_(pa.string(), pa.string())),
 ])
 
 
@@ -67,14 +70,20 @@ class RolloutRow:
     turns: int = 1
     label: str | None = None
     source: str | None = None
+    extra: dict[str, str | None] = field(default_factory=dict)
+
+
+def _text(value: object) -> str | None:
+    """A value as the table's string columns show it: a string as it is, None as null, else JSON."""
+    if value is None or isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False, default=str)
 
 
 def label_text(group: Group) -> str | None:
     """The group's label as the table shows it: a string as it is, anything else as JSON."""
     label = getattr(group.record, "label", None) if group.record is not None else group.answer
-    if label is None or isinstance(label, str):
-        return label
-    return json.dumps(label, ensure_ascii=False, default=str)
+    return _text(label)
 
 
 def rows_from_groups(step: int, groups: Sequence[Group]) -> list[RolloutRow]:
@@ -100,6 +109,7 @@ def rows_from_groups(step: int, groups: Sequence[Group]) -> list[RolloutRow]:
                 turns=sample.turns,
                 label=label_text(group),
                 source=group.source,
+                extra={column: _text(value) for column, value in sample.extra.items()},
             ))
     return rows
 
@@ -115,8 +125,8 @@ def _to_table(rows: Sequence[RowLike]) -> pa.Table:
     columns: dict[str, list[object]] = {name: [] for name in SCHEMA.names}
     for row in rows:
         for name in SCHEMA.names:
-            value = getattr(row, name)
-            columns[name].append(list(value.items()) if name == "rewards" else value)
+            value = getattr(row, name, {}) if name == "extra" else getattr(row, name)
+            columns[name].append(list(value.items()) if name in ("rewards", "extra") else value)
     return pa.table(columns, schema=SCHEMA)
 
 

@@ -3,8 +3,11 @@
 - ``math``: ``fn(completions, *, answers, questions, steps)``, the numeric math rewards (a function
   naming the parameters ``answers``, ``questions`` and ``steps`` follows this one);
 - ``columns`` (TRL's convention): ``fn(prompts=..., completions=..., completion_ids=..., **columns)``,
-  every record column by its own name, each a list aligned with the completions; the function takes
-  what it names plus ``**kwargs``;
+  every record column by its own name, each a list aligned with the completions, plus TRL's
+  ``trainer_state``, ``log_metric`` and ``log_extra`` (`rewards.context`); the function takes what it
+  names plus ``**kwargs``. As in TRL, a conversational record's prompt is its list of messages and its
+  completion a list of one assistant message (``[{"role": "assistant", "content": text}]``); a string
+  record's prompt and completion are strings;
 - ``batch``: ``fn(batch)`` with the whole :class:`RewardBatch` (the built-in record rewards and the
   remote reward model).
 
@@ -21,9 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_lite.rewards.context import RewardContext
+
 STYLES = ("math", "columns", "batch")
 MATH_KEYWORDS = ("answers", "questions", "steps")
 FIXED_KEYWORDS = ("prompts", "completions", "completion_ids")
+# What TRL's GRPOTrainer passes every reward function besides the batch and the columns.
+CONTEXT_KEYWORDS = ("trainer_state", "log_metric", "log_extra")
 
 
 @dataclass
@@ -32,7 +39,9 @@ class RewardBatch:
 
     `prompts` are the records' prompts as written (a string, or the list of chat messages); `labels`
     the records' labels as they are; `answers` the labels as numbers (NaN when not one); `columns`
-    every record column by name (None where a record lacks it).
+    every record column by name (None where a record lacks it). `context` collects what plug-ins log
+    (None: a fresh one per call); `rows` are these completions' positions in the batch first scored
+    (a `subset` keeps them, so logged values find their completions).
     """
 
     completions: list[str]
@@ -44,14 +53,17 @@ class RewardBatch:
     labels: list[Any] = field(default_factory=list)
     sources: list[str | None] = field(default_factory=list)
     columns: dict[str, list[Any]] = field(default_factory=dict)
+    context: RewardContext | None = None
+    rows: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.completions)
+        self.rows = self.rows or list(range(n))
         self.prompts = self.prompts or list(self.questions)
         self.completion_ids = self.completion_ids or [[] for _ in range(n)]
         self.labels = self.labels or list(self.answers)
         self.sources = self.sources or [None] * n
-        for name in ("answers", "questions", "steps", "prompts", "completion_ids", "labels", "sources"):
+        for name in ("answers", "questions", "steps", "prompts", "completion_ids", "labels", "sources", "rows"):
             if len(getattr(self, name)) != n:
                 raise ValueError(f"{name} has {len(getattr(self, name))} entries but there are {n} completions")
         for name, values in self.columns.items():
@@ -67,26 +79,48 @@ class RewardBatch:
 
         return RewardBatch(pick(self.completions), pick(self.answers), pick(self.questions), pick(self.steps),
                            pick(self.prompts), pick(self.completion_ids), pick(self.labels), pick(self.sources),
-                           {k: pick(v) for k, v in self.columns.items()})
+                           {k: pick(v) for k, v in self.columns.items()}, self.context, pick(self.rows))
 
-    def keywords(self) -> dict[str, list[Any]]:
-        """The keyword arguments of a `columns`-style call."""
-        return {**self.columns, "prompts": self.prompts, "completions": self.completions,
-                "completion_ids": self.completion_ids}
+    def trl_completions(self) -> list[Any]:
+        """The completions as TRL passes them: one assistant message in a list for a conversational record
+        (its prompt is a list of messages), the text itself for a string record."""
+        return [[{"role": "assistant", "content": text}] if is_conversational(prompt) else text
+                for prompt, text in zip(self.prompts, self.completions, strict=True)]
+
+    def keywords(self) -> dict[str, Any]:
+        """The keyword arguments of a `columns`-style call: TRL's GRPOTrainer's, every column by name."""
+        context = self.context if self.context is not None else RewardContext()
+        return {**self.columns, "prompts": self.prompts, "completions": self.trl_completions(),
+                "completion_ids": self.completion_ids, "trainer_state": context.trainer_state,
+                "log_metric": context.log_metric, "log_extra": context.extra_logger(self.rows)}
+
+
+def is_conversational(prompt: Any) -> bool:
+    """A prompt in TRL's conversational format: a list of messages (dicts with a role)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
 
 
 def batch_from_records(completions: Sequence[str], records: Sequence[Any],
-                       completion_ids: Sequence[Sequence[int]] | None = None) -> RewardBatch:
+                       completion_ids: Sequence[Sequence[int]] | None = None,
+                       context: RewardContext | None = None) -> RewardBatch:
     """A batch of completions of `records` (records or math problems, one per completion)."""
     names: dict[str, None] = {}
     for record in records:
         names.update(dict.fromkeys(record.columns))
-    prompts = [list(r.messages) if r.messages is not None else r.prompt for r in records]
+    prompts = [_prompt_as_written(r) for r in records]
     return RewardBatch(list(completions), [float(r.answer) for r in records], [r.question for r in records],
                        [tuple(r.steps) for r in records], prompts,
                        [list(c) for c in completion_ids] if completion_ids is not None else [],
                        [r.label for r in records], [r.source for r in records],
-                       {name: [r.columns.get(name) for r in records] for name in names})
+                       {name: [r.columns.get(name) for r in records] for name in names}, context)
+
+
+def _prompt_as_written(record: Any) -> Any:
+    """A record's prompt as its data holds it (typed content parts and roles unchanged): what TRL passes."""
+    written = getattr(record, "prompt_value", None)
+    if written is not None:
+        return written
+    return [dict(m) for m in record.messages] if record.messages is not None else record.prompt
 
 
 def reward_style(fn: Any) -> str:
@@ -107,7 +141,7 @@ def columns_problem(fn: Any, columns: Iterable[str]) -> str | None:
         return None
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return "it must accept **kwargs (every record column is passed by name)"
-    known = {*columns, *FIXED_KEYWORDS}
+    known = {*columns, *FIXED_KEYWORDS, *CONTEXT_KEYWORDS}
     missing = [name for name, p in params.items()
                if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and name not in known]
     if missing:

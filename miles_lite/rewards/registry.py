@@ -21,6 +21,7 @@ from miles_lite.plugins import PluginFailed
 from miles_lite.rewards import math as math_rewards
 from miles_lite.rewards import records as record_rewards
 from miles_lite.rewards.batch import RewardBatch, batch_from_records, call_style, checked_values
+from miles_lite.rewards.context import RewardContext
 from miles_lite.types import Group
 
 TOTAL_KEY = "total"
@@ -57,11 +58,12 @@ RECORD_REWARD_NAMES: tuple[str, ...] = ("exact_match", "math_answer")
 
 @dataclass(frozen=True)
 class RegisteredReward:
-    """A registry entry: the reward function, the largest raw value it can return, its calling convention
-    (`rewards.batch.STYLES`) and, for `rewards.by_source`, the one data source it scores (None: all)."""
+    """A registry entry: the reward function, the largest raw value it can return (None: not declared, see
+    `rewards.success`), its calling convention (`rewards.batch.STYLES`) and, for `rewards.by_source`, the one
+    data source it scores (None: all)."""
 
     fn: RewardFn
-    max_value: float = 1.0
+    max_value: float | None = 1.0
     style: str = "math"
     source: str | None = None
 
@@ -151,10 +153,15 @@ class RewardSet:
 
     def max_total_for(self, source: str | None, every_source: bool = False) -> float:
         """Highest reachable ``total`` of a completion of a record from `source`: the rewards of other
-        sources (`rewards.by_source`) do not apply to it (`every_source`: count them all)."""
+        sources (`rewards.by_source`) do not apply to it (`every_source`: count them all). A reward without a
+        declared maximum counts 1.0 here; whether a completion is right is `rewards.success`'s question."""
         validate_reward_names(self.names, self.functions)
-        return sum(max(weight, 0.0) * self.reward(name).max_value for name, weight in self.weights.items()
+        return sum(max(weight, 0.0) * _nominal(self.reward(name).max_value) for name, weight in self.weights.items()
                    if every_source or self.reward(name).source in (None, source))
+
+
+def _nominal(max_value: float | None) -> float:
+    return 1.0 if max_value is None else max_value
 
 
 WORKLOG_WEIGHTS = {
@@ -294,17 +301,26 @@ def score_batch(reward_set: RewardSet | str, batch: RewardBatch) -> list[dict[st
     return results
 
 
-def score_groups(reward_set: RewardSet | str, groups: Sequence[Group]) -> list[Group]:
-    """Fill every sample's `rewards` (each reward's raw value and the weighted `total`); returns `groups`.
+def score_groups(reward_set: RewardSet | str, groups: Sequence[Group],
+                 context: RewardContext | None = None) -> list[Group]:
+    """Fill every sample's `rewards` (each reward's raw value and the weighted `total`) and `extra` (what the
+    plug-ins logged for it with `log_extra`); returns `groups`.
 
-    Groups that carry their record hand its label, source and columns to the rewards."""
+    Groups that carry their record hand its label, source and columns to the rewards. `context`: the trainer
+    state the plug-ins see and where their `log_metric` values go (None: a fresh one, values dropped)."""
+    context = (context if context is not None else RewardContext()).for_batch()
     samples = [(g, s) for g in groups for s in g.samples]
     completions = [s.response_text for _, s in samples]
     if samples and all(g.record is not None for g, _ in samples):
-        batch = batch_from_records(completions, [g.record for g, _ in samples], [s.response_ids for _, s in samples])
+        batch = batch_from_records(completions, [g.record for g, _ in samples], [s.response_ids for _, s in samples],
+                                   context)
     else:
         batch = RewardBatch(completions, [g.answer for g, _ in samples], [g.question for g, _ in samples],
-                            [tuple(g.steps) for g, _ in samples])
-    for (_, sample), values in zip(samples, score_batch(reward_set, batch), strict=True):
+                            [tuple(g.steps) for g, _ in samples], completion_ids=[s.response_ids for _, s in samples],
+                            context=context)
+    for row, ((_, sample), values) in enumerate(zip(samples, score_batch(reward_set, batch), strict=True)):
         sample.rewards = values
+        logged = {column: rows[row] for column, rows in context.extras.items() if row in rows}
+        if logged:
+            sample.extra = {**sample.extra, **logged}
     return list(groups)

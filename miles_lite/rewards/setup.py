@@ -1,16 +1,18 @@
-"""The reward set a run scores with: a named set (or none), weight overrides, a plug-in, plug-ins by data
-source, a remote reward model."""
+"""The reward set a run scores with: a named set (or none), weight overrides, plug-ins (functions, factories
+called with their arguments: `rewards.specs`), plug-ins by data source, a remote reward model."""
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Mapping
+from typing import Any
 
 from miles_lite.plugins import PluginError, check_signature, load_plugin
 from miles_lite.rewards.batch import MATH_KEYWORDS, reward_style
 from miles_lite.rewards.records import ExactMatch
 from miles_lite.rewards.registry import RegisteredReward, RewardSet, get_reward_set
 from miles_lite.rewards.remote import RemoteReward, RemoteRewardSpec
+from miles_lite.rewards.specs import PluginSpec, custom_specs, parse_call
 
 # Keywords every math-style batch reward function is called with (besides the completions).
 REWARD_KEYWORDS = MATH_KEYWORDS
@@ -18,53 +20,108 @@ REWARD_KEYWORDS = MATH_KEYWORDS
 NO_SET = "none"
 
 
-def load_reward_fn(path: str, field: str) -> tuple[str, RegisteredReward]:
+def _accepts_kwargs(fn: Any) -> bool | None:
+    """Whether `fn` takes **kwargs (None: no signature to read)."""
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def _factory_hint(fn: Any, path: str) -> str:
+    """How to call `fn` as a factory, with its own parameters as placeholders."""
+    try:
+        params = [p for p in inspect.signature(fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    except (TypeError, ValueError):
+        params = []
+    required = [p.name for p in params if p.default is p.empty]
+    call = ", ".join(f"{name}=..." for name in required)
+    block = ", ".join(f"{name}: ..." for name in required)
+    returns = inspect.signature(fn).return_annotation if params else None
+    factory = "it returns a Callable, so it is a factory" if "Callable" in str(returns) else "if it is a factory"
+    return (f"; {factory}: call it with its arguments, rewards.custom='{path}({call})', or a block "
+            f"{{fn: {path}, kwargs: {{{block}}}}}")
+
+
+def _load_spec(spec: PluginSpec) -> Any:
+    """The object `spec` names: the plug-in itself, or what its factory returned."""
+    obj = load_plugin(spec.path, spec.field)
+    if not spec.call:
+        return obj
+    if not callable(obj):
+        raise PluginError(f"{spec.field}={spec.shown!r}: {spec.path!r} is not callable, so it cannot be called")
+    try:
+        made = obj(*spec.args, **spec.kwargs)
+    except Exception as exc:  # the factory's own refusal, named
+        raise PluginError(f"{spec.field}={spec.shown!r}: the factory raised {type(exc).__name__}: {exc}") from exc
+    if not callable(made):
+        raise PluginError(f"{spec.field}={spec.shown!r}: the factory returned {type(made).__name__}, not a reward "
+                          "function")
+    return made
+
+
+def load_reward_fn(path: str | PluginSpec, field: str) -> tuple[str, RegisteredReward]:
     """A plug-in reward function: the math convention `fn(completions, *, answers, questions, steps)` when it
     names those three, else TRL's `fn(prompts=, completions=, completion_ids=, **columns)` with `**kwargs`
-    (sync or async). Its name, and an attribute `max_value` on it, its largest raw value (default 1.0).
+    (sync or async). `path` may call a factory (`rewards.specs`). Its name (the entry's `name`, else the
+    function's `__name__`), and its best raw value: the entry's `max_value`, else an attribute `max_value`
+    on the function, else None (judged over the group: `rewards.success`).
 
     Raises:
         PluginError: naming ``field``, for a bad path or a function of neither convention.
     """
-    fn = load_plugin(path, field)
+    spec = parse_call(path, field) if isinstance(path, str) else path
+    return _reward_of(spec, _load_spec(spec))
+
+
+def _reward_of(spec: PluginSpec, fn: Any) -> tuple[str, RegisteredReward]:
+    field = spec.field
     if not callable(fn):
         raise PluginError(f"{field}: {fn!r} is not callable")
     style = reward_style(fn)
     if style == "math":
         check_signature(fn, field, positional=1, keywords=REWARD_KEYWORDS)
-    else:
+    elif _accepts_kwargs(fn) is False:
+        hint = "" if spec.call else _factory_hint(fn, spec.path)
+        raise PluginError(f"{field}={spec.shown!r}: a reward function is called with prompts=, completions=, "
+                          "completion_ids=, every record column and trainer_state=, log_metric=, log_extra= by name, "
+                          "so it must accept **kwargs (or name answers, questions and steps: the math convention)"
+                          f"{hint}")
+    name = spec.name or getattr(fn, "__name__", "") or type(fn).__name__ or spec.path.rpartition(":")[2]
+    declared = spec.max_value if spec.max_value is not None else getattr(fn, "max_value", None)
+    if declared is not None:
         try:
-            params = inspect.signature(fn).parameters.values()
+            declared = float(declared)
         except (TypeError, ValueError):
-            params = ()
-        if params and not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
-            raise PluginError(f"{field}={path!r}: a reward function is called with prompts=, completions=, "
-                              "completion_ids= and every record column by name, so it must accept **kwargs "
-                              "(or name answers, questions and steps: the math convention)")
-    name = getattr(fn, "__name__", "") or path.rpartition(":")[2]
-    return name, RegisteredReward(fn, float(getattr(fn, "max_value", 1.0)), style)
+            raise PluginError(f"{field}: the function's max_value {declared!r} is not a number") from None
+    return name, RegisteredReward(fn, declared, style)
 
 
-def load_custom_reward(path: str, field: str = "rewards.custom") -> RewardSet | tuple[str, RegisteredReward]:
+def load_custom_reward(path: str | PluginSpec, field: str = "rewards.custom"
+                       ) -> RewardSet | tuple[str, RegisteredReward]:
     """Import the plug-in at ``path``: a :class:`RewardSet` (used as the whole set), or a reward function
     (see `load_reward_fn`, added under its name).
 
     Raises:
         PluginError: naming ``field``, for a bad path or an object of neither kind.
     """
-    obj = load_plugin(path, field)
+    spec = parse_call(path, field) if isinstance(path, str) else path
+    obj = _load_spec(spec)
     if isinstance(obj, RewardSet):
         return obj
-    return load_reward_fn(path, field)
+    return _reward_of(spec, obj)
 
 
-def build_reward_set(set_name: str, weights: Mapping[str, float], custom: str | None = None,
+def build_reward_set(set_name: str, weights: Mapping[str, float], custom: Any = None,
                      remote: RemoteRewardSpec | None = None, by_source: Mapping[str, str] | None = None,
                      answer_pattern: str | None = None) -> RewardSet:
-    """The set named ``set_name`` (nothing for ``none``; or the plug-in set ``custom``), plus the plug-in
-    reward function ``custom``, one function per data source (``by_source``: scored under the source's name,
-    None for records of other sources) and the remote reward model, then ``weights`` applied on top (they
-    may name any of them). ``answer_pattern`` configures the `exact_match` reward.
+    """The set named ``set_name`` (nothing for ``none``; or a plug-in set of ``custom``), plus the plug-in
+    reward functions of ``custom`` (one entry or a list: `rewards.specs`), one function per data source
+    (``by_source``: scored under the source's name, None for records of other sources) and the remote reward
+    model, then ``weights`` applied on top (they may name any of them). ``answer_pattern`` configures the
+    `exact_match` reward.
 
     Raises:
         PluginError / ValueError: naming the field at fault.
@@ -75,12 +132,17 @@ def build_reward_set(set_name: str, weights: Mapping[str, float], custom: str | 
     if set_name != NO_SET:
         base = get_reward_set(set_name)
         weights_of, functions = dict(base.weights), dict(base.functions)
-    if custom:
-        loaded = load_custom_reward(custom)
-        if isinstance(loaded, RewardSet):
-            name, weights_of, functions = loaded.name, dict(loaded.weights), dict(loaded.functions)
-        else:
-            _add(weights_of, functions, *loaded, 1.0, f"rewards.custom={custom!r}", "rename the function")
+    loaded = [(spec, load_custom_reward(spec, spec.field)) for spec in custom_specs(custom)]
+    sets = [(spec, obj) for spec, obj in loaded if isinstance(obj, RewardSet)]
+    if len(sets) > 1:
+        raise PluginError(f"{sets[1][0].field}: only one RewardSet may replace rewards.set (also "
+                          f"{sets[0][0].field}={sets[0][0].shown!r})")
+    for _, reward_set in sets:
+        name, weights_of, functions = reward_set.name, dict(reward_set.weights), dict(reward_set.functions)
+    for spec, obj in loaded:
+        if not isinstance(obj, RewardSet):
+            fix = "give the entry its own name (a block with name: ...)" if spec.call else "rename the function"
+            _add(weights_of, functions, *obj, 1.0, f"{spec.field}={spec.shown!r}", fix)
     for source, path in (by_source or {}).items():
         fn_name, reward = load_reward_fn(path, f"rewards.by_source.{source}")
         reward = RegisteredReward(reward.fn, reward.max_value, reward.style, source)

@@ -27,6 +27,7 @@ from miles_lite.data.gsm8k import MathProblem
 from miles_lite.formats.answer import answer_matches, find_numbers
 from miles_lite.rewards import RewardSet, score_groups
 from miles_lite.rewards.math import score_exact
+from miles_lite.rewards.success import right_flags
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.prompt_spec import PromptSpec
 from miles_lite.types import Group, SamplingParams
@@ -119,14 +120,13 @@ def summarise(results: Sequence[QuestionResult], k: int, cfg: PresampleConfig) -
 
 def count_correct(group: Group, problem: Any, reward_set: RewardSet | None = None) -> QuestionResult:
     """Score one group of k completions of `problem` strictly and leniently (a math problem), or by
-    `reward_set`: reward == the most a record of its source can get (any other record)."""
+    `reward_set`: the reward set's best (`rewards.success`; any other record)."""
     texts = [s.response_text for s in group.samples]
     if not isinstance(problem, MathProblem):
         if reward_set is None:
             raise ValueError("presampling records needs the run's reward set")
         score_groups(reward_set, [group])
-        best = reward_set.max_total_for(problem.source)
-        right = sum(s.reward >= best - 1e-9 for s in group.samples)
+        right = sum(right_flags(reward_set, [s.rewards for s in group.samples], [problem.source] * len(texts)))
         return QuestionResult(group.prompt_index, problem.question, problem.answer, len(texts), right, right)
     return QuestionResult(
         index=group.prompt_index,

@@ -41,7 +41,6 @@ from miles_lite.data.source import PromptSource
 from miles_lite.evaluation.greedy import EvalResult, evaluate
 from miles_lite.evaluation.sets import SetResult, evaluate_set
 from miles_lite.plugins import PluginFailed
-from miles_lite.rewards import score_groups
 from miles_lite.rollout.pipeline import RolloutPipeline
 from miles_lite.run.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.run.failure import end_on_plugin_failure
@@ -49,6 +48,7 @@ from miles_lite.run.handoff import Handoff
 from miles_lite.run.lock import RunLock
 from miles_lite.run.outputs import RunIO, checkpoint_root, finished_summary
 from miles_lite.run.record import ResumePlan, plan_resume, record_start_config
+from miles_lite.run.reward_log import RewardLog
 from miles_lite.run.rl_batch import (
     build_train_batch,
     drop_stale,
@@ -178,11 +178,12 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
         summary.wall_seconds = time.perf_counter() - start
         io.finish(summary)
         return
+    rewards = RewardLog(cfg, data)
     rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size,
-                               relay=system.relay, **refill_hooks(system, data))
+                               relay=system.relay, **refill_hooks(system, data, rewards))
     try:
         for step in range(first_step, cfg.experiment.steps):
-            rl_step(system, data, io, rollouts, step, held_out, eval_sets, handoff)
+            rl_step(system, data, io, rollouts, step, held_out, eval_sets, handoff, rewards)
             summary.steps_done = step + 1
             if stop.requested:
                 summary.stopped_by_signal = True
@@ -211,7 +212,9 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
             raise
     if eval_sets and summary.stopped_reason is None:
         try:
-            summary.after.update(io.report_eval_sets("after RL", eval_sets_now(system, eval_sets), summary.steps_done))
+            rewards.steps_done = summary.steps_done
+            summary.after.update(io.report_eval_sets("after RL", eval_sets_now(system, eval_sets, rewards),
+                                                     summary.steps_done))
         except PluginFailed as failure:
             failure.where = "in the evaluation sets after RL"
             raise
@@ -267,10 +270,13 @@ def eval_now(system: System, held_out: list) -> EvalResult:
     return evaluate(system.rollout, held_out, system.encoder.render, system.encoder.encode, system.sampling)
 
 
-def eval_sets_now(system: System, eval_sets: list[EvalSet]) -> list[SetResult]:
-    """Every evaluation set on the engines' current weights, scored by the run's reward set."""
+def eval_sets_now(system: System, eval_sets: list[EvalSet], rewards: RewardLog | None = None) -> list[SetResult]:
+    """Every evaluation set on the engines' current weights, scored by the run's reward set (its plug-ins see
+    the trainer state of `rewards`, at step 0 without it)."""
     assert system.rollout is not None
-    return [evaluate_set(system.rollout, s, system.encoder, system.sampling, system.reward_set) for s in eval_sets]
+    context = rewards.context("eval") if rewards is not None else None
+    return [evaluate_set(system.rollout, s, system.encoder, system.sampling, system.reward_set, context)
+            for s in eval_sets]
 
 
 @dataclass(frozen=True)
@@ -289,13 +295,14 @@ def start_rollouts(system: System, data: PromptSource, rollouts: RolloutPipeline
     rollouts.start(system.encoder.prompt_specs(data.next_batch(system.cfg.rollout.prompts_per_step)), tag=cursor)
 
 
-def refill_hooks(system: System, data: PromptSource) -> dict[str, Any]:
+def refill_hooks(system: System, data: PromptSource, rewards: RewardLog | None = None) -> dict[str, Any]:
     """With `rollout.dynamic_sampling` (DAPO): groups are scored as they complete, and zero-signal ones are
     replaced by groups of fresh prompts from the stream (drawn on the rollout thread; `PromptSource` is
     thread-safe)."""
     if not system.cfg.rollout.dynamic_sampling:
         return {}
-    return {"scorer": lambda groups: score_groups(system.reward_set, groups),
+    rewards = rewards or RewardLog(system.cfg, data)
+    return {"scorer": lambda groups: rewards.score(system.reward_set, groups),
             "more_prompts": lambda n: system.encoder.prompt_specs(data.next_batch(n))}
 
 
@@ -307,7 +314,7 @@ def eval_due(cfg: MilesConfig, step: int) -> bool:
 
 def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int,
             held_out: list | None = None, eval_sets: list[EvalSet] | None = None,
-            handoff: Handoff | None = None) -> None:
+            handoff: Handoff | None = None, rewards: RewardLog | None = None) -> None:
     """One RL step; with `rollout.async_steps=N` the next N steps' generation overlaps its training.
 
     When `eval_due`, the held-out problems are evaluated (greedy) on the weights of the steps done so
@@ -319,6 +326,8 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
     cfg = system.cfg
     timer = io.timer()
     handoff = handoff or Handoff(system)
+    rewards = rewards or RewardLog(cfg, data)
+    rewards.steps_done = step
     with timer.phase("sync"):
         handoff.for_generation()
     with timer.phase("generate"):
@@ -333,12 +342,12 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         eval_stats = {f"eval/{k}": v for k, v in result.as_dict().items() if k != "n"}
     if eval_sets and eval_due(cfg, step) and not rollouts.busy:
         with timer.phase("eval"):
-            results = eval_sets_now(system, eval_sets)
+            results = eval_sets_now(system, eval_sets, rewards)
         eval_stats.update(io.report_eval_sets(f"evaluation after {step} RL steps", results, step, in_step=True))
     while rollouts.pending < cfg.rollout.async_steps and step + 1 + rollouts.pending < cfg.experiment.steps:
         start_rollouts(system, data, rollouts)
     with timer.phase("reward"):  # dynamic sampling scored the groups as they completed
-        groups = rollout.groups if cfg.rollout.dynamic_sampling else score_groups(system.reward_set, rollout.groups)
+        groups = rollout.groups if cfg.rollout.dynamic_sampling else rewards.score(system.reward_set, rollout.groups)
     fresh, stale_stats = drop_stale(groups, system.version, cfg.rollout.max_staleness)
     batch, algo_stats = build_train_batch(fresh, cfg.algo)
     handoff.measure("generate")
@@ -364,7 +373,7 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
                              **rollout_stats(rollout.stats), **stale_stats, **eval_stats,
                              "rollout/pauses": float(rollout.pauses),
                              "rollout/groups_short": float(max(0, cfg.rollout.prompts_per_step - len(groups))),
-                             "weight_version": system.version}
+                             "weight_version": system.version, **rewards.drain()}
     io.publish_step(step, stats, groups, system.fleet_stats())
 
 

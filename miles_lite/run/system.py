@@ -56,7 +56,8 @@ class System:
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer, cfg.data.prompt_template,
                                      tool_solutions=cfg.rollout.environment == "calculator",
-                                     max_prompt_tokens=cfg.data.max_prompt_tokens)
+                                     max_prompt_tokens=cfg.data.max_prompt_tokens,
+                                     chat_template=cfg.data.chat_template)
         self.reward_set = build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom,
                                            remote_reward_spec(cfg), cfg.rewards.by_source, cfg.rewards.answer_pattern)
         self.sampling = sampling_from_config(cfg.rollout, stop_token_ids=self.encoder.stop_token_ids,

@@ -1,6 +1,7 @@
 """Before any work: do the run's rewards fit its data? A source with no `rewards.by_source` function, a
-plug-in asking for a column the records lack, or a math reward facing a label that is not a number
-stops the run with the record and the fix named (exit 2, no run directory)."""
+plug-in asking for a column the records lack, a reward that compares with labels facing a record without one,
+a math reward facing a label that is not a number, or chat messages with `data.chat_template=false` stops
+the run with the record and the fix named (exit 2, no run directory)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from miles_lite.data.gsm8k import DatasetError
 from miles_lite.data.problems import EvalSet
 from miles_lite.rewards import RewardSet
 from miles_lite.rewards.batch import columns_problem
+from miles_lite.rewards.records import ExactMatch, math_answer
+from miles_lite.rewards.registry import RegisteredReward
 from miles_lite.rewards.setup import build_reward_set
 
 
@@ -21,6 +24,12 @@ def run_reward_set(cfg: MilesConfig) -> RewardSet:
     """The reward set `rewards.*` describes (what `System` scores with)."""
     return build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom, remote_reward_spec(cfg),
                             cfg.rewards.by_source, cfg.rewards.answer_pattern)
+
+
+def needs_label(reward: RegisteredReward) -> bool:
+    """Whether a reward compares completions with the record's label: the math rewards (`answers`) and the
+    built-in record rewards (`exact_match`, `math_answer`); plug-ins name the columns they read."""
+    return reward.style == "math" or isinstance(reward.fn, ExactMatch) or reward.fn is math_answer
 
 
 def check_task(cfg: MilesConfig, train: Sequence[Any], eval_sets: Sequence[EvalSet]) -> None:
@@ -41,9 +50,20 @@ def check_task(cfg: MilesConfig, train: Sequence[Any], eval_sets: Sequence[EvalS
                 if problem is not None:
                     raise DatasetError(f"reward {name!r} cannot score {field}: {problem}")
         math_rewards = [n for n in reward_set.names if reward_set.reward(n).style == "math"]
+        label_rewards = [n for n in reward_set.names if needs_label(reward_set.reward(n))]
         for item in items:
+            where = getattr(item, "where", field)
+            if getattr(item, "messages", None) is not None and not cfg.data.chat_template:
+                raise DatasetError(f"{where}: the prompt is chat messages, which only a chat template renders; "
+                                   "data.chat_template=false feeds string prompts as they are: set it to true, or "
+                                   "give string prompts")
+            applies = [n for n in label_rewards if reward_set.reward(n).source in (None, item.source)]
+            if applies and item.label is None:
+                raise DatasetError(f"{where}: missing key {cfg.data.label_key!r} (data.label_key): the record has no "
+                                   f"label, which the rewards {applies} compare with; set data.label_key to the "
+                                   "column that holds it, or score label-less data with plug-ins that need none "
+                                   "(rewards.set=none, rewards.custom)")
             if by_source and item.source not in by_source:
-                where = getattr(item, "where", field)
                 raise DatasetError(f"{where}: data source {item.source!r} has no reward function; add "
                                    f"rewards.by_source.{item.source}=package.module:fn (sources with one: "
                                    f"{', '.join(sorted(by_source))})" if item.source is not None else

@@ -195,7 +195,8 @@ def test_dynamic_sampling_refills_zero_signal_groups_of_records(tmp_path: Path):
 
 BAD_FILES = [
     ({"prompt": "p"}, {}, r"train.jsonl: line 2: missing key 'label' \(data.label_key\)"),
-    ({"prompt": ["p"], "label": "x"}, {}, r"train.jsonl: line 2: key 'prompt' \(data.prompt_key\) must be a string"),
+    ({"prompt": ["p"], "label": "x"}, {},
+     r"train.jsonl: line 2: key 'prompt' \(data.prompt_key\) message 0 must be an object"),
     ({"prompt": "", "label": "x"}, {}, r"train.jsonl: line 2: key 'prompt' \(data.prompt_key\) is empty"),
     ("{oops", {}, r"train.jsonl: line 2: invalid JSON"),
     ({"prompt": "p", "label": "x", "meta": "no"}, {"data.metadata_key": "meta"},

@@ -45,6 +45,9 @@ def only_b(completions, data_source, **kwargs):
     return [0.25] * len(completions)
 
 
+only_b.max_value = 1.0  # declared: evaluation compares with it rather than with the best seen
+
+
 def no_kwargs(completions, label):
     return [0.0] * len(completions)
 
@@ -75,7 +78,9 @@ def test_trl_plugin_gets_every_column_by_name_and_none_is_left_out_of_the_total(
     prompts, completions, ids, label, meta, source, kwargs = SEEN["call"]
     assert prompts == ["p"] * 3 and completions == ["yes", "no", "skip"] and ids == [[5], [6], [7]]
     assert label == ["yes"] * 3 and meta == [{"n": 1}] * 3 and source == ["a"] * 3
-    assert kwargs == {"prompt": ["p"] * 3, "tests": [[1, 2]] * 3}
+    # TRL's keywords besides the columns: the trainer state and the two loggers.
+    assert set(kwargs) == {"prompt", "tests", "trainer_state", "log_metric", "log_extra"}
+    assert kwargs["prompt"] == ["p"] * 3 and kwargs["tests"] == [[1, 2]] * 3
     values = [s.rewards["trl_reward"] for s in g.samples]
     assert values[:2] == [1.0, 0.0] and math.isnan(values[2])
     assert [s.reward for s in g.samples] == [1.0, 0.0, 0.0]
@@ -149,7 +154,7 @@ def test_evaluation_set_measures_use_the_reward_maximum_as_threshold() -> None:
     reward_set = build_reward_set("none", {}, None, None, {"a": "record_plugins:only_a", "b": "record_plugins:only_b"})
     ga, gb = score_groups(reward_set, [group(record("x", "a"), "1", "2"), group(record("x", "b"), "3", "4")])
     result = summarise_set("dev", [ga, gb], 2, reward_set, None)
-    # Source b's samples score 0.25 of a maximum 1.0 (its own function only): wrong.
+    # Source b's samples score 0.25 of a declared maximum 1.0 (its own function only): wrong.
     assert result.avg_at_k == 0.5 and result.pass_at == {1: 0.5, 2: 0.5} and result.reward_mean == 0.625
     assert result.stats() == {"eval/dev/reward_mean": 0.625, "eval/dev/avg@2": 0.5, "eval/dev/pass@1": 0.5,
                               "eval/dev/pass@2": 0.5}

@@ -51,17 +51,22 @@ def test_parquet_records(tmp_path: Path) -> None:
     (record,) = load_records(tmp_path / "d.parquet", KEYS)
     assert record.columns["meta"] == {"k": 1} and record.where.endswith("row 0 (0-based)")
     pq.write_table(pa.Table.from_pylist([{"prompt": "a", "meta": {"k": 1}}]), tmp_path / "e.parquet")
-    with pytest.raises(DatasetError, match=r"e\.parquet: row 0 \(0-based\): missing key 'label' \(data.label_key\)"):
-        load_records(tmp_path / "e.parquet", KEYS)
+    (label_less,) = load_records(tmp_path / "e.parquet", KEYS)  # prompt-only data: no label
+    assert label_less.label is None and "label" not in label_less.columns
+    pq.write_table(pa.Table.from_pylist([{"meta": {"k": 1}}]), tmp_path / "f.parquet")
+    with pytest.raises(DatasetError, match=r"f\.parquet: row 0 \(0-based\): missing key 'prompt' \(data.prompt_key\)"):
+        load_records(tmp_path / "f.parquet", KEYS)
 
 
 @pytest.mark.parametrize(("row", "message"), [
     ({"label": "x", "meta": {}}, r"line 2: missing key 'prompt' \(data.prompt_key\).*set data.prompt_key"),
-    ({"prompt": "p", "meta": {}}, r"line 2: missing key 'label' \(data.label_key\)"),
     ({"prompt": "p", "label": "x"}, r"line 2: missing key 'meta' \(data.metadata_key\)"),
-    ({"prompt": 7, "label": "x", "meta": {}}, r"line 2: key 'prompt' \(data.prompt_key\) must be a string, got int"),
+    ({"prompt": 7, "label": "x", "meta": {}},
+     r"line 2: key 'prompt' \(data.prompt_key\) must be a string or a list of \{role, content\} chat messages, "
+     r"got int"),
+    ({"prompt": ["p"], "label": "x", "meta": {}},
+     r"line 2: key 'prompt' \(data.prompt_key\) message 0 must be an object"),
     ({"prompt": "  ", "label": "x", "meta": {}}, r"line 2: key 'prompt' \(data.prompt_key\) is empty"),
-    ({"prompt": "p", "label": None, "meta": {}}, r"line 2: key 'label' \(data.label_key\) is null"),
     ({"prompt": "p", "label": "x", "meta": [1]}, r"line 2: key 'meta' \(data.metadata_key\) must be an object"),
     ({"prompt": "p", "label": "x", "meta": {}, "data_source": 3}, r"line 2: key 'data_source'.*must be a string"),
     ("{not json", r"line 2: invalid JSON"),
@@ -90,7 +95,10 @@ def test_bad_files_and_mappings(tmp_path: Path) -> None:
 @pytest.mark.parametrize(("messages", "message"), [
     ("hello", r"key 'msgs' \(data.messages_key\) must be a non-empty list"),
     ([], r"key .msgs. \(data.messages_key\) must be a non-empty list"),
-    ([{"role": "user"}], r"message 0 must be an object with string 'role' and 'content'"),
+    ([{"role": "user"}], r"message 0 must be an object with a string 'role' and a 'content'"),
+    ([{"role": "user", "content": [{"type": "image", "image": "x.png"}]}],
+     r"message 0 content part 0 must be a text part .*only text is supported"),
+    ([{"role": "user", "content": 3}], r"message 0 has content of type int"),
     ([{"role": "robot", "content": "x"}], r"message 0 has role 'robot'"),
     ([{"role": "user", "content": " "}], r"every message is empty"),
 ])
