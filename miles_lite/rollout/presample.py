@@ -26,6 +26,7 @@ from miles_lite.config.schema import PresampleConfig
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.formats.answer import answer_matches, find_numbers
 from miles_lite.rewards import RewardSet, score_groups
+from miles_lite.rewards.context import RewardContext
 from miles_lite.rewards.math import score_exact
 from miles_lite.rewards.success import right_flags
 from miles_lite.rollout.manager import RolloutManager
@@ -118,14 +119,15 @@ def summarise(results: Sequence[QuestionResult], k: int, cfg: PresampleConfig) -
     return report
 
 
-def count_correct(group: Group, problem: Any, reward_set: RewardSet | None = None) -> QuestionResult:
+def count_correct(group: Group, problem: Any, reward_set: RewardSet | None = None,
+                  context: RewardContext | None = None) -> QuestionResult:
     """Score one group of k completions of `problem` strictly and leniently (a math problem), or by
     `reward_set`: the reward set's best (`rewards.success`; any other record)."""
     texts = [s.response_text for s in group.samples]
     if not isinstance(problem, MathProblem):
         if reward_set is None:
             raise ValueError("presampling records needs the run's reward set")
-        score_groups(reward_set, [group])
+        score_groups(reward_set, [group], context)
         right = sum(right_flags(reward_set, [s.rewards for s in group.samples], [problem.source] * len(texts)))
         return QuestionResult(group.prompt_index, problem.question, problem.answer, len(texts), right, right)
     return QuestionResult(
@@ -147,6 +149,7 @@ async def presample(
     sampling: SamplingParams,
     *,
     reward_set: RewardSet | None = None,
+    context: RewardContext | None = None,
     chunk_size: int = 64,
     progress: Callable[[int, int], None] | None = None,
 ) -> PresampleReport:
@@ -173,7 +176,7 @@ async def presample(
         groups = await manager.generate_groups(specs, cfg.k, sampling)
         if len(groups) != len(specs):
             raise RuntimeError(f"presample got {len(groups)} groups for {len(specs)} questions (was it aborted?)")
-        results.extend(count_correct(g, problems[g.prompt_index], reward_set) for g in groups)
+        results.extend(count_correct(g, problems[g.prompt_index], reward_set, context) for g in groups)
         if progress is not None:
             progress(len(results), len(problems))
     return summarise(results, cfg.k, cfg)

@@ -161,11 +161,12 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
     handoff.for_training()  # a resume loads the trainer's whole state; a fresh run's warm-up trains
     first_step = continue_from(io.resume(system, plan.checkpoint), system, data, io, handoff, plan.data_changed)
     summary.steps_done = first_step
+    rewards = RewardLog(cfg, data)
     if (line := plan.line()) is not None:
         io.log(line)
     try:
         ready = first_step > 0 or prepare_rl(system, data, train_problems, held_out, io, stop, summary,
-                                               handoff, eval_sets)
+                                               handoff, eval_sets, rewards)
     except PluginFailed as failure:
         failure.where = "before the first RL step (warm-up, evaluation, presample)"
         raise
@@ -178,7 +179,6 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
         summary.wall_seconds = time.perf_counter() - start
         io.finish(summary)
         return
-    rewards = RewardLog(cfg, data)
     rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size,
                                relay=system.relay, **refill_hooks(system, data, rewards))
     try:
@@ -224,7 +224,7 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
 
 def prepare_rl(system: System, data: PromptSource, train_problems: list, held_out: list, io: RunIO,
                stop: StopRequest, summary: RunSummary, handoff: Handoff,
-               eval_sets: list[EvalSet] | None = None) -> bool:
+               eval_sets: list[EvalSet] | None = None, rewards: RewardLog | None = None) -> bool:
     """Warm-up, first push, evaluation and presample filter; False when a stop signal cut them short."""
     if stop.requested:
         return False
@@ -234,10 +234,10 @@ def prepare_rl(system: System, data: PromptSource, train_problems: list, held_ou
     if held_out and not stop.requested:  # experiment.eval_size=0 skips evaluation
         summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
     if eval_sets and not stop.requested:
-        summary.before.update(io.report_eval_sets("before RL", eval_sets_now(system, eval_sets), 0))
+        summary.before.update(io.report_eval_sets("before RL", eval_sets_now(system, eval_sets, rewards), 0))
     if stop.requested:
         return False
-    presample_filter(system, data, train_problems, io)
+    presample_filter(system, data, train_problems, io, rewards.context("presample") if rewards else None)
     return not stop.requested
 
 

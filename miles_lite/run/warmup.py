@@ -156,11 +156,13 @@ def run_opd(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
     return True
 
 
-def presample_filter(system: Any, data: PromptSource, problems: Sequence[MathProblem], io: Any) -> None:
+def presample_filter(system: Any, data: PromptSource, problems: Sequence[MathProblem], io: Any,
+                     context: Any = None) -> None:
     """Sample k completions per training question; keep only questions that are neither all wrong nor all right.
 
     Such questions give zero-signal groups (every completion scores the same), so they cost rollout time
-    and teach nothing. Prints the pass@k table and the worklog-style counts line.
+    and teach nothing. Prints the pass@k table and the worklog-style counts line. `context`: the trainer
+    state records' reward plug-ins see (a `RewardContext`).
     """
     pre = system.cfg.data.presample
     if not pre.enabled:
@@ -169,7 +171,7 @@ def presample_filter(system: Any, data: PromptSource, problems: Sequence[MathPro
     manager = system.rollout.manager
     enc = system.encoder
     report = system.loop_thread.run(presample(manager, subset, enc.render, enc.encode, pre, system.sampling,
-                                              reward_set=system.reward_set))
+                                              reward_set=system.reward_set, context=context))
     io.log(f"presample pass@k ({report.k} samples, {len(subset):,} questions):\n{report.table()}")
     io.log(f"presample ({report.scoring}): {report.summary_line()}")
     (system.run_dir / "presample.json").write_text(report.to_json())
