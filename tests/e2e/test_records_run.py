@@ -107,7 +107,8 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
     assert alpha_calls and any(c["fn"] == "beta" for c in calls)
     # Every column of the record arrived by its own name, with its type.
     assert all(c["types"] == {"answer_text": "str", "metadata": "dict", "tests": "list"} for c in alpha_calls)
-    assert all(c["kwargs"] == ["question"] for c in alpha_calls)
+    # The other column, and TRL's trainer state and loggers.
+    assert all(c["kwargs"] == ["log_extra", "log_metric", "question", "trainer_state"] for c in alpha_calls)
     run = tmp_path / "out" / "run"
     rows = read_rollouts(run).to_pylist()
     assert len(rows) == 2 * 4 * 2
