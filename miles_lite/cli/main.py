@@ -52,14 +52,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that call `startup_heap.settle()` once started (the others keep the collector running throughout).
+SETTLES_HEAP = ("train", "engine")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `miles-lite` console script; returns the process exit code.
 
     `argv` None (the console script, `python -m miles_lite.cli`): this process ends when it returns, so
-    the interpreter's shutdown collections are skipped (`process_exit`). A caller passing `argv` keeps running.
+    `train` and `engine` pause collections until they have started (`startup_heap`: train settles the heap once
+    its roles are up, engine once it listens) and the interpreter's shutdown collections are skipped
+    (`process_exit`). A caller passing `argv` keeps running and keeps its collector as it is.
     """
     args_list = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in args_list if not a.startswith("-")), None)
+    if argv is None and command in SETTLES_HEAP:  # no collections while the libraries load (`startup_heap`)
+        from miles_lite.net import startup_heap
+
+        startup_heap.pause()
     parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(args_list)
     code = int(args._module.run(args) or 0)

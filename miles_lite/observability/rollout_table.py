@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Protocol
 
 import pyarrow as pa
-import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from miles_lite.types import Group
@@ -172,5 +171,7 @@ def read_rollouts(run_dir: str | os.PathLike[str], columns: Iterable[str] | None
     if not files:
         empty = SCHEMA.empty_table()
         return empty.select(cols) if cols else empty
+    import pyarrow.dataset as ds  # only readers need it (it imports pandas where installed: ~1 s of start-up)
+
     table = ds.dataset([str(f) for f in files], schema=SCHEMA, format="parquet").to_table(columns=cols)
     return table.sort_by("step") if "step" in table.column_names else table

@@ -181,8 +181,9 @@ class EngineProcess:
         except (urllib.error.URLError, OSError, TimeoutError):
             return False
 
-    def wait_ready(self, timeout_s: float, poll_interval_s: float = 0.5) -> None:
-        """Poll `/health_generate` until 200; raise EngineStartError (with the log tail) on exit or timeout."""
+    def wait_ready(self, timeout_s: float, poll_interval_s: float = 0.05) -> None:
+        """Poll `/health_generate` until 200 (every `poll_interval_s` at first, backing off to 0.5 s); raise
+        EngineStartError (with the log tail) on exit or timeout."""
         if self._state is not ProcessState.STARTING:
             raise RuntimeError(f"engine {self.name}: wait_ready in state {self._state.value}")
         deadline = time.monotonic() + timeout_s
@@ -205,8 +206,10 @@ class EngineProcess:
                 self._to(ProcessState.READY)
                 return
             time.sleep(min(poll_interval_s, max(deadline - time.monotonic(), 0.0)))
+            # A small engine is up within seconds: poll often at first, then back off to every 0.5 s.
+            poll_interval_s = min(poll_interval_s * 1.5, max(poll_interval_s, 0.5))
 
-    async def wait_ready_async(self, timeout_s: float, poll_interval_s: float = 0.5) -> None:
+    async def wait_ready_async(self, timeout_s: float, poll_interval_s: float = 0.05) -> None:
         """`wait_ready` on a worker thread, for callers on an event loop."""
         await asyncio.to_thread(self.wait_ready, timeout_s, poll_interval_s)
 

@@ -40,6 +40,7 @@ from miles_lite.data.problems import EvalSet, load_eval_sets, load_problems
 from miles_lite.data.source import PromptSource
 from miles_lite.evaluation.greedy import EvalResult, evaluate
 from miles_lite.evaluation.sets import SetResult, evaluate_set
+from miles_lite.net import startup_heap
 from miles_lite.plugins import PluginFailed
 from miles_lite.rollout.pipeline import RolloutPipeline
 from miles_lite.run.dir_probe import OutputDirError, probe_run_dirs
@@ -156,6 +157,7 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
 def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: StopRequest, train_problems: list,
          held_out: list, summary: RunSummary, start: float, eval_sets: list[EvalSet] | None) -> None:
     cfg = system.cfg
+    startup_heap.settle()  # the roles are up: collections resume (when the entry point paused them)
     system.report_fleet_events(io.log)
     handoff = Handoff(system)
     handoff.for_training()  # a resume loads the trainer's whole state; a fresh run's warm-up trains

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.colocation import hands_off
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import remote_reward_spec
+from miles_lite.config.weight_sync_choice import shared_gpus, trainer_on_gpu
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.fleet_launch import Rollout, build_rollout
 from miles_lite.engines.lora_serving import with_lora_serving
@@ -32,6 +34,15 @@ from miles_lite.weight_sync.fleet_push import FleetPusher
 from miles_lite.weight_sync.transport import EngineLoop, WeightSyncError
 
 logger = logging.getLogger(__name__)
+
+
+def starts_together(cfg: MilesConfig) -> bool:
+    """Whether the engines may start while the trainer does: local engine processes (or engines started
+    elsewhere) beside an in-process trainer on CPU, or on GPUs of their own; not where the roles share a
+    device (colocated: the trainer's memory goes first) or start through Ray (one reservation after the other)."""
+    if cfg.cluster.mode == "ray" or cfg.trainer.world_size > 1 or hands_off(cfg):
+        return False
+    return not trainer_on_gpu(cfg) or not shared_gpus(cfg)
 
 
 def start_trainer(cfg: MilesConfig) -> TrainerRole:
@@ -91,16 +102,38 @@ class System:
             api_key.close()
             raise
         try:
-            system.trainer = start_trainer(cfg)
-            if hands_off(cfg):
-                system.offloaded_at_start = cfg.trainer.offload.parts()
-                system.trainer.offload(system.offloaded_at_start)
-            system._rollout = system._start_rollout()
+            if starts_together(cfg):
+                system._start_trainer_and_rollout()
+            else:
+                system.trainer = start_trainer(cfg)
+                if hands_off(cfg):
+                    system.offloaded_at_start = cfg.trainer.offload.parts()
+                    system.trainer.offload(system.offloaded_at_start)
+                system._rollout = system._start_rollout()
             system._start_sync()
         except BaseException:
             system.close()
             raise
         return system
+
+    def _start_trainer_and_rollout(self) -> None:
+        """Start the engines on a worker thread while the trainer starts here: engine processes import and load
+        their model on other cores while this process builds the trainer. Whichever fails, both are kept for
+        `close`, and the trainer's failure is raised first."""
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-start") as pool:
+            pending = pool.submit(self._start_rollout)
+            trainer_error: BaseException | None = None
+            try:
+                self.trainer = start_trainer(self.cfg)
+            except BaseException as exc:  # noqa: BLE001 - re-raised once the engines' start has ended
+                trainer_error = exc
+            try:
+                self._rollout = pending.result()
+            except BaseException:
+                if trainer_error is None:
+                    raise
+            if trainer_error is not None:
+                raise trainer_error
 
     def _start_rollout(self) -> Rollout:
         log_dir = str(self.run_dir / "logs")

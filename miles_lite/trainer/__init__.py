@@ -7,8 +7,10 @@ net) and the shared types, no other role.
 
 from miles_lite.trainer.cpu_warnings import filter_expected_cpu_warnings
 from miles_lite.trainer.layout import HFPiece, LayoutKind, ParamLayout, merge_shards
+from miles_lite.trainer.megatron_import import arm
 
 # Before any submodule imports megatron (they all import this package first).
 filter_expected_cpu_warnings()
+arm()
 
 __all__ = ["HFPiece", "LayoutKind", "ParamLayout", "merge_shards"]

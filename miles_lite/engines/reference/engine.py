@@ -17,12 +17,18 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-import torch
-from aiohttp import web
+if __name__ == "__main__":  # an engine process: no collections while the libraries load (`net.startup_heap`)
+    from miles_lite.net import startup_heap
 
-from miles_lite.engines.reference.server import FAIL_MODES, ReferenceServer, ServerOptions
-from miles_lite.net.api_key import ENV_KEY, ENV_KEY_FILE, ApiKeyError, serving_key
-from miles_lite.net.ports import LOCAL_HOST
+    startup_heap.pause()
+
+import torch  # noqa: E402
+from aiohttp import web  # noqa: E402
+
+from miles_lite.engines.reference.server import FAIL_MODES, ReferenceServer, ServerOptions  # noqa: E402
+from miles_lite.net import startup_heap as heap  # noqa: E402
+from miles_lite.net.api_key import ENV_KEY, ENV_KEY_FILE, ApiKeyError, serving_key  # noqa: E402
+from miles_lite.net.ports import LOCAL_HOST  # noqa: E402
 
 log = logging.getLogger("miles_lite.reference_engine")
 
@@ -166,6 +172,7 @@ async def serve(args: argparse.Namespace, api_key: str | None) -> None:
     else:
         site = web.TCPSite(runner, args.host, args.port)
     await site.start()
+    heap.settle()  # loaded and listening: collections resume (the process's own start paused them)
     log.info("reference engine serving %s on %s (weight_version=%s, %s)", args.model_path, site.name,
              server.weight_version, "API key required" if api_key else "no API key: open to anyone reaching it")
     stop = asyncio.Event()
