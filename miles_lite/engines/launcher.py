@@ -171,8 +171,10 @@ class EngineLauncher:
         except BaseException:
             await process.stop_async()
             raise
+        # Reference engines take the step's requests as one batched /generate (measured on SGLang: not yet).
         client = HttpEngine(self.engine_id(index), process.url, request_timeout_s=self.rollout.request_timeout_s,
-                            vocab_size=self.vocab_size, api_key=self.key_value)
+                            vocab_size=self.vocab_size, api_key=self.key_value,
+                            batch_generate=self.rollout.backend == "reference")
         return LaunchedEngine(index, process, client)
 
     async def stop(self, engine: LaunchedEngine, grace_s: float = 10.0) -> int | None:

@@ -35,6 +35,7 @@ import numpy as np
 
 from miles_lite.net.api_key import authorization
 from miles_lite.rollout.engine import MEMORY_TAGS, EngineError
+from miles_lite.rollout.generate_batch import GenerateBatch
 from miles_lite.types import Generation, SamplingParams
 
 _FINISH_TYPES = ("stop", "length", "abort")
@@ -57,8 +58,9 @@ class HttpEngine:
 
     def __init__(self, engine_id: str, url: str, request_timeout_s: float = 600.0,
                  control_timeout_s: float = 60.0, vocab_size: int | None = None,
-                 api_key: str | None = None) -> None:
-        """`api_key`: the run's key, sent with every request (`Authorization: Bearer`)."""
+                 api_key: str | None = None, batch_generate: bool = False) -> None:
+        """`api_key`: the run's key, sent with every request (`Authorization: Bearer`). `batch_generate`: the
+        `generate` calls started in one turn of the event loop go out as one batched request (`generate_batch`)."""
         if vocab_size is not None and vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1 (the model's config.json vocab_size), got {vocab_size}")
         self.vocab_size = vocab_size
@@ -81,6 +83,7 @@ class HttpEngine:
 
         # The LoRA adapter every generate/score request names (SGLang's per-request `lora_path`); None: the base.
         self.lora_name: str | None = None
+        self._batch = GenerateBatch(self._post_generate) if batch_generate else None
 
     def __repr__(self) -> str:
         return f"HttpEngine({self.engine_id!r}, {self.url!r})"
@@ -144,9 +147,14 @@ class HttpEngine:
         data = await self._counted("/generate", payload)
         return self._parse_generation(data, time.monotonic() - start)
 
+    async def _post_generate(self, body: dict[str, Any]) -> Any:
+        return await self._request("POST", "/generate", body, self.request_timeout_s)
+
     async def _counted(self, path: str, payload: dict[str, Any]) -> Any:
         self.inflight += 1
         try:
+            if path == "/generate" and self._batch is not None:
+                return await self._batch.submit(payload)
             return await self._request("POST", path, payload, self.request_timeout_s)
         finally:
             self.inflight -= 1
