@@ -261,7 +261,8 @@ def table(report: dict) -> str:
     (pt, nt), (pm, nm) = acc["trl"], acc["miles"]
     se = math.sqrt(pt * (1 - pt) / nt + pm * (1 - pm) / nm) or 1e-9
     diff_se = (pm - pt) / se
-    lines.append(f"{'held-out accuracy':<26} {100 * pt:23.1f}% {100 * pm:23.1f}% {f'{100 * (pm - pt):+.1f} points':>24}")
+    gap = f"{100 * (pm - pt):+.1f} points"
+    lines.append(f"{'held-out accuracy':<26} {100 * pt:23.1f}% {100 * pm:23.1f}% {gap:>24}")
     step_ratio = statistics.median([by[("miles", s)]["step_s"] / by[("trl", s)]["step_s"] for s in seeds])
     first_ratio = statistics.median([by[("miles", s)]["first_step_s"] / by[("trl", s)]["first_step_s"]
                                      for s in seeds])

@@ -33,6 +33,10 @@ def _is_cuda_device(device: Any) -> bool:
     return isinstance(device, int) and not isinstance(device, bool)
 
 
+# Tensor methods that place or name a tensor's device without a `device=` keyword.
+_PLACING = frozenset({torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to})
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA placements to CPU for the torch calls made while the mode is active.
 
@@ -44,6 +48,9 @@ class CudaToCpuMode(TorchFunctionMode):
     """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001 - torch protocol
+        # Every torch call of a train step passes here: the few that can name a device go the long way.
+        if func not in _PLACING and (not kwargs or ("device" not in kwargs and "pin_memory" not in kwargs)):
+            return func(*args, **(kwargs or {}))
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
