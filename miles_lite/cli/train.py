@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +51,7 @@ def compose_or_explain(args: argparse.Namespace, check: bool = True):
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
-    from miles_lite.config import ConfigError, load_config, validate
+    from miles_lite.config import load_config
     from miles_lite.config.keys import unknown_override_keys
 
     unknown = unknown_override_keys(list(args.overrides))
@@ -63,14 +64,19 @@ def compose_or_explain(args: argparse.Namespace, check: bool = True):
     except (HydraException, OmegaConfBaseException) as err:
         print(f"miles-lite train: configuration error: {explain_override_error(err)}", file=sys.stderr)
         return None
-    if not check:
-        return cfg
+    return cfg if not check or validated(cfg) else None
+
+
+def validated(cfg: Any) -> bool:
+    """Validate the composed configuration; print every problem and return False on bad input."""
+    from miles_lite.config import ConfigError, validate
+
     try:
         validate(cfg)
     except ConfigError as err:
         print(f"miles-lite train: {err}", file=sys.stderr)
-        return None
-    return cfg
+        return False
+    return True
 
 
 def run(args: argparse.Namespace) -> int:
@@ -82,8 +88,30 @@ def run(args: argparse.Namespace) -> int:
     4 a plug-in failed (reward, group filter, generate function, environment, remote reward model; the
     newest committed checkpoint is the resume point).
     """
-    cfg = compose_or_explain(args)
+    cfg = compose_or_explain(args, check=False)
     if cfg is None:
+        return 2
+    prestarted = None if args.cfg else start_engines_ahead(cfg)
+    try:
+        return _run(args, cfg, prestarted)
+    finally:
+        if prestarted is not None:
+            prestarted.close()  # those the run did not take (it ended early, or needed fewer)
+
+
+def start_engines_ahead(cfg: Any) -> Any:
+    """The run's local reference engine processes, started once the keys and types of its configuration check
+    out: they load their libraries while this process validates the configuration, reads the data and starts
+    the trainer (`rollout.prestarted`). None for other runs."""
+    if cfg.cluster.mode != "local":
+        return None
+    from miles_lite.engines.reference.prestart import prestart_engines
+
+    return prestart_engines(cfg.rollout)
+
+
+def _run(args: argparse.Namespace, cfg: Any, prestarted: Any) -> int:
+    if not validated(cfg):
         return 2
     if args.cfg:
         from miles_lite.config import to_yaml
@@ -102,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     from miles_lite.run.record import ResumeRefused
 
     try:
-        summary = train(cfg, stop)
+        summary = train(cfg, stop, prestarted)
     except (RunDirInUseError, OutputDirError, ResumeRefused) as err:
         print(f"miles-lite train: {err}", file=sys.stderr)
         return 2

@@ -24,6 +24,7 @@ from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher
 from miles_lite.rollout.generate_plugin import load_generate_fn
 from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.rollout.manager import RolloutManager
+from miles_lite.rollout.prestarted import PrestartPool
 from miles_lite.rollout.routing import RoutingLayout
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 
@@ -68,6 +69,7 @@ async def start_fleet(
     engines: int | None = None,
     health_checks: bool = True,
     api_key: ApiKey | None = None,
+    prestarted: PrestartPool | None = None,
 ) -> EngineFleet:
     """Start `engines` (default `rollout.engines`) servers of `rollout.backend` as one fleet.
 
@@ -80,7 +82,7 @@ async def start_fleet(
     if n < 1:
         raise ValueError(f"rollout.engines must be >= 1, got {n}")
     launcher = EngineLauncher(rollout, model_path, log_dir, env={str(k): str(v) for k, v in rollout.engine_env.items()},
-                              api_key=api_key)
+                              api_key=api_key, prestarted=prestarted)
     fleet = EngineFleet(ft, fleet_launcher(launcher),
                         max_inflight_per_engine=rollout.max_inflight_per_engine)
     return await populate(fleet, fleet.launch(n), health_checks)
@@ -212,11 +214,13 @@ def _routing_layout(cfg: MilesConfig) -> RoutingLayout | None:
 
 def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int | None = None,
                   start: Callable[[], Awaitable[EngineFleet]] | None = None,
-                  api_key: ApiKey | None = None) -> Rollout:
+                  api_key: ApiKey | None = None, prestarted: PrestartPool | None = None) -> Rollout:
     """Start (or, with `rollout.engine_urls`, attach) the fleet of `model.hf_path` on a new event-loop thread,
     with a manager decoding and stopping with `tokenizer`; `seed` seeds the manager's sampling seeds.
     `start`: the coroutine that starts the fleet instead (the engines of a Ray rollout gang).
-    `api_key`: the run's key; None: `ApiKey.for_run(cluster.api_key_file)`, owned by the returned Rollout."""
+    `api_key`: the run's key; None: `ApiKey.for_run(cluster.api_key_file)`, owned by the returned Rollout.
+    `prestarted`: engine processes started ahead (`engines.reference.prestart.prestart_engines`) for the launched
+    engines."""
     own_key = ApiKey.for_run(cfg.cluster.api_key_file) if api_key is None else None
     key = api_key if api_key is not None else own_key
     loop = EventLoopThread().start()
@@ -235,7 +239,8 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
             fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls),
                                           vocab_size=model_dims(cfg).vocab_size, api_key=key.value))
         else:
-            fleet = loop.run(start_fleet(engine_rollout(cfg), ft, str(cfg.model.hf_path), log_dir, api_key=key))
+            fleet = loop.run(start_fleet(engine_rollout(cfg), ft, str(cfg.model.hf_path), log_dir, api_key=key,
+                                         prestarted=prestarted))
     except BaseException:
         loop.stop()
         if own_key is not None:

@@ -39,6 +39,7 @@ from miles_lite.engines.sglang.command import (
 from miles_lite.net.api_key import ApiKey
 from miles_lite.net.ports import LOCAL_HOST
 from miles_lite.rollout.http_client import HttpEngine
+from miles_lite.rollout.prestarted import PrestartPool
 from miles_lite.rollout.process import CommandFactory, EngineProcess
 
 BACKENDS = ("reference", "sglang")
@@ -72,9 +73,11 @@ class EngineLauncher:
 
     def __init__(self, rollout: RolloutConfig, model_path: str, log_dir: str, host: str = LOCAL_HOST,
                  python: str = sys.executable, env: Mapping[str, str] | None = None,
-                 api_key: ApiKey | None = None) -> None:
+                 api_key: ApiKey | None = None, prestarted: PrestartPool | None = None) -> None:
         """`api_key`: the run's key; engines read it from its file and the clients send it. None: open engines
-        (allowed on loopback only; the engine refuses another address without a key)."""
+        (allowed on loopback only; the engine refuses another address without a key). `prestarted`: reference
+        engine processes started ahead (`reference.prestart.prestart_engines`), taken by the first start of each
+        index."""
         if rollout.backend not in BACKENDS:
             raise ValueError(f"rollout.backend={rollout.backend!r} is not one of {BACKENDS}")
         if not model_path or not os.path.isdir(model_path):
@@ -90,6 +93,7 @@ class EngineLauncher:
         self._attempts: dict[int, int] = {}
         self.vocab_size = served_vocab_size(model_path)
         self._sglang_options: tuple[frozenset[str] | None] | None = None  # asked of the engines' SGLang once
+        self.prestarted = prestarted if rollout.backend == "reference" else None
 
     def sglang_options(self) -> frozenset[str] | None:
         """The installed SGLang's launch flags, as the engines' interpreter and environment see them."""
@@ -159,8 +163,10 @@ class EngineLauncher:
                     log.warning("%s: starting without expandable_segments (%s): SGLang's memory saver does not work "
                                 "with it", self.engine_id(index), ", ".join(dropped))
                 env = kept
+        ahead = self.prestarted.take(index) if self.prestarted is not None and attempt == 0 else None
         return EngineProcess(self.engine_id(index), self.command_factory(index), log_path, host=self.host,
-                             pass_socket=self.rollout.backend == "reference", env=env, api_key=self.key_value)
+                             pass_socket=self.rollout.backend == "reference", env=env, api_key=self.key_value,
+                             prestarted=ahead)
 
     async def start(self, index: int) -> LaunchedEngine:
         """Start engine `index` and wait until it generates; raises EngineStartError with the log tail."""

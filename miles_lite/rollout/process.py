@@ -11,6 +11,10 @@ to a log file whose tail is attached to every startup error.
 Engines die with their run: each server runs under `lifeline.py`, a supervisor that stops it when this
 process is gone however it ended (SIGKILL included), and whose death kills the server too.
 
+Started ahead: a run may start the server processes before it knows their arguments (`rollout.prestarted`:
+they import their libraries meanwhile); the first start of an `EngineProcess` given one hands it the argv,
+the log path and the bound socket instead of spawning.
+
 Ports without races: when the server can take an inherited socket (the reference engine's `--listen-fd`),
 the parent binds port 0 itself and passes the bound socket, so no other process can take the port in
 between. Servers that must bind by number (SGLang) get a port probed free just before spawning; if the
@@ -35,6 +39,7 @@ from collections.abc import Callable, Mapping
 from miles_lite.net.api_key import authorization
 from miles_lite.net.ports import LOCAL_HOST, free_port
 from miles_lite.rollout import lifeline
+from miles_lite.rollout.prestarted import Prestarted
 
 # (port, fd of an inherited bound socket or None) -> argv of the server.
 CommandFactory = Callable[[int, int | None], list[str]]
@@ -70,9 +75,11 @@ class EngineProcess:
 
     def __init__(self, name: str, command: CommandFactory, log_path: str, host: str = LOCAL_HOST,
                  pass_socket: bool = False, env: Mapping[str, str] | None = None, port_retries: int = 3,
-                 port: int | None = None, api_key: str | None = None) -> None:
+                 port: int | None = None, api_key: str | None = None, prestarted: Prestarted | None = None) -> None:
         """`port`: listen there (a server others find at a fixed address); None picks a free one per start.
-        `api_key`: the key the server asks for, sent with the readiness checks."""
+        `api_key`: the key the server asks for, sent with the readiness checks. `prestarted`: a process started
+        ahead for this server (`rollout.prestarted`; with `pass_socket`): the first start hands it the argv
+        instead of spawning (a later start, or one whose hand-over fails, spawns as usual)."""
         if port is not None and pass_socket:
             raise ValueError("EngineProcess: pass_socket binds a free port; give port= or pass_socket=True, not both")
         self.name = name
@@ -90,6 +97,7 @@ class EngineProcess:
         self._state = ProcessState.CREATED
         self.port: int | None = None
         self.failure: str | None = None
+        self._prestarted = prestarted if pass_socket else None
 
     # ---- state -----------------------------------------------------------------------------------------------
 
@@ -151,6 +159,10 @@ class EngineProcess:
             self.port = self._fixed_port if self._fixed_port is not None else free_port(self.host)
         fd = sock.fileno() if sock is not None else None
         argv = self._command(self.port, fd)
+        if self._adopt(argv, fd):
+            assert sock is not None
+            sock.close()  # the server received its own copy
+            return
         env = {**os.environ, **self._env} if self._env is not None else None
         self._close_lifeline()
         lifeline_read, self._lifeline = os.pipe()
@@ -167,6 +179,22 @@ class EngineProcess:
             os.close(lifeline_read)  # the supervisor holds its own copy; this process keeps the write end
             if sock is not None:
                 sock.close()  # the child holds its own copy
+
+    def _adopt(self, argv: list[str], fd: int | None) -> bool:
+        """Hand `argv` and the bound socket to the process started ahead, once; False when there is none."""
+        prestarted, self._prestarted = self._prestarted, None
+        if prestarted is None:
+            return False
+        with open(self.log_path, "ab") as log:
+            log.write(f"$ {' '.join(argv)}  (started ahead: pid {prestarted.proc.pid})\n".encode())
+        try:
+            prestarted.hand_over(argv, self.log_path, fd)
+        except OSError:  # it ended meanwhile: start a new one
+            prestarted.discard()
+            return False
+        self._close_lifeline()
+        self._proc, self._lifeline = prestarted.proc, prestarted.lifeline_fd
+        return True
 
     def _close_lifeline(self) -> None:
         if self._lifeline is not None:

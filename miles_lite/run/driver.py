@@ -43,6 +43,7 @@ from miles_lite.evaluation.sets import SetResult, evaluate_set
 from miles_lite.net import startup_heap
 from miles_lite.plugins import PluginFailed
 from miles_lite.rollout.pipeline import RolloutPipeline
+from miles_lite.rollout.prestarted import PrestartPool
 from miles_lite.run.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.run.failure import end_on_plugin_failure
 from miles_lite.run.handoff import Handoff
@@ -87,11 +88,12 @@ def run_name(cfg: MilesConfig) -> str:
     return cfg.experiment.run_name or f"{cfg.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
+def train(cfg: MilesConfig, stop: StopRequest | None = None, prestarted: PrestartPool | None = None) -> RunSummary:
     """Run RL training end to end as configured; returns the run's summary.
 
     `stop`: an installed `StopRequest` (the CLI installs it before the heavy imports, so an early
-    pre-emption signal is not lost); None installs one here.
+    pre-emption signal is not lost); None installs one here. `prestarted`: engine processes the CLI started
+    ahead for this run's engines (the caller closes the pool: what the run did not take ends then).
     """
     start = time.perf_counter()
     run_dir = Path(cfg.experiment.output_dir) / run_name(cfg)
@@ -123,7 +125,7 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
                                  "writable directory") from None
         if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(run_dir.resolve()):
             locks.append(RunLock(cfg.checkpoint.dir, "checkpoint.dir"))
-        return _train(cfg, run_dir, stop, train_problems, held_out, start, eval_sets)
+        return _train(cfg, run_dir, stop, train_problems, held_out, start, eval_sets, prestarted)
     finally:
         for lock in reversed(locks):
             lock.release()
@@ -131,7 +133,7 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
 
 
 def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: list, held_out: list,
-           start: float, eval_sets: list[EvalSet] | None = None) -> RunSummary:
+           start: float, eval_sets: list[EvalSet] | None = None, prestarted: PrestartPool | None = None) -> RunSummary:
     # Recorded by every checkpoint; compared with what a resume asks for before any work.
     record = {"config": config_tree(cfg), "data": data_identity(cfg.data)}
     recorded_cfg, cfg = cfg, checkpoints_under(cfg, run_dir)
@@ -145,7 +147,7 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
                   f"{', '.join(p.name for p in moved)} were moved to {moved[0].parent}", flush=True)
     record_start_config(run_dir, to_yaml(recorded_cfg), plan.step)
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
-    with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg), record) as io:
+    with System.start(cfg, run_dir, prestarted) as system, RunIO(system.cfg, run_dir, run_name(cfg), record) as io:
         summary = RunSummary(str(run_dir), 0, 0.0, config_changes=plan.as_json() if plan.checkpoint else None)
         try:
             _run(system, io, data, plan, stop, train_problems, held_out, summary, start, eval_sets)

@@ -25,6 +25,7 @@ from miles_lite.engines.lora_serving import with_lora_serving
 from miles_lite.net.api_key import ApiKey
 from miles_lite.rewards.setup import build_reward_set
 from miles_lite.rollout.fleet import EngineFleet
+from miles_lite.rollout.prestarted import PrestartPool
 from miles_lite.rollout.prompt_spec import sampling_from_config
 from miles_lite.rollout.starvation import StarvationRelay
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
@@ -87,17 +88,22 @@ class System:
         self.last_checkpoint_step: int | None = None
         # Trainer parts offloaded before the engines started (colocated hand-off: they start into the room).
         self.offloaded_at_start: tuple[str, ...] = ()
+        # Engine processes started ahead of this run (`start`), taken by the first launch of each engine.
+        self.prestarted: PrestartPool | None = None
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, cfg: MilesConfig, run_dir: Path) -> System:
-        """Prepare the model, then start the trainer, the engines and the weight-sync group."""
+    def start(cls, cfg: MilesConfig, run_dir: Path, prestarted: PrestartPool | None = None) -> System:
+        """Prepare the model, then start the trainer, the engines and the weight-sync group. `prestarted`:
+        engine processes the command line started ahead (`engines.reference.prestart.prestart_engines`); the engines
+        of this run are started in them."""
         api_key = ApiKey.for_run(cfg.cluster.api_key_file)  # a bad key file fails before anything starts
         try:
             cfg, tokenizer = prepare_model(cfg, run_dir)
             cfg = with_lora_serving(cfg)
             system = cls(cfg, run_dir, tokenizer, api_key)
+            system.prestarted = prestarted
         except BaseException:
             api_key.close()
             raise
@@ -151,7 +157,7 @@ class System:
 
             start = gang_fleet
         return build_rollout(self.cfg, self.tokenizer, log_dir, seed=self.cfg.experiment.seed, start=start,
-                             api_key=self.api_key)
+                             api_key=self.api_key, prestarted=self.prestarted if start is None else None)
 
     def _start_sync(self) -> None:
         from miles_lite.weight_sync.factory import build_coordinator

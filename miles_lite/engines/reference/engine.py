@@ -204,8 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     return run_from_args(parser.parse_args(argv))
 
 
+def prestart_main(argv: list[str]) -> int:
+    """`--prestart-fd FD --prestart-log PATH`: load the libraries, then serve the argv received on FD."""
+    from miles_lite.engines.reference.prestart import wait_and_serve
+
+    parser = argparse.ArgumentParser(prog="miles_lite.engines.reference.engine")
+    parser.add_argument("--prestart-fd", type=int, required=True)
+    parser.add_argument("--prestart-log", required=True)
+    args = parser.parse_args(argv)
+    return wait_and_serve(args.prestart_fd, args.prestart_log, main)
+
+
 if __name__ == "__main__":
-    code = main()
+    code = prestart_main(sys.argv[1:]) if "--prestart-fd" in sys.argv else main()
     from miles_lite.net.process_exit import before_interpreter_exit
 
     before_interpreter_exit()  # the trainer waits for this process to end when it stops the engine
