@@ -70,11 +70,16 @@ def test_default_run_keeps_its_key_out_of_argv_environment_and_run_dir(tmp_path:
                 seen[pid] = (cmdline, environ)
                 argv = cmdline.split(b"\0")
                 if b"--api-key-file" in argv:
-                    path = argv[argv.index(b"--api-key-file") + 1].decode()
-                    key_files.add(path)
-                    key = _read(path)
-                    if key:
-                        keys.add(key.strip())
+                    key_files.add(argv[argv.index(b"--api-key-file") + 1].decode())
+            # Engines started ahead get their argv over a socket: the launcher writes it to the engine's log.
+            for log_file in (tmp_path / "keys" / "logs").glob("reference-*.log"):
+                words = (_read(str(log_file)) or b"").split(b"\n", 1)[0].split()
+                if b"--api-key-file" in words[:-1]:
+                    key_files.add(words[words.index(b"--api-key-file") + 1].decode())
+            for path in key_files:
+                key = _read(path)
+                if key:
+                    keys.add(key.strip())
             time.sleep(0.2)  # the sampling period of the process table
     log = (tmp_path / "out.log").read_bytes()
     assert proc.returncode == 0, log[-3000:].decode(errors="replace")
