@@ -157,11 +157,32 @@ def prepare(work: Path, base: Path | None, threads: int) -> tuple[Path, Path, Pa
     return data["train"], data["eval"], base
 
 
+def tree_cpu_s(root: int) -> float:
+    """User + system CPU seconds of process `root` and every live descendant (from /proc)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / ticks)
+    total, todo = 0.0, [root]
+    while todo:
+        pid = todo.pop()
+        total += stats.get(pid, (0, 0.0))[1]
+        todo += [child for child, (parent, _) in stats.items() if parent == pid]
+    return total
+
+
 def stamped_run(cmd: list[str], env: dict[str, str], steps: int) -> dict:
-    """Run `cmd`, stamping its `step k/N` and `tokens k T` lines; its timings."""
+    """Run `cmd`, stamping its `step k/N` and `tokens k T` lines; its timings, and the CPU seconds its processes
+    spent per step between the end of step 1 and the end of the last (a figure the machine's load moves little)."""
     start = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     ends: dict[int, float] = {}
+    cpu: dict[int, float] = {}
     tokens: dict[int, float] = {}
     tail: list[str] = []
     assert proc.stdout is not None
@@ -169,7 +190,10 @@ def stamped_run(cmd: list[str], env: dict[str, str], steps: int) -> dict:
         now = time.monotonic() - start
         tail = (tail + [line])[-60:]
         if line.startswith("step ") and "/" in line:
-            ends[int(line.split()[1].split("/")[0])] = now
+            k = int(line.split()[1].split("/")[0])
+            ends[k] = now
+            if k in (1, steps):
+                cpu[k] = tree_cpu_s(proc.pid)
         elif line.startswith("tokens "):
             _, k, n = line.split()
             tokens[int(k)] = float(n)
@@ -179,7 +203,7 @@ def stamped_run(cmd: list[str], env: dict[str, str], steps: int) -> dict:
         raise SystemExit(f"run failed (exit {code}, {len(ends)}/{steps} steps): {' '.join(cmd)}\n{''.join(tail)}")
     times = [ends[k] - ends[k - 1] for k in range(2, steps + 1)]
     return {"first_step_s": ends[1], "step_s": statistics.median(times), "step_s_all": times, "wall_s": wall,
-            "tokens": tokens}
+            "tokens": tokens, "cpu_per_step_s": (cpu[steps] - cpu[1]) / max(steps - 1, 1)}
 
 
 def miles_cmd(model: Path, train: Path, steps: int, seed: int, out: Path) -> list[str]:
@@ -238,16 +262,18 @@ def table(report: dict) -> str:
     runs = report["runs"]
     by = {(r["side"], r["seed"]): r for r in runs}
     seeds = sorted({r["seed"] for r in runs})
-    lines = [f"{'seed':>4}  {'side':<10} {'first step s':>12} {'step s':>8} {'tok/s':>8} {'wall s':>7} {'held-out':>9}"]
+    lines = [f"{'seed':>4}  {'side':<10} {'first step s':>12} {'step s':>8} {'CPU s/step':>10} {'tok/s':>8} "
+             f"{'wall s':>7} {'held-out':>9}"]
     for seed in seeds:
         for side in ("trl", "miles"):
             r = by[(side, seed)]
             acc = r["accuracy"]["correct"] / r["accuracy"]["n"]
-            lines.append(f"{seed:>4}  {side:<10} {r['first_step_s']:12.2f} {r['step_s']:8.3f} {r['tokens_per_s']:8.0f} "
-                         f"{r['wall_s']:7.1f} {100 * acc:8.1f}%")
+            lines.append(f"{seed:>4}  {side:<10} {r['first_step_s']:12.2f} {r['step_s']:8.3f} "
+                         f"{r['cpu_per_step_s']:10.3f} {r['tokens_per_s']:8.0f} {r['wall_s']:7.1f} {100 * acc:8.1f}%")
     lines.append("")
     lines.append(f"{'median (min-max)':<26} {'TRL':>24} {'miles-lite':>24} {'miles-lite / TRL':>24}")
-    for key, name in (("step_s", "step time s"), ("first_step_s", "launch to first step s"),
+    for key, name in (("step_s", "step time s"), ("cpu_per_step_s", "CPU s per step"),
+                      ("first_step_s", "launch to first step s"),
                       ("tokens_per_s", "tokens/s"), ("wall_s", "launch to exit s")):
         trl = [by[("trl", s)][key] for s in seeds]
         miles = [by[("miles", s)][key] for s in seeds]

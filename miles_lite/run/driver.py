@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,7 +188,8 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
                                relay=system.relay, **refill_hooks(system, data, rewards))
     try:
         for step in range(first_step, cfg.experiment.steps):
-            rl_step(system, data, io, rollouts, step, held_out, eval_sets, handoff, rewards)
+            rl_step(system, data, io, rollouts, step, held_out, eval_sets, handoff, rewards,
+                    go_on=lambda: not stop.requested)
             summary.steps_done = step + 1
             if stop.requested:
                 summary.stopped_by_signal = True
@@ -310,6 +312,14 @@ def refill_hooks(system: System, data: PromptSource, rewards: RewardLog | None =
             "more_prompts": lambda n: system.encoder.prompt_specs(data.next_batch(n))}
 
 
+def starts_next_now(cfg: MilesConfig, step: int, handoff: Handoff, evaluates: bool) -> bool:
+    """Whether synchronous rollouts start the next step's generation right after this step's push: not after
+    the last step, not before an evaluation (it runs with no generation in flight), not where the roles hand
+    the device over (the next step wakes the engines first)."""
+    return (cfg.rollout.async_steps == 0 and step + 1 < cfg.experiment.steps and not handoff.enabled
+            and not (evaluates and eval_due(cfg, step + 1)))
+
+
 def eval_due(cfg: MilesConfig, step: int) -> bool:
     """Whether step `step` starts with a held-out evaluation: every `experiment.eval_every` steps done."""
     every = cfg.experiment.eval_every
@@ -318,7 +328,8 @@ def eval_due(cfg: MilesConfig, step: int) -> bool:
 
 def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int,
             held_out: list | None = None, eval_sets: list[EvalSet] | None = None,
-            handoff: Handoff | None = None, rewards: RewardLog | None = None) -> None:
+            handoff: Handoff | None = None, rewards: RewardLog | None = None,
+            go_on: Callable[[], bool] | None = None) -> None:
     """One RL step; with `rollout.async_steps=N` the next N steps' generation overlaps its training.
 
     When `eval_due`, the held-out problems are evaluated (greedy) on the weights of the steps done so
@@ -371,6 +382,10 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         rollouts.resume()
     handoff.measure("sync")
     io.report_sync(sync_report, sync_seconds)
+    if go_on is not None and starts_next_now(cfg, step, handoff, bool(held_out or eval_sets)) and go_on():
+        # Synchronous rollouts: the next step's prompts generate on the weights just pushed while this step's
+        # metrics and rollout table are written (what the next step would do first, done now).
+        start_rollouts(system, data, rollouts)
     tools = tool_stats(groups) if cfg.rollout.environment else {}
     stats: dict[str, Any] = {**reward_stats(groups), **tools, **algo_stats, **train_stats, **timer.stats(),
                              **handoff.stats(),

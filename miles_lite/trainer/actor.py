@@ -236,7 +236,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
             handle, vocab = self.teacher, min(self.teacher.spec.vocab_size, self.policy.spec.vocab_size)
         local: dict[int, list[float]] = {}
         precision = contextlib.nullcontext() if quantized else fp8_off(handle.model.config)
-        with cpu_compat.device_mode(), swap, precision:
+        with cpu_compat.compute_mode(), swap, precision:
             handle.model.eval()
             # TE caches FP8 copies of the weights after the first micro-batch; the weights may have
             # changed since the last call (optimizer step, weight load), so re-quantize them.
@@ -366,6 +366,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
             self.policy.model.set_is_first_microbatch()
             self.ddp.zero_grad_buffer()
             self.optimizer.zero_grad()
+        with cpu_compat.compute_mode():
             for mb in self._micro_batches(batch):
                 self._route(mb, batch)
                 loss, stats, share = micro_loss(mb)
@@ -378,6 +379,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
                 # DDP averages gradients over DP ranks; the shares already sum to 1 over all ranks.
                 (loss * (share * self.par.dp_size)).backward()
                 parts.append((share, stats))
+        with cpu_compat.device_mode():
             if self.policy.spec.is_moe:
                 scale_expert_grads(self.ddp, self.par.tp_size)
             self._finalize_grads([self.ddp])
