@@ -190,3 +190,25 @@ def test_evaluation_sets_and_data_identity_from_the_config(tmp_path: Path) -> No
     identity = data_identity(cfg.data)
     assert identity == {"source": "records", **records_identity(train, RecordKeys(prompt_key="p"))}
     assert data_identity(load_config([]).data)["source"] == "synthetic"
+
+
+class CountingTokenizer(ChatTokenizer):
+    renders = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        CountingTokenizer.renders += 1
+        return super().apply_chat_template(messages, add_generation_prompt, tokenize)
+
+
+def test_each_record_is_rendered_once_and_drawn_again_unchanged() -> None:
+    encoder = PromptEncoder(CountingTokenizer(), "default")
+    records = [Record(f"q{i}", None, "x") for i in range(3)]
+    first = encoder.prompt_specs(list(enumerate(records)))
+    again = encoder.prompt_specs([(2, records[2]), (0, records[0])])
+    assert CountingTokenizer.renders == 3
+    assert (again[0].prompt_ids, again[0].prompt_text) == (first[2].prompt_ids, first[2].prompt_text)
+    assert again[1].record is records[0] and again[1].prompt_index == 0
+    # Two records with the same text are two records (hashed by identity): each rendered once.
+    twin = Record("q0", None, "x")
+    encoder.prompt_specs([(9, twin)])
+    assert CountingTokenizer.renders == 4
