@@ -36,6 +36,7 @@ from miles_lite.checkpoint.driver_state import DriverState, restore_driver_rng
 from miles_lite.checkpoint.resume import resolve_resume, set_aside_newer
 from miles_lite.config import MilesConfig, to_yaml
 from miles_lite.config.changes import config_tree
+from miles_lite.config.weight_sync_choice import trainer_on_gpu
 from miles_lite.data.identity import data_identity
 from miles_lite.data.problems import EvalSet, load_eval_sets, load_problems
 from miles_lite.data.source import PromptSource
@@ -160,7 +161,9 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
 def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: StopRequest, train_problems: list,
          held_out: list, summary: RunSummary, start: float, eval_sets: list[EvalSet] | None) -> None:
     cfg = system.cfg
-    startup_heap.settle()  # the roles are up: collections resume (when the entry point paused them)
+    # The roles are up: collections resume (when the entry point paused them). A GPU run first frees the start-up
+    # garbage (it could hold device memory); a CPU run's is small and its start-up seconds count.
+    startup_heap.settle(collect=trainer_on_gpu(cfg))
     system.report_fleet_events(io.log)
     handoff = Handoff(system)
     handoff.for_training()  # a resume loads the trainer's whole state; a fresh run's warm-up trains

@@ -172,7 +172,7 @@ async def serve(args: argparse.Namespace, api_key: str | None) -> None:
     else:
         site = web.TCPSite(runner, args.host, args.port)
     await site.start()
-    heap.settle()  # loaded and listening: collections resume (the process's own start paused them)
+    heap.settle()  # loaded and listening: collections resume (the process's own start paused them; CPU only)
     log.info("reference engine serving %s on %s (weight_version=%s, %s)", args.model_path, site.name,
              server.weight_version, "API key required" if api_key else "no API key: open to anyone reaching it")
     stop = asyncio.Event()
