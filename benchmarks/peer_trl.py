@@ -18,8 +18,9 @@ else partial credit), passed to TRL's `reward_funcs` and to miles-lite's `reward
 Settings, both sides: 8 prompts x 8 completions a step, at most 12 new tokens, temperature 1, learning rate
 5e-4 (5 warm-up steps, cosine to 5e-5), AdamW betas (0.9, 0.98), gradient clip 1.0, no KL, clip range
 0.2 / 0.28, token-mean loss over every completion token, advantages normalised by the group's std, one
-optimizer step per batch. miles-lite: synchronous rollouts (`rollout.async_steps=0`) on one reference engine
-(`rollout.engines=1`), evaluation and presampling off (the benchmark evaluates). Every process gets
+optimizer step per batch. miles-lite: synchronous rollouts (`rollout.async_steps=0`, as TRL generates;
+`--async-steps 1` for one-step-off) on one reference engine (`rollout.engines=1`), evaluation and presampling off
+(the benchmark evaluates). Every process gets
 `OMP_NUM_THREADS=--threads`; miles-lite's trainer and engine use one torch thread each (their defaults).
 
 Each pair runs TRL and miles-lite one after the other (the order alternates), each as a user would start it
@@ -206,13 +207,13 @@ def stamped_run(cmd: list[str], env: dict[str, str], steps: int) -> dict:
             "tokens": tokens, "cpu_per_step_s": (cpu[steps] - cpu[1]) / max(steps - 1, 1)}
 
 
-def miles_cmd(model: Path, train: Path, steps: int, seed: int, out: Path) -> list[str]:
+def miles_cmd(model: Path, train: Path, steps: int, seed: int, out: Path, async_steps: int = 0) -> list[str]:
     return [sys.executable, "-m", "miles_lite.cli", "train", f"model.hf_path={model}", "data.source=records",
             f"data.train_path={train}", "data.prompt_key=prompt", "data.presample.enabled=false",
             f"data.shuffle_seed={seed}", "rewards.set=none", "rewards.custom=peer_trl:reversed_letters",
             "experiment.warmup=none", "experiment.eval_size=0", f"experiment.steps={steps}", f"experiment.seed={seed}",
             f"experiment.output_dir={out}", "experiment.run_name=run", "observability.progress=false",
-            "rollout.engines=1", "rollout.async_steps=0", f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
+            "rollout.engines=1", f"rollout.async_steps={async_steps}", f"rollout.prompts_per_step={PROMPTS_PER_STEP}",
             f"rollout.group_size={GROUP}", f"rollout.max_new_tokens={MAX_NEW}", "rollout.temperature=1.0",
             f"trainer.lr={LR}", f"trainer.min_lr={MIN_LR}", f"trainer.lr_warmup_steps={WARMUP}",
             "trainer.lr_schedule=cosine", "trainer.adam_beta2=0.98", "trainer.clip_grad=1.0", "algo=grpo",
@@ -241,7 +242,8 @@ def one_run(side: str, args: argparse.Namespace, seed: int, work: Path, train: P
         result = stamped_run(cmd, env, args.steps)
         final = out / "final"
     else:
-        result = stamped_run(miles_cmd(base, train, args.steps, seed, out) + list(args.overrides), env, args.steps)
+        cmd = miles_cmd(base, train, args.steps, seed, out, args.async_steps) + list(args.overrides)
+        result = stamped_run(cmd, env, args.steps)
         result["tokens"] = miles_tokens(out / "run")
         final = out / "final_hf"
         run_checked([sys.executable, "-m", "miles_lite.cli", "convert", "--to-hf", str(out / "run" / "checkpoints"),
@@ -301,6 +303,7 @@ def table(report: dict) -> str:
                  f"{'met' if abs(diff_se) <= GOAL_SE else 'NOT met'} (pooled over {len(seeds)} runs a side)")
     cond = report["conditions"]
     lines.append(f"conditions: {cond['cpus']} CPUs, OMP_NUM_THREADS={cond['threads']}, {cond['steps']} steps a run, "
+                 f"miles-lite rollout.async_steps={cond.get('async_steps', 0)}, "
                  f"load average {cond['load_before']:.2f} before, {cond['load_after']:.2f} after; "
                  f"{cond['versions']}")
     return "\n".join(lines)
@@ -317,6 +320,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process (TRL's threads)")
+    parser.add_argument("--async-steps", type=int, default=0,
+                        help="miles-lite's rollout.async_steps (0: synchronous, TRL's schedule; 1: one-step-off)")
     parser.add_argument("--base", type=Path, default=None, help="start both from this HF directory")
     parser.add_argument("--work", type=Path, default=None, help="keep runs here (default: a temporary directory)")
     parser.add_argument("--table", type=Path, default=None, help="print the tables of a saved peer_trl.json")
@@ -349,6 +354,7 @@ def main() -> None:
                   flush=True)
             runs.append(run)
     report = {"runs": runs, "conditions": {"cpus": os.cpu_count(), "threads": args.threads, "steps": args.steps,
+                                           "async_steps": args.async_steps,
                                            "load_before": load_before, "load_after": load_average(),
                                            "versions": versions(), "overrides": list(args.overrides)}}
     (work / "peer_trl.json").write_text(json.dumps(report, indent=1))
