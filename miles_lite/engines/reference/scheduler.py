@@ -1,9 +1,17 @@
 """Continuous batching for the reference engine: requests join and leave a shared decode batch step by step.
 
 One scheduler task owns the batch. Each iteration it either prefills newly admitted requests (as one padded
-batch, then merges them into the running batch) or decodes one token for every running request. Model work
+batch, then merges them into the running batch) or decodes tokens for every running request. Model work
 runs on a single worker thread, so the event loop keeps answering HTTP (aborts, health, load) during a step,
 and weight updates queued on the same thread land between steps.
+
+A decode call runs a burst of up to `DECODE_BURST` steps on the model thread: it stops after the first step
+that would finish any request (end of sequence, a stop token, its token budget or the context) and as soon as
+the loop has something for the model (a new request or probe, an abort, a pause, a weight update: `_interrupt`).
+The loop then accepts the burst's tokens step by step, exactly as it would have accepted them one step at a
+time; what a burst saves is the round trip through the event loop per token (a thread hop, a future, the
+loop's bookkeeping), which on a small model cost more than the model. Requests with stop strings decode one
+step per call (a stop string is seen only in decoded text).
 
 Request lifecycle: WAITING -> RUNNING -> FINISHED, or WAITING/RUNNING -> FINISHED by abort; `retract` pauses
 send RUNNING requests back to WAITING (their KV cache is recomputed, with the then-current weights, on resume).
@@ -14,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import functools
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -27,6 +36,9 @@ import torch
 from miles_lite.engines.reference.model import KVBatch, ReferenceModel
 from miles_lite.engines.reference.routing import encode_routed
 from miles_lite.engines.reference.sampling import RequestSampling, make_generator, sample_next
+
+# Decode steps one model-thread call runs at most (see the module docstring).
+DECODE_BURST = 64
 
 
 class ReqState(enum.Enum):
@@ -96,6 +108,8 @@ class Scheduler:
         self._paused = False
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
+        # Set by the loop when it needs the model thread (see the module docstring): a burst ends at it.
+        self._interrupt = threading.Event()
 
     # ---- lifecycle -------------------------------------------------------------------------------------------
 
@@ -115,7 +129,11 @@ class Scheduler:
         self._executor.shutdown(wait=True)
 
     async def run_on_model(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run `fn(*args)` on the model thread, after any step already queued there."""
+        """Run `fn(*args)` on the model thread, after the step now running there (a decode burst ends early)."""
+        self._interrupt.set()
+        return await self._on_model(fn, *args)
+
+    async def _on_model(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
 
     # ---- requests --------------------------------------------------------------------------------------------
@@ -139,6 +157,7 @@ class Scheduler:
                 raise ValueError(f"Duplicate request ID {req.rid!r} is already in flight")
             self._by_rid[req.rid] = req
         (self._probes if req.probe else self._waiting).append(req)
+        self._interrupt.set()
         self._wake.set()
         try:
             return await req.future
@@ -156,12 +175,14 @@ class Scheduler:
         targets = list(self._by_rid.values()) if rid is None else [r for r in [self._by_rid.get(rid)] if r]
         for req in targets:
             self._finish(req, {"type": "abort", "message": message, "status_code": None, "err_type": None})
+        self._interrupt.set()
         self._wake.set()
         return len(targets)
 
     def pause(self, mode: PauseMode) -> None:
         """Stop scheduling new work; see `PauseMode` for what happens to requests in flight."""
         self._paused = True
+        self._interrupt.set()
         if mode is PauseMode.ABORT:
             self.abort(None)
         elif mode is PauseMode.RETRACT:
@@ -233,8 +254,8 @@ class Scheduler:
             self._batch = ReferenceModel.select(self._batch, keep) if self._batch is not None else None
             self._running = [self._running[i] for i in keep]
 
-    def _banned(self, req: GenRequest) -> frozenset[int]:
-        if len(req.output_ids) >= req.sampling.min_new_tokens:
+    def _banned(self, req: GenRequest, produced: int | None = None) -> frozenset[int]:
+        if (len(req.output_ids) if produced is None else produced) >= req.sampling.min_new_tokens:
             return frozenset()
         eos = frozenset() if req.sampling.ignore_eos else self.model.eos_token_ids
         return eos | req.sampling.stop_token_ids
@@ -252,7 +273,7 @@ class Scheduler:
             req.state = ReqState.RUNNING
         starts = [r.logprob_start_len if r.return_logprob and r.logprob_start_len >= 0 and r.input_logprobs is None
                   else None for r in reqs]
-        result, tokens, logprobs = await self.run_on_model(self._prefill_compute, reqs, starts)
+        result, tokens, logprobs = await self._on_model(self._prefill_compute, reqs, starts)
         keep: list[int] = []
         for i, req in enumerate(reqs):
             if result.input_logprobs[i] is not None:
@@ -273,25 +294,47 @@ class Scheduler:
             self._batch = ReferenceModel.merge(self._batch, ReferenceModel.select(result.batch, keep))
             self._running.extend(reqs[i] for i in keep)
 
-    def _decode_compute(self, reqs: list[GenRequest], batch: KVBatch):
+    def _decode_burst(self, reqs: list[GenRequest], batch: KVBatch) -> tuple[KVBatch, list[tuple]]:
+        """Decode steps on the model thread until one would finish a request, the loop interrupts, or
+        `DECODE_BURST` steps; returns the batch and each step's (tokens, logprobs, routed experts)."""
+        last = [r.output_ids[-1] for r in reqs]
+        done = [len(r.output_ids) for r in reqs]
+        bursts = 1 if any(r.sampling.stop for r in reqs) else DECODE_BURST
+        steps: list[tuple] = []
         with self.model.lora.rows([r.adapter for r in reqs]):
-            batch, logits = self.model.decode(batch, [r.output_ids[-1] for r in reqs])
-        tokens, logprobs = sample_next(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
-                                       [self._banned(r) for r in reqs], self._original_logprob)
-        return batch, tokens, logprobs, self.model.last_decode_routed
+            for _ in range(bursts):
+                batch, logits = self.model.decode(batch, last)
+                tokens, logprobs = sample_next(logits, [r.sampling for r in reqs], [r.generator for r in reqs],
+                                               [self._banned(r, n) for r, n in zip(reqs, done, strict=True)],
+                                               self._original_logprob)
+                steps.append((tokens, logprobs, self.model.last_decode_routed))
+                done = [n + 1 for n in done]
+                if self._interrupt.is_set() or any(self._stops(r, t, n) for r, t, n in zip(reqs, tokens, done,
+                                                                                          strict=True)):
+                    break
+                last = tokens
+        return batch, steps
 
     async def _decode(self) -> None:
         reqs, batch = list(self._running), self._batch
-        new_batch, tokens, logprobs, routed = await self.run_on_model(self._decode_compute, reqs, batch)
+        self._interrupt.clear()
+        new_batch, steps = await self._on_model(self._decode_burst, reqs, batch)
         if reqs != self._running:
             return  # a retract pause dropped the batch while the step ran: discard this step's tokens
         self._batch = new_batch
-        for i, req in enumerate(reqs):
-            if req.return_routed_experts and routed is not None:
-                req.routed.append(routed[i][None])
-        for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
-            if req.state is ReqState.RUNNING:
-                self._accept(req, tok, lp)
+        for tokens, logprobs, routed in steps:
+            for i, req in enumerate(reqs):
+                if req.return_routed_experts and routed is not None and req.state is ReqState.RUNNING:
+                    req.routed.append(routed[i][None])
+            for req, tok, lp in zip(reqs, tokens, logprobs, strict=True):
+                if req.state is ReqState.RUNNING:
+                    self._accept(req, tok, lp)
+
+    def _stops(self, req: GenRequest, token: int, length: int) -> bool:
+        """Whether `_accept` would finish `req` on `token` as its `length`-th output (stop strings aside)."""
+        sp = req.sampling
+        return ((not sp.ignore_eos and token in self.model.eos_token_ids) or token in sp.stop_token_ids
+                or length >= sp.max_new_tokens or len(req.input_ids) + length >= self.model.max_positions)
 
     def _accept(self, req: GenRequest, token: int, logprob: float) -> bool:
         """Append a sampled token, finish the request if a stop condition holds; True if it keeps running."""
