@@ -127,7 +127,8 @@ def load_average() -> float:
 
 
 def env_for(threads: int) -> dict[str, str]:
-    path = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), os.environ.get("PYTHONPATH", "")])
+    path = os.pathsep.join([str(ROOT), str(ROOT / "benchmarks"), str(ROOT / "examples"),
+                            os.environ.get("PYTHONPATH", "")])
     return {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
             "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 

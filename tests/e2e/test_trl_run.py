@@ -1,6 +1,7 @@
 """A TRL user's data and reward functions, unchanged, through `miles-lite train`: TRL's shipped rewards (and
 its factories, called with their arguments) on conversational records from a `datasets` save_to_disk folder
-and on raw string prompts from Parquet shards; evaluation sets from `Dataset.to_json` and `.arrow` files; a
+and on raw string prompts from Parquet shards by glob; evaluation data from `Dataset.to_json`, a JSON array and
+an `.arrow` file (a list of files, in order); a
 reward that reads `trainer_state` and logs with `log_metric` / `log_extra`; a bare factory refused before any
 work with the call to write."""
 
@@ -50,9 +51,11 @@ def _chat(i: int) -> dict:
 
 def test_trl_rewards_on_conversational_records_from_a_datasets_folder(tmp_path: Path):
     Dataset.from_list([_chat(i) for i in range(8)]).save_to_disk(str(tmp_path / "train"))
-    Dataset.from_list([_chat(i) for i in range(10, 13)]).to_json(tmp_path / "dev.json")  # JSON Lines in .json
+    Dataset.from_list([_chat(i) for i in range(10, 12)]).to_json(tmp_path / "dev.json")  # JSON Lines in .json
+    (tmp_path / "more.json").write_text(json.dumps([_chat(12)], indent=1))  # one JSON array
+    held_out = f'data.eval_path=["{tmp_path / "dev.json"}","{tmp_path / "more.json"}"]'  # several files, in order
     proc = _train(tmp_path, "data.source=records", f"data.train_path={tmp_path / 'train'}", "data.prompt_key=prompt",
-                  f"data.eval_path={tmp_path / 'dev.json'}", "experiment.eval_size=3", "rewards.set=none",
+                  held_out, "experiment.eval_size=3", "rewards.set=none",
                   "rewards.custom=[trl.rewards:accuracy_reward, trl.rewards:think_format_reward,"
                   " trl.rewards:reasoning_accuracy_reward,"
                   " 'trl.rewards:get_soft_overlong_punishment(max_completion_len=8, soft_punish_cache=4)',"
@@ -80,6 +83,7 @@ def test_trl_rewards_on_conversational_records_from_a_datasets_folder(tmp_path: 
     assert [s["log_metric/progress"] for s in steps] == [0.0, 0.5]
     summary = json.loads((run / "summary.json").read_text())
     assert "eval/held_out/avg@1" in summary["before"] and "eval/held_out/avg@1" in summary["after"]
+    assert "set 'held_out' (3 prompts, k=1)" in proc.stdout  # both files read
 
 
 def test_trl_rewards_on_raw_string_prompts_from_parquet_shards(tmp_path: Path):
