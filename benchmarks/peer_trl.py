@@ -1,8 +1,9 @@
 """miles-lite against TRL's GRPOTrainer on the same work: the letters task (reverse three letters), the same
-tiny weights, prompts, reward and settings, run in interleaved pairs.
+tiny weights, prompts, reward and settings, run in interleaved rounds.
 
-    python benchmarks/peer_trl.py                          # 6 pairs of 150 GRPO steps, one thread each
+    python benchmarks/peer_trl.py                          # 6 rounds of 150 GRPO steps, one thread each
     python benchmarks/peer_trl.py --pairs 8 --steps 60     # other counts
+    python benchmarks/peer_trl.py --variants miles         # TRL against synchronous miles-lite only
     python benchmarks/peer_trl.py --threads 2              # TRL (and each miles-lite process) on 2 threads
     python benchmarks/peer_trl.py --table DIR/peer_trl.json   # the tables of a saved run
 
@@ -18,19 +19,21 @@ else partial credit), passed to TRL's `reward_funcs` and to miles-lite's `reward
 Settings, both sides: 8 prompts x 8 completions a step, at most 12 new tokens, temperature 1, learning rate
 5e-4 (5 warm-up steps, cosine to 5e-5), AdamW betas (0.9, 0.98), gradient clip 1.0, no KL, clip range
 0.2 / 0.28, token-mean loss over every completion token, advantages normalised by the group's std, one
-optimizer step per batch. miles-lite: synchronous rollouts (`rollout.async_steps=0`, as TRL generates;
-`--async-steps 1` for one-step-off) on one reference engine (`rollout.engines=1`), evaluation and presampling off
-(the benchmark evaluates). Every process gets
-`OMP_NUM_THREADS=--threads`; miles-lite's trainer and engine use one torch thread each (their defaults).
+optimizer step per batch. miles-lite runs on one reference engine (`rollout.engines=1`) with evaluation and
+presampling off (the benchmark evaluates), twice a round: with synchronous rollouts (`rollout.async_steps=0`:
+each step generates on the weights it trains, as TRL does) and one-step-off (`rollout.async_steps=1`: the next
+step generates while this one trains; `--variants` picks). Every process gets `OMP_NUM_THREADS=--threads`;
+miles-lite's trainer and engine use one torch thread each (their defaults).
 
-Each pair runs TRL and miles-lite one after the other (the order alternates), each as a user would start it
-(a fresh process), pair i with seed i. From each run's output, stamped as it arrives: launch to the end of the
-first step, each later step's wall time (median per run), completion tokens per second of step time, and
-launch to exit. Held-out accuracy: both final models decode the 128 held-out prompts greedily with the same
-transformers code (exact reversal). Printed per pair, then min/median/max per side and of the per-pair ratios
-miles-lite / TRL, and the accuracies' difference in standard errors. Goals: step time <= 0.8x TRL's, time to
-the first step <= TRL's, held-out accuracy equal within 2 standard errors. The 1-minute load average is printed
-before and after: on a shared machine, compare only interleaved numbers.
+Each round runs TRL and the miles-lite variants one after the other (the order rotates), each as a user would
+start it (a fresh process), round i with seed i. From each run's output, stamped as it arrives: launch to the
+end of the first step, each later step's wall time (median per run), the CPU seconds its processes spent per
+step, completion tokens per second of step time, and launch to exit. Held-out accuracy: every final model
+decodes the 128 held-out prompts greedily with the same transformers code (exact reversal). Printed per round,
+then for each miles-lite variant min/median/max against TRL's and of the per-round ratios to TRL, and the
+accuracies' difference in standard errors. Goals: step time <= 0.8x TRL's, time to the first step <= TRL's,
+held-out accuracy equal within 2 standard errors. The 1-minute load average is printed before and after: on a
+shared machine, compare only interleaved numbers.
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ ROOT = Path(__file__).resolve().parents[1]
 LETTERS = ROOT / "examples" / "tasks" / "letters"
 PROMPTS_PER_STEP, GROUP, MAX_NEW, LR, MIN_LR, WARMUP = 8, 8, 12, 5e-4, 5e-5, 5
 GOAL_STEP_RATIO, GOAL_FIRST_RATIO, GOAL_SE = 0.8, 1.0, 2.0
+# miles-lite's variants: synchronous rollouts (TRL's schedule: each step generates on the weights it trains) and
+# one-step-off (the next step generates while this one trains, on weights one push older; importance-corrected).
+ASYNC_STEPS = {"miles": 0, "miles-async": 1}
+NAMES = {"trl": "TRL", "miles": "miles-lite", "miles-async": "miles-lite one-step-off"}
 
 
 def reversed_letters(completions, label, **kwargs):
@@ -243,7 +250,7 @@ def one_run(side: str, args: argparse.Namespace, seed: int, work: Path, train: P
         result = stamped_run(cmd, env, args.steps)
         final = out / "final"
     else:
-        cmd = miles_cmd(base, train, args.steps, seed, out, args.async_steps) + list(args.overrides)
+        cmd = miles_cmd(base, train, args.steps, seed, out, ASYNC_STEPS[side]) + list(args.overrides)
         result = stamped_run(cmd, env, args.steps)
         result["tokens"] = miles_tokens(out / "run")
         final = out / "final_hf"
@@ -261,50 +268,51 @@ def spread(values: list[float]) -> str:
     return f"{statistics.median(values):8.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
+def _accuracy(by: dict, side: str, seeds: list[int]) -> tuple[float, int]:
+    right = sum(by[(side, s)]["accuracy"]["correct"] for s in seeds)
+    n = sum(by[(side, s)]["accuracy"]["n"] for s in seeds)
+    return right / n, n
+
+
 def table(report: dict) -> str:
     runs = report["runs"]
     by = {(r["side"], r["seed"]): r for r in runs}
     seeds = sorted({r["seed"] for r in runs})
-    lines = [f"{'seed':>4}  {'side':<10} {'first step s':>12} {'step s':>8} {'CPU s/step':>10} {'tok/s':>8} "
+    sides = [side for side in NAMES if any(r["side"] == side for r in runs)]
+    lines = [f"{'seed':>4}  {'side':<12} {'first step s':>12} {'step s':>8} {'CPU s/step':>10} {'tok/s':>8} "
              f"{'wall s':>7} {'held-out':>9}"]
     for seed in seeds:
-        for side in ("trl", "miles"):
+        for side in sides:
             r = by[(side, seed)]
             acc = r["accuracy"]["correct"] / r["accuracy"]["n"]
-            lines.append(f"{seed:>4}  {side:<10} {r['first_step_s']:12.2f} {r['step_s']:8.3f} "
+            lines.append(f"{seed:>4}  {side:<12} {r['first_step_s']:12.2f} {r['step_s']:8.3f} "
                          f"{r['cpu_per_step_s']:10.3f} {r['tokens_per_s']:8.0f} {r['wall_s']:7.1f} {100 * acc:8.1f}%")
-    lines.append("")
-    lines.append(f"{'median (min-max)':<26} {'TRL':>24} {'miles-lite':>24} {'miles-lite / TRL':>24}")
-    for key, name in (("step_s", "step time s"), ("cpu_per_step_s", "CPU s per step"),
-                      ("first_step_s", "launch to first step s"),
-                      ("tokens_per_s", "tokens/s"), ("wall_s", "launch to exit s")):
-        trl = [by[("trl", s)][key] for s in seeds]
-        miles = [by[("miles", s)][key] for s in seeds]
-        ratios = [m / t for m, t in zip(miles, trl, strict=True)]
-        lines.append(f"{name:<26} {spread(trl):>24} {spread(miles):>24} {spread(ratios):>24}")
-    acc = {}
-    for side in ("trl", "miles"):
-        right = sum(by[(side, s)]["accuracy"]["correct"] for s in seeds)
-        n = sum(by[(side, s)]["accuracy"]["n"] for s in seeds)
-        acc[side] = (right / n, n)
-    (pt, nt), (pm, nm) = acc["trl"], acc["miles"]
-    se = math.sqrt(pt * (1 - pt) / nt + pm * (1 - pm) / nm) or 1e-9
-    diff_se = (pm - pt) / se
-    gap = f"{100 * (pm - pt):+.1f} points"
-    lines.append(f"{'held-out accuracy':<26} {100 * pt:23.1f}% {100 * pm:23.1f}% {gap:>24}")
-    step_ratio = statistics.median([by[("miles", s)]["step_s"] / by[("trl", s)]["step_s"] for s in seeds])
-    first_ratio = statistics.median([by[("miles", s)]["first_step_s"] / by[("trl", s)]["first_step_s"]
-                                     for s in seeds])
-    lines.append("")
-    lines.append(f"goal step time <= {GOAL_STEP_RATIO}x TRL: {step_ratio:.2f}x "
-                 f"{'met' if step_ratio <= GOAL_STEP_RATIO else 'NOT met'}")
-    lines.append(f"goal time to first step <= TRL: {first_ratio:.2f}x "
-                 f"{'met' if first_ratio <= GOAL_FIRST_RATIO else 'NOT met'}")
-    lines.append(f"goal equal held-out accuracy: difference {diff_se:+.2f} SE "
-                 f"{'met' if abs(diff_se) <= GOAL_SE else 'NOT met'} (pooled over {len(seeds)} runs a side)")
+    pt, nt = _accuracy(by, "trl", seeds)
+    for side in sides[1:]:
+        lines += ["", f"{'median (min-max)':<24} {'TRL':>24} {NAMES[side]:>24} {'ratio to TRL':>24}"]
+        for key, name in (("step_s", "step time s"), ("cpu_per_step_s", "CPU s per step"),
+                          ("first_step_s", "launch to first step s"), ("tokens_per_s", "tokens/s"),
+                          ("wall_s", "launch to exit s")):
+            trl = [by[("trl", s)][key] for s in seeds]
+            ours = [by[(side, s)][key] for s in seeds]
+            ratios = [m / t for m, t in zip(ours, trl, strict=True)]
+            lines.append(f"{name:<24} {spread(trl):>24} {spread(ours):>24} {spread(ratios):>24}")
+        pm, nm = _accuracy(by, side, seeds)
+        se = math.sqrt(pt * (1 - pt) / nt + pm * (1 - pm) / nm) or 1e-9
+        diff_se = (pm - pt) / se
+        gap = f"{100 * (pm - pt):+.1f} points"
+        lines.append(f"{'held-out accuracy':<24} {100 * pt:23.1f}% {100 * pm:23.1f}% {gap:>24}")
+        step_ratio = statistics.median([by[(side, s)]["step_s"] / by[("trl", s)]["step_s"] for s in seeds])
+        first_ratio = statistics.median([by[(side, s)]["first_step_s"] / by[("trl", s)]["first_step_s"]
+                                         for s in seeds])
+        lines.append(f"goals of {NAMES[side]}: step time {step_ratio:.2f}x TRL (<= {GOAL_STEP_RATIO}: "
+                     f"{'met' if step_ratio <= GOAL_STEP_RATIO else 'NOT met'}), time to first step {first_ratio:.2f}x "
+                     f"(<= {GOAL_FIRST_RATIO:g}: {'met' if first_ratio <= GOAL_FIRST_RATIO else 'NOT met'}), "
+                     f"held-out accuracy {diff_se:+.2f} SE (within {GOAL_SE:g}: "
+                     f"{'met' if abs(diff_se) <= GOAL_SE else 'NOT met'}; {len(seeds)} runs a side pooled)")
     cond = report["conditions"]
+    lines.append("")
     lines.append(f"conditions: {cond['cpus']} CPUs, OMP_NUM_THREADS={cond['threads']}, {cond['steps']} steps a run, "
-                 f"miles-lite rollout.async_steps={cond.get('async_steps', 0)}, "
                  f"load average {cond['load_before']:.2f} before, {cond['load_after']:.2f} after; "
                  f"{cond['versions']}")
     return "\n".join(lines)
@@ -321,8 +329,8 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=6)
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every process (TRL's threads)")
-    parser.add_argument("--async-steps", type=int, default=0,
-                        help="miles-lite's rollout.async_steps (0: synchronous, TRL's schedule; 1: one-step-off)")
+    parser.add_argument("--variants", nargs="+", choices=tuple(ASYNC_STEPS), default=list(ASYNC_STEPS),
+                        help="miles-lite's runs: synchronous rollouts (miles), one-step-off (miles-async)")
     parser.add_argument("--base", type=Path, default=None, help="start both from this HF directory")
     parser.add_argument("--work", type=Path, default=None, help="keep runs here (default: a temporary directory)")
     parser.add_argument("--table", type=Path, default=None, help="print the tables of a saved peer_trl.json")
@@ -345,17 +353,17 @@ def main() -> None:
     load_before = load_average()
     train, held, base = prepare(work, args.base, args.threads)
     runs = []
+    sides = ["trl", *args.variants]
     for seed in range(args.pairs):
-        order = ("trl", "miles") if seed % 2 == 0 else ("miles", "trl")
-        for side in order:
+        shift = seed % len(sides)  # each run kind goes first, in the middle and last as often as the others
+        for side in sides[shift:] + sides[:shift]:
             run = one_run(side, args, seed, work, train, held, base)
             acc = run["accuracy"]
-            print(f"seed {seed} {side:<5}: first step {run['first_step_s']:6.2f} s, step {run['step_s']:.3f} s, "
+            print(f"seed {seed} {side:<11}: first step {run['first_step_s']:6.2f} s, step {run['step_s']:.3f} s, "
                   f"{run['tokens_per_s']:.0f} tok/s, wall {run['wall_s']:.1f} s, held-out {acc['correct']}/{acc['n']}",
                   flush=True)
             runs.append(run)
     report = {"runs": runs, "conditions": {"cpus": os.cpu_count(), "threads": args.threads, "steps": args.steps,
-                                           "async_steps": args.async_steps,
                                            "load_before": load_before, "load_after": load_average(),
                                            "versions": versions(), "overrides": list(args.overrides)}}
     (work / "peer_trl.json").write_text(json.dumps(report, indent=1))
