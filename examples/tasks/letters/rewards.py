@@ -23,7 +23,14 @@ def reversed_letters(completions, label, **kwargs):
     return [_share_right(c, y) for c, y in zip(completions, label, strict=True)]
 
 
+# The best raw value: evaluation counts a sample right when it reaches it (rewards.success).
+reversed_letters.max_value = 1.0
+
+
 def sorted_letters(prompts, completions, **kwargs):
     """1.0 when the completion lists the prompt's letters in alphabetical order, partial credit otherwise."""
     wanted = [" ".join(sorted(p.split(":", 1)[1].split())) for p in prompts]
     return [_share_right(c, w) for c, w in zip(completions, wanted, strict=True)]
+
+
+sorted_letters.max_value = 1.0
