@@ -83,7 +83,7 @@ def test_trl_rewards_on_conversational_records_from_a_datasets_folder(tmp_path: 
     assert [s["log_metric/progress"] for s in steps] == [0.0, 0.5]
     summary = json.loads((run / "summary.json").read_text())
     assert "eval/held_out/avg@1" in summary["before"] and "eval/held_out/avg@1" in summary["after"]
-    assert "set 'held_out' (3 prompts, k=1)" in proc.stdout  # both files read
+    assert "set 'held_out' (3 prompts, k=1)" in proc.stdout + proc.stderr  # both files read
 
 
 def test_trl_rewards_on_raw_string_prompts_from_parquet_shards(tmp_path: Path):
