@@ -67,16 +67,17 @@ def run(args: argparse.Namespace) -> int:
 def _eval_math(args: argparse.Namespace, cfg) -> int:
     from transformers import AutoTokenizer
 
+    from miles_lite.config.views import EngineFleetConfig
     from miles_lite.data.encoding import PromptEncoder
     from miles_lite.data.problems import read_problems
     from miles_lite.engines.fleet_launch import build_rollout
     from miles_lite.evaluation.greedy import evaluate
     from miles_lite.rollout.prompt_spec import sampling_from_config
 
-    problems = read_problems(args.data, args.n if args.n or args.data != "synthetic" else 64, cfg)
+    problems = read_problems(args.data, args.n if args.n or args.data != "synthetic" else 64, cfg.data.synthetic)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     encoder = PromptEncoder(tokenizer, cfg.data.prompt_template)
-    rollout = build_rollout(cfg, tokenizer, args.log_dir)
+    rollout = build_rollout(EngineFleetConfig.of(cfg), tokenizer, args.log_dir)
     try:
         result = evaluate(rollout.manager, problems, encoder.render, encoder.encode,
                           sampling_from_config(cfg.rollout, stop_token_ids=encoder.stop_token_ids))
@@ -93,6 +94,7 @@ def _eval_sets(args: argparse.Namespace, cfg) -> int:
     from transformers import AutoTokenizer
 
     from miles_lite.config.schema import EvalSetConfig
+    from miles_lite.config.views import EngineFleetConfig
     from miles_lite.data.encoding import PromptEncoder
     from miles_lite.data.problems import EvalSet, load_data_file, load_eval_sets
     from miles_lite.engines.fleet_launch import build_rollout
@@ -101,10 +103,10 @@ def _eval_sets(args: argparse.Namespace, cfg) -> int:
     from miles_lite.run.task_check import check_task, run_reward_set
 
     if args.data is not None:
-        items = load_data_file(cfg, args.data)
+        items = load_data_file(cfg.data, args.data)
         sets = [EvalSet(Path(args.data).stem, EvalSetConfig(path=args.data), items[: args.n] if args.n else items)]
     else:
-        sets = load_eval_sets(cfg)
+        sets = load_eval_sets(cfg.data, cfg.experiment.eval_size)
     if not sets:
         raise ValueError("DATA 'sets' but no evaluation set is configured: set data.eval_sets (or data.eval_path "
                          "with data.source=records), or pass a data file")
@@ -113,7 +115,7 @@ def _eval_sets(args: argparse.Namespace, cfg) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     encoder = PromptEncoder(tokenizer, cfg.data.prompt_template, max_prompt_tokens=cfg.data.max_prompt_tokens)
     sampling = sampling_from_config(cfg.rollout, stop_token_ids=encoder.stop_token_ids, seed=cfg.experiment.seed)
-    rollout = build_rollout(cfg, tokenizer, args.log_dir)
+    rollout = build_rollout(EngineFleetConfig.of(cfg), tokenizer, args.log_dir)
     try:
         results = [evaluate_set(rollout.manager, s, encoder, sampling, reward_set) for s in sets]
     finally:

@@ -24,6 +24,7 @@ from typing import Any
 
 from miles_lite.config.compose import load_config
 from miles_lite.config.schema import MilesConfig
+from miles_lite.config.views import EngineFleetConfig
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.problems import read_problems
@@ -80,7 +81,7 @@ def _config(args: argparse.Namespace) -> MilesConfig:
 
 def _presample(cfg: MilesConfig, problems: list[MathProblem], tokenizer: Any, log_dir: str, seed: int,
                chunk: int) -> PresampleReport:
-    rollout = build_rollout(cfg, tokenizer, log_dir, seed=seed)
+    rollout = build_rollout(EngineFleetConfig.of(cfg), tokenizer, log_dir, seed=seed)
     try:
         encoder = PromptEncoder(tokenizer, cfg.data.prompt_template)
 
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the presampling job; returns the process exit code (2 for bad arguments)."""
     try:
         cfg = _config(args)
-        problems = read_problems(args.data, args.n, cfg)
+        problems = read_problems(args.data, args.n, cfg.data.synthetic)
     except ValueError as exc:
         print(f"miles-lite presample: error: {exc}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from miles_lite.config.schema import EvalSetConfig, MilesConfig, SyntheticDataConfig
+from miles_lite.config.schema import DataConfig, EvalSetConfig, SyntheticDataConfig
 from miles_lite.data.arithmetic import ArithmeticSpec, generate_problems
 from miles_lite.data.gsm8k import DatasetError, MathProblem, load_gsm8k
 from miles_lite.data.records import RecordKeys, load_records
@@ -25,22 +25,22 @@ def synthetic_spec(syn: SyntheticDataConfig, seed: int) -> ArithmeticSpec:
         raise ValueError(f"data.synthetic: {exc}") from None
 
 
-def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem]]:
+def load_problems(data: DataConfig, eval_size: int) -> tuple[list[MathProblem], list[MathProblem]]:
     """Training and held-out problems: GSM8K files, or seeded synthetic ones (disjoint seeds).
 
-    `experiment.eval_size=0` means no held-out problems (no evaluation) for either source; otherwise
-    it caps a GSM8K held-out set, and synthetic data holds out `data.synthetic.eval_size` problems.
+    `eval_size` (`experiment.eval_size`) 0 means no held-out problems (no evaluation) for either source;
+    otherwise it caps a GSM8K held-out set, and synthetic data holds out `data.synthetic.eval_size` problems.
     """
-    size = cfg.experiment.eval_size
-    if cfg.data.source == "records":  # held-out records are an evaluation set (`eval_set_configs`)
-        return load_records(str(cfg.data.train_path), RecordKeys.from_config(cfg.data)), []
-    if cfg.data.source == "gsm8k":
-        train = load_gsm8k(str(cfg.data.train_path))
+    size = eval_size
+    if data.source == "records":  # held-out records are an evaluation set (`eval_set_configs`)
+        return load_records(str(data.train_path), RecordKeys.from_config(data)), []
+    if data.source == "gsm8k":
+        train = load_gsm8k(str(data.train_path))
         if not size:
             return train, []
-        held_out = load_gsm8k(str(cfg.data.eval_path)) if cfg.data.eval_path else train[-size:]
+        held_out = load_gsm8k(str(data.eval_path)) if data.eval_path else train[-size:]
         return train, held_out[:size]
-    syn = cfg.data.synthetic
+    syn = data.synthetic
     train = generate_problems(syn.train_size, synthetic_spec(syn, syn.seed))
     if not size:
         return train, []
@@ -50,21 +50,21 @@ def load_problems(cfg: MilesConfig) -> tuple[list[MathProblem], list[MathProblem
     return train, held_out[: syn.eval_size]
 
 
-def read_problems(data: str, n: int | None, cfg: MilesConfig) -> list[MathProblem]:
+def read_problems(data: str, n: int | None, synthetic: SyntheticDataConfig) -> list[MathProblem]:
     """The questions of a command-line tool: a GSM8K-format file, or `n` synthetic problems of `data.synthetic`."""
     if n is not None and n < 1:
         raise ValueError(f"--n must be >= 1, got {n}")
     if data == "synthetic":
-        syn = cfg.data.synthetic
+        syn = synthetic
         return generate_problems(n if n is not None else syn.train_size, synthetic_spec(syn, syn.seed))
     problems = load_gsm8k(data)
     return problems[:n] if n is not None else problems
 
 
-def load_data_file(cfg: MilesConfig, path: str) -> list[Any]:
+def load_data_file(data: DataConfig, path: str) -> list[Any]:
     """A file in the run's data format: records through `data.*_key`, else GSM8K question/answer records."""
-    if cfg.data.source == "records":
-        return load_records(path, RecordKeys.from_config(cfg.data))
+    if data.source == "records":
+        return load_records(path, RecordKeys.from_config(data))
     return load_gsm8k(path)
 
 
@@ -77,21 +77,21 @@ class EvalSet:
     items: list[Any]
 
 
-def eval_set_configs(cfg: MilesConfig) -> dict[str, EvalSetConfig]:
+def eval_set_configs(data: DataConfig, eval_size: int) -> dict[str, EvalSetConfig]:
     """`data.eval_sets`, plus `held_out` from `data.eval_path` for records (greedy, k=1, the first
-    `experiment.eval_size` records) unless `experiment.eval_size=0` or a set of that name is configured."""
-    sets = dict(cfg.data.eval_sets)
-    if cfg.data.source == "records" and cfg.data.eval_path and cfg.experiment.eval_size and HELD_OUT_SET not in sets:
-        sets[HELD_OUT_SET] = EvalSetConfig(path=cfg.data.eval_path, size=cfg.experiment.eval_size)
+    `eval_size` (`experiment.eval_size`) records) unless it is 0 or a set of that name is configured."""
+    sets = dict(data.eval_sets)
+    if data.source == "records" and data.eval_path and eval_size and HELD_OUT_SET not in sets:
+        sets[HELD_OUT_SET] = EvalSetConfig(path=data.eval_path, size=eval_size)
     return sets
 
 
-def load_eval_sets(cfg: MilesConfig) -> list[EvalSet]:
+def load_eval_sets(data: DataConfig, eval_size: int) -> list[EvalSet]:
     """Every evaluation set, read now so that a bad file stops the run before it has a directory."""
     sets = []
-    for name, set_cfg in eval_set_configs(cfg).items():
+    for name, set_cfg in eval_set_configs(data, eval_size).items():
         if not set_cfg.path:
             raise DatasetError(f"data.eval_sets.{name}.path is not set; give the set's jsonl/parquet file")
-        items = load_data_file(cfg, set_cfg.path)
+        items = load_data_file(data, set_cfg.path)
         sets.append(EvalSet(name, set_cfg, items[: set_cfg.size] if set_cfg.size else items))
     return sets

@@ -11,9 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lite.config.colocation import engine_rollout
-from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
-from miles_lite.config.validate import model_dims
+from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.config.views import EngineFleetConfig
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted
 from miles_lite.engines.launcher import EngineLauncher
@@ -201,16 +200,16 @@ class Rollout:
                     self.own_key.close()
 
 
-def _routing_layout(cfg: MilesConfig) -> RoutingLayout | None:
+def _routing_layout(model_path: str | None) -> RoutingLayout | None:
     """The MoE routing layout of the served model when samples carry routing (always for MoE models: the
     trainer reports `moe/router_agreement` with replay on or off)."""
-    config = Path(str(cfg.model.hf_path)) / "config.json"
-    if not cfg.model.hf_path or not config.is_file():
+    config = Path(str(model_path)) / "config.json"
+    if not model_path or not config.is_file():
         return None
     return RoutingLayout.of_config(json.loads(config.read_text()))
 
 
-def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int | None = None,
+def build_rollout(cfg: EngineFleetConfig, tokenizer: Any, log_dir: str, *, seed: int | None = None,
                   start: Callable[[], Awaitable[EngineFleet]] | None = None,
                   api_key: ApiKey | None = None) -> Rollout:
     """Start (or, with `rollout.engine_urls`, attach) the fleet of `model.hf_path` on a new event-loop thread,
@@ -229,13 +228,13 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
             # Engines started elsewhere whose set may change while this job runs (operator-managed pods).
             fleet, follower = loop.run(follow_engine_list([u.rstrip("/") for u in rollout.engine_urls], rollout, ft,
                                                           rollout.engine_urls_file,
-                                                          vocab_size=model_dims(cfg).vocab_size, api_key=key.value))
+                                                          vocab_size=cfg.vocab_size, api_key=key.value))
         elif rollout.engine_urls:
             # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
             fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls),
-                                          vocab_size=model_dims(cfg).vocab_size, api_key=key.value))
+                                          vocab_size=cfg.vocab_size, api_key=key.value))
         else:
-            fleet = loop.run(start_fleet(engine_rollout(cfg), ft, str(cfg.model.hf_path), log_dir, api_key=key))
+            fleet = loop.run(start_fleet(rollout, ft, str(cfg.model_path), log_dir, api_key=key))
     except BaseException:
         loop.stop()
         if own_key is not None:
@@ -249,5 +248,5 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
     group_filter = load_sync_fn(rollout.group_filter, "rollout.group_filter", 1) if rollout.group_filter else None
     manager = RolloutManager(fleet, rollout, ft, decode=encoder.decode, stop_token_ids=encoder.stop_token_ids,
                              seed=seed, encode=encoder.encode, environment=environment, generate_fn=generate_fn,
-                             group_filter=group_filter, routing=_routing_layout(cfg))
+                             group_filter=group_filter, routing=_routing_layout(cfg.model_path))
     return Rollout(loop, fleet, SyncRolloutManager(manager, loop), own_key, follower)

@@ -97,8 +97,9 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
     stop = stop or StopRequest().install()
     locks: list[RunLock] = []
     try:
-        train_problems, held_out = load_problems(cfg)  # a data error ends the run before it has a directory
-        eval_sets = load_eval_sets(cfg)
+        # A data error ends the run before it has a directory.
+        train_problems, held_out = load_problems(cfg.data, cfg.experiment.eval_size)
+        eval_sets = load_eval_sets(cfg.data, cfg.experiment.eval_size)
         check_task(cfg, train_problems, eval_sets)
         done = finished_summary(cfg, run_dir)  # reads only: a finished run re-run writes nothing
         if done is not None:

@@ -29,11 +29,11 @@ import time
 from typing import Any
 
 from miles_lite.config.colocation import hands_off
+from miles_lite.config.lora_serving import serves_adapters
 from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.rollout.engine import MEMORY_TAGS
 from miles_lite.run.system import System
 from miles_lite.weight_sync.coordinator import SyncReport
-from miles_lite.weight_sync.factory import adapter_push
 
 
 class Holder(enum.Enum):
@@ -51,7 +51,8 @@ class Handoff:
         self.colocated = system.cfg.cluster.placement == "colocated"
         self.parts = system.cfg.trainer.offload.parts()
         # What the engines release to sleep (see the module docstring on adapter-only pushes).
-        self.sleep_tags = tuple(t for t in MEMORY_TAGS if t != "weights") if adapter_push(system.cfg) else MEMORY_TAGS
+        adapters_only = serves_adapters(system.cfg)
+        self.sleep_tags = tuple(t for t in MEMORY_TAGS if t != "weights") if adapters_only else MEMORY_TAGS
         # The engines started while the trainer's state waited in host memory (`System.start`).
         self.holder = Holder.ENGINES if self.enabled and system.offloaded_at_start else Holder.BOTH
         self._seconds: dict[str, float] = {}

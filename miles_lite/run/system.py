@@ -15,11 +15,12 @@ from typing import Any
 
 from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.colocation import hands_off
+from miles_lite.config.lora_serving import serves_adapters, with_lora_serving
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import remote_reward_spec
+from miles_lite.config.views import EngineFleetConfig, TrainerRoleConfig, WeightSyncSetup
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.fleet_launch import Rollout, build_rollout
-from miles_lite.engines.lora_serving import with_lora_serving
 from miles_lite.net.api_key import ApiKey
 from miles_lite.rewards.setup import build_reward_set
 from miles_lite.rollout.fleet import EngineFleet
@@ -39,10 +40,10 @@ def start_trainer(cfg: MilesConfig) -> TrainerRole:
     if cfg.cluster.mode == "ray" or cfg.trainer.world_size > 1:
         from miles_lite.cluster.ray_trainer import RayTrainerGroup
 
-        return RayTrainerGroup.start(cfg)
+        return RayTrainerGroup.start(TrainerRoleConfig.of(cfg))
     from miles_lite.cluster.local_trainer import LocalTrainer
 
-    return LocalTrainer(cfg)
+    return LocalTrainer(TrainerRoleConfig.of(cfg))
 
 
 class System:
@@ -109,22 +110,24 @@ class System:
             from miles_lite.cluster.engine_gang import RolloutGang, start_gang_fleet
             from miles_lite.cluster.gang import trainer_gang
 
-            gang = self.rollout_gang = RolloutGang.reserve(self.cfg, log_dir, self.trainer.placement_group,
-                                                           trainer_gang(self.cfg).bundles)
+            gang = self.rollout_gang = RolloutGang.reserve(EngineFleetConfig.of(self.cfg), log_dir,
+                                                           self.trainer.placement_group,
+                                                           trainer_gang(self.cfg.trainer, self.cfg.cluster).bundles)
 
             def gang_fleet() -> Any:
                 return start_gang_fleet(gang, api_key=self.api_key.value)
 
             start = gang_fleet
-        return build_rollout(self.cfg, self.tokenizer, log_dir, seed=self.cfg.experiment.seed, start=start,
-                             api_key=self.api_key)
+        return build_rollout(EngineFleetConfig.of(self.cfg), self.tokenizer, log_dir, seed=self.cfg.experiment.seed,
+                             start=start, api_key=self.api_key)
 
     def _start_sync(self) -> None:
         from miles_lite.weight_sync.factory import build_coordinator
 
         assert self.trainer is not None and self.loop_thread is not None and self.fleet is not None
         loop = EngineLoop(self.loop_thread.loop)
-        self.sync = build_coordinator(self.cfg, self.trainer, loop, self.run_dir, self.api_key.value)
+        self.sync = build_coordinator(WeightSyncSetup.of(self.cfg), self.trainer, loop, self.run_dir,
+                                      self.api_key.value)
         self.pusher = FleetPusher(self.sync, self.fleet, loop, self.cfg.rollout.engine_tp, self.cfg.rollout.backend)
         self.fleet.on_starved = self.relay.signal
         assert self.rollout is not None
@@ -192,10 +195,8 @@ class System:
 
     def _push_source(self) -> Any:
         """What a push carries: the trainer's adapters (LoRA, `weight_sync.lora=adapter`), else its weight shards."""
-        from miles_lite.weight_sync.factory import adapter_push
-
         assert self.trainer is not None
-        return self.trainer.adapter_tensors if adapter_push(self.cfg) else self.trainer.weight_shards
+        return self.trainer.adapter_tensors if serves_adapters(self.cfg) else self.trainer.weight_shards
 
     def refresh_stale(self) -> SyncReport | None:
         """Push the current version to the stale engines when no engine is healthy (the relay calls this

@@ -20,7 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles_lite.config.offload import OFFLOAD_PARTS
-from miles_lite.config.schema import AlgoConfig, MilesConfig
+from miles_lite.config.schema import AlgoConfig
+from miles_lite.config.views import ActorConfig
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.actor_checkpoint import ActorCheckpoint
 from miles_lite.trainer.actor_weights import ActorWeights
@@ -58,13 +59,13 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
     """One trainer rank: a Megatron `GPTModel` shard, its optimizer, and optional reference/teacher.
 
     Args:
-        cfg: the whole configuration (`model`, `trainer`, `algo`, `experiment.teacher_path`).
+        cfg: what a rank reads (`model`, `trainer`, `algo`, the distillation teacher, the schedule's length).
         rank / world_size: this process among the trainer's `trainer.tp * trainer.dp` ranks.
         init_method: torch.distributed rendezvous URL (None: env:// from MASTER_ADDR/MASTER_PORT).
-        total_steps: optimizer steps the LR schedule spans (None: `experiment.steps`).
+        total_steps: optimizer steps the LR schedule spans (None: `cfg.steps`, from `experiment.steps`).
     """
 
-    def __init__(self, cfg: MilesConfig, rank: int, world_size: int, *, init_method: str | None = None,
+    def __init__(self, cfg: ActorConfig, rank: int, world_size: int, *, init_method: str | None = None,
                  total_steps: int | None = None) -> None:
         self.state = ActorState.INITIALIZING
         self.cfg = cfg
@@ -95,7 +96,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
             torch.set_num_threads(trainer.threads)
         self.par: ParallelInfo = init_parallel(trainer, rank, world_size, self.runtime.device, init_method)
         with cpu_compat.device_mode():
-            spec, hf_state, self.hf_config = load_policy_source(self.cfg)
+            spec, hf_state, self.hf_config = load_policy_source(self.cfg.model)
             self.policy, self.layouts = build_handle(spec, hf_state, trainer, self.runtime, self.par)
             del hf_state
             # What the optimizer steps and checkpoints hold: the whole model, or only its LoRA adapters.
@@ -107,7 +108,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
             self.ddp = wrap_ddp(self.trained, self.policy.model.config, trainer, self.runtime)
             self._finalize_grads = finalize_model_grads
             self.optimizer = build_optimizer(self.ddp, trainer, self.runtime)
-            self.scheduler = build_scheduler(self.optimizer, trainer, total_steps or self.cfg.experiment.steps)
+            self.scheduler = build_scheduler(self.optimizer, trainer, total_steps or self.cfg.steps)
             self.guard = UpdateGuard(self.optimizer, trainer.max_update_ratio) if trainer.max_update_ratio > 0 else None
             self.offloader = actor_offload(self)
             self.reference: dict[str, Tensor] | None = None
@@ -124,7 +125,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
                 raise ValueError(f"trainer.routing_replay=true needs a mixture-of-experts model; {spec.arch} is "
                                  "dense: set trainer.routing_replay=false")
             self.teacher: ModelHandle | None = None
-            teacher_src = load_teacher_source(self.cfg)
+            teacher_src = load_teacher_source(self.cfg.teacher_path)
             if teacher_src is not None:
                 t_spec, t_state = teacher_src
                 self.teacher, _ = build_handle(t_spec, t_state, trainer, self.runtime, self.par)

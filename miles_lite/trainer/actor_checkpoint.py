@@ -87,7 +87,7 @@ class ActorCheckpoint:
                         digests.update({name: tensor_sha256(t) for name, t in part.items()})
             self._lora_base_sha256 = digests
         dtype = str(next(self.policy.model.parameters()).dtype).removeprefix("torch.")
-        return {"adapter": self.lora.lora.peft_config(None), "base": base_reference(self.cfg),
+        return {"adapter": self.lora.lora.peft_config(None), "base": base_reference(self.cfg.model),
                 "base_sha256": dict(self._lora_base_sha256), "base_dtype": dtype}
 
     @torch.no_grad()

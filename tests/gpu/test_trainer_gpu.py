@@ -17,6 +17,7 @@ pytestmark = [
 ]
 
 from miles_lite.config.schema import MilesConfig, TinyModelShape  # noqa: E402
+from miles_lite.config.views import ActorConfig  # noqa: E402
 from miles_lite.data.permutation import permutation_batch  # noqa: E402
 from miles_lite.types import TrainBatch  # noqa: E402
 
@@ -57,7 +58,7 @@ def make_actor(path: Path, precision: str, recipe: str = "delayed", lr: float = 
     t.device, t.layer_spec, t.precision, t.fp8_recipe = "gpu", "te", precision, recipe
     t.micro_batch_tokens, t.logprob_chunk_tokens, t.lr = 4096, 512, lr
     cfg.algo.is_level, cfg.algo.is_mode = "token", "truncate"
-    return TrainerActor(cfg, 0, 1)
+    return TrainerActor(ActorConfig.of(cfg), 0, 1)
 
 
 def ragged_batch(seed: int, n: int = 12, advantages: list[float] | None = None) -> TrainBatch:

@@ -10,6 +10,7 @@ from trainer_harness import make_test_checkpoint
 from trainer_scenarios import make_batch, make_config
 
 from miles_lite.config.offload import OFFLOAD_PARTS
+from miles_lite.config.views import ActorConfig
 
 VOCAB = 500
 
@@ -26,7 +27,7 @@ def _state(actor: Any) -> dict[str, torch.Tensor]:
 def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bool) -> dict[str, Any]:
     from miles_lite.trainer.actor import TrainerActor
 
-    actor = TrainerActor(make_config(path, precision=precision), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(path, precision=precision)), rank, world_size)
     batch = make_batch(VOCAB)
     out: dict[str, Any] = {"stats": [actor.train_step(batch)]}
     if round_trip:

@@ -18,6 +18,7 @@ from trainer_scenarios import make_batch, make_config
 from miles_lite.checkpoint import CheckpointReader, DriverState, newest_complete
 from miles_lite.checkpoint.run_state import RankCheckpointer
 from miles_lite.cli import main
+from miles_lite.config.views import ActorConfig
 from miles_lite.formats.lora import TARGETS, LoraSpec, merged_state, tensor_name
 from miles_lite.trainer.hf_convert import read_hf_state, tensor_sha256
 
@@ -42,13 +43,14 @@ def _step(actor: Any, k: int) -> None:
 def scenario_train(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> dict[str, Any]:
     from miles_lite.trainer.actor import TrainerActor
 
-    actor = TrainerActor(_config(hf_path, ckpt_dir, world_size), rank, world_size)
+    cfg = _config(hf_path, ckpt_dir, world_size)
+    actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
     base = {n: p.detach().clone() for n, p in actor.policy.model.named_parameters()}
     stepped = {id(p) for group in actor.optimizer.param_groups for p in group["params"]}
     adapters = {id(p) for p in actor.lora.parameters()}
     frozen = not any(p.requires_grad for p in actor.policy.model.parameters())
     init = actor.adapter_state()
-    ckpt = RankCheckpointer(actor.cfg)
+    ckpt = RankCheckpointer(cfg.checkpoint, cfg.model)
     for k in range(2):
         _step(actor, k)
     probe = make_batch(VOCAB, n=3, seed=7)
@@ -70,7 +72,7 @@ def scenario_train(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> d
 def scenario_resume(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> dict[str, Any]:
     from miles_lite.trainer.actor import TrainerActor
 
-    actor = TrainerActor(_config(hf_path, ckpt_dir, world_size), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(_config(hf_path, ckpt_dir, world_size)), rank, world_size)
     path = newest_complete(ckpt_dir)
     assert path is not None
     RankCheckpointer.restore(actor, path)
@@ -85,7 +87,7 @@ def scenario_resume(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> 
 def scenario_resume_elsewhere(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> dict[str, Any]:
     from miles_lite.trainer.actor import TrainerActor
 
-    actor = TrainerActor(_config(hf_path, ckpt_dir, world_size), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(_config(hf_path, ckpt_dir, world_size)), rank, world_size)
     try:
         RankCheckpointer.restore(actor, newest_complete(ckpt_dir))  # type: ignore[arg-type]
     except ValueError as err:
@@ -105,7 +107,7 @@ def scenario_recompute(rank: int, world_size: int, hf_path: str, ckpt_dir: str) 
         if recompute:
             cfg.trainer.transformer.update(recompute_granularity="full", recompute_method="uniform",
                                            recompute_num_layers=1)
-        actor = TrainerActor(cfg, rank, world_size)
+        actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
         _step(actor, 0)
         out[recompute] = actor.adapter_state()
         actor.close()

@@ -24,6 +24,7 @@ from trainer_scenarios import make_batch
 
 from miles_lite.config.compose import load_config
 from miles_lite.config.validate import validate
+from miles_lite.config.views import WeightSyncSetup
 from miles_lite.rollout.engine_state import EngineState
 from miles_lite.run.system import System
 from miles_lite.weight_sync.factory import build_coordinator
@@ -86,8 +87,9 @@ def test_push_from_tp_and_ep_ranks_is_bit_exact(system: System, transport: str, 
     # One weight-update group per engine at a time: the system's own leaves before this transport's forms (the
     # system closes whichever coordinator it holds last).
     system.sync.close()
-    system.sync = system.pusher.sync = build_coordinator(cfg, system.trainer, EngineLoop(system.loop_thread.loop),
-                                                         system.run_dir, system.api_key.value)
+    system.sync = system.pusher.sync = build_coordinator(WeightSyncSetup.of(cfg), system.trainer,
+                                                         EngineLoop(system.loop_thread.loop), system.run_dir,
+                                                         system.api_key.value)
     before = system.trainer.export_hf_state_dict()
     stats = system.trainer.train_step(make_batch(VOCAB, n=4, seed=len(transport + mode)))
     assert stats["skipped"] == 0.0
