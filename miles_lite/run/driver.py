@@ -203,7 +203,8 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
     handoff.for_training()  # the checkpoint reads the trainer's whole state
     io.save_checkpoint(system, data, summary.steps_done, final=True)
     if handoff.enabled and (held_out or eval_sets) and summary.stopped_reason is None:
-        io.report_sync(*handoff.push())  # the engines sleep since the checkpoint: wake them with the weights
+        # The engines sleep since the checkpoint: wake them with the same weights (the same version).
+        io.report_sync(*handoff.push(summary.steps_done))
     if held_out and summary.stopped_reason is None:
         try:
             summary.after = io.report_eval("after RL", eval_now(system, held_out))
@@ -228,7 +229,7 @@ def prepare_rl(system: System, data: PromptSource, train_problems: list, held_ou
         return False
     if not run_warmup(system, train_problems, io, lambda: stop.requested, data):
         return False
-    io.report_sync(*handoff.push())
+    io.report_sync(*handoff.push(0))  # the weights RL starts from: version 0
     if held_out and not stop.requested:  # experiment.eval_size=0 skips evaluation
         summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
     if eval_sets and not stop.requested:
@@ -258,8 +259,8 @@ def continue_from(driver: DriverState | None, system: System, data: PromptSource
     if not new_data:
         data.load_state_dict(driver.data)
     restore_driver_rng(driver.rng)
-    system.version = driver.weight_version
-    io.report_sync(*handoff.push())
+    # The restored weights have taken `driver.step` RL steps: the version they had when saved.
+    io.report_sync(*handoff.push(driver.step))
     return driver.step
 
 
@@ -355,7 +356,7 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
     handoff.measure("train")
     with timer.phase("sync"):
         rollouts.pause()
-        sync_report, sync_seconds = handoff.push()
+        sync_report, sync_seconds = handoff.push(step + 1)
         rollouts.resume()
     handoff.measure("sync")
     io.report_sync(sync_report, sync_seconds)

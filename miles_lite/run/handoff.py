@@ -85,15 +85,15 @@ class Handoff:
         self._add("onload", self.system.trainer.onload(OFFLOAD_PARTS)["seconds"])
         self.holder = Holder.TRAINER
 
-    def push(self) -> tuple[SyncReport, float]:
-        """Push the trainer's weights (`System.push_weights`), handing the device to the engines around it;
-        the report and the push's wall seconds (the trainer's offloads are not in them)."""
+    def push(self, version: int) -> tuple[SyncReport, float]:
+        """Push the trainer's weights as `version` (`System.push_weights`), handing the device to the engines
+        around it; the report and the push's wall seconds (the trainer's offloads are not in them)."""
         assert self.system.pusher is not None
         if not self.enabled:
-            return self.system.push_weights()
+            return self.system.push_weights(version)
         self.for_training()  # a push from `both` (warm-up, resume) puts the engines to sleep first
         self._offload(tuple(p for p in self.parts if p != "params"))
-        report, seconds = self.system.push_weights()
+        report, seconds = self.system.push_weights(version)
         self._add("engine_wake", self.system.pusher.wake_seconds)
         self._offload(tuple(p for p in self.parts if p == "params"))
         self.holder = Holder.ENGINES

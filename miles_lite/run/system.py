@@ -69,7 +69,10 @@ class System:
         self.pusher: FleetPusher | None = None
         # Waits on a rollout serve the fleet's requests to push the current weights to stale engines.
         self.relay = StarvationRelay(self.refresh_stale)
+        # The version of the weights last pushed: the RL optimizer steps they had taken (docs/observability.md,
+        # "Rollout table"); `pushed` turns true at the first push.
         self.version = 0
+        self.pushed = False
         # The report of the latest push of the current version to stale engines (`refresh_stale`).
         self.last_refresh: SyncReport | None = None
         # Step of the newest checkpoint this process saved (None: none yet).
@@ -184,13 +187,16 @@ class System:
 
     # ---- the calls the driver makes ---------------------------------------------------------------
 
-    def push_weights(self) -> tuple[SyncReport, float]:
-        """Push the trainer's weights as the next version (see `FleetPusher.push`); the report and the wall
-        seconds of the whole push."""
+    def push_weights(self, version: int) -> tuple[SyncReport, float]:
+        """Push the trainer's weights as `version`, the RL optimizer steps they have taken (0 before the first
+        step, warm-up included; a re-push of unchanged weights carries the same version): see
+        `FleetPusher.push`. The report and the wall seconds of the whole push."""
         assert self.pusher is not None and self.trainer is not None
+        if version < 0:
+            raise ValueError(f"a weight version counts RL steps; got {version}")
         start = time.perf_counter()
-        self.version += 1
-        report = self.pusher.push(self._push_source(), str(self.version))
+        report = self.pusher.push(self._push_source(), str(version))
+        self.version, self.pushed = version, True
         return report, time.perf_counter() - start
 
     def _push_source(self) -> Any:
@@ -213,7 +219,7 @@ class System:
         async def starved() -> bool:
             return fleet.starved() and fleet.current_version == version
 
-        if self.version == 0 or not self.loop_thread.run(starved()):
+        if not self.pushed or not self.loop_thread.run(starved()):
             return None
         # A hand-off run waits on rollouts with the trainer's parameters in host memory (`handoff.py`): the push
         # reads them and the probe scores with them, so they come back for it (if away) and leave again after.

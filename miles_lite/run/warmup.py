@@ -145,7 +145,7 @@ def run_opd(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
             continue
         batch = dataclasses.replace(batch, teacher_logprobs=system.trainer.compute_logprobs(batch, model="teacher"))
         stats = system.trainer.train_step(batch)
-        io.report_sync(*system.push_weights())
+        io.report_sync(*system.push_weights(0))  # still before the first RL step
         kl = stats.get("distill/reverse_kl", float("nan"))
         _record(system, "opd", step, {"reverse_kl": kl, "loss": stats.get("loss/total", float("nan")),
                                       "response_tokens": stats.get("response_tokens", 0.0)})

@@ -55,6 +55,16 @@ def test_one_step_off_async_run_reports_staleness_and_mixed_versions(tmp_path: P
         assert r["rollout/staleness_max"] in (0.0, 1.0)
         assert r["rollout/staleness_max"] == 1.0 or r["rollout/pauses"] >= 1, r
     assert len(list((run / "rollouts").iterdir())) == 3
+    # Weight version = RL steps the weights had taken: step 0 came from version 0; a later step's samples came
+    # from the version before it (generated while the previous step trained) or, paused by the push, straddle
+    # it ("k-1+k"); none from a version ahead.
+    from miles_lite.observability.rollout_table import read_rollouts
+
+    table = read_rollouts(run).to_pylist()
+    assert {r["weight_version"] for r in table if r["step"] == 0} == {"0"}
+    for step in (1, 2):
+        assert {r["weight_version"] for r in table if r["step"] == step} <= {str(step - 1), f"{step - 1}+{step}",
+                                                                            str(step)}, step
 
 
 def _children(pid: int) -> list[tuple[int, str]]:

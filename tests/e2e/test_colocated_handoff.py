@@ -39,6 +39,13 @@ def test_colocated_handoff_loop_and_its_transitions(tmp_path: Path) -> None:
         assert row["memory/train_trainer_state_bytes"] > 0.0
         assert row["sync/probe_logp_diff_max"] < 1e-5  # every push verified against the trainer
         assert row["fleet/engines_healthy"] == 2.0 and row["fleet/engines_sleeping"] == 0.0
+    # One meaning of a weight version in both layouts: step k's completions came from the weights of k RL steps.
+    from miles_lite.observability.rollout_table import read_rollouts
+
+    for layout in ("handoff", "resident"):
+        table = read_rollouts(tmp_path / layout / "colo").to_pylist()
+        assert {(r["step"], r["weight_version"]) for r in table} == {(0, "0"), (1, "1")}, layout
+    assert [r["weight_version"] for r in handoff] == [1, 2]  # the push after step k carries k + 1
     for row in resident:
         assert "time/offload_seconds" not in row and "time/engine_wake_seconds" not in row
         assert row["memory/generate_trainer_state_bytes"] == row["memory/train_trainer_state_bytes"] > 0.0

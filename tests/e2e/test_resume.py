@@ -38,3 +38,8 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path: Path):
     assert "sft warm-up" not in out
     summary = json.loads((tmp_path / "resume" / "summary.json").read_text())
     assert summary["steps_done"] == 3
+    # A resumed run numbers weight versions as an uninterrupted one: step k's completions came from version k.
+    from miles_lite.observability.rollout_table import read_rollouts
+
+    table = read_rollouts(tmp_path / "resume").to_pylist()
+    assert {(r["step"], r["weight_version"]) for r in table} == {(0, "0"), (1, "1"), (2, "2")}

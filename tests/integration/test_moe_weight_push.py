@@ -93,7 +93,7 @@ def test_push_from_tp_and_ep_ranks_is_bit_exact(system: System, transport: str, 
     before = system.trainer.export_hf_state_dict()
     stats = system.trainer.train_step(make_batch(VOCAB, n=4, seed=len(transport + mode)))
     assert stats["skipped"] == 0.0
-    report, _ = system.push_weights()
+    report, _ = system.push_weights(system.version + 1)
     trained = system.trainer.export_hf_state_dict()
     assert report.push.transport == (f"distributed/{mode}" if transport == "distributed" else "disk")
     assert report.verify is not None and report.verify.logp_diff_max < PROBE_TOL

@@ -74,7 +74,7 @@ def train_and_push(system: System, seed: int):
     """One RL step (so the weights move), then a push; returns the report and the trainer's HF tensors."""
     stats = system.trainer.train_step(make_batch(VOCAB, n=4, seed=seed))
     assert stats["skipped"] == 0.0
-    report, _ = system.push_weights()
+    report, _ = system.push_weights(system.version + 1)
     return report, system.trainer.export_hf_state_dict()
 
 
