@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from miles_lite.algo.choices import parse_choice
+from miles_lite.algo.device_stats import DeviceStats, read_stats
 
 # Cap on a log-weight before exp: exp(20) ~ 4.9e8 is far beyond any threshold, and a sequence
 # product over thousands of tokens would otherwise overflow to inf even in float32.
@@ -85,7 +86,12 @@ def _mean_max_min(values: Tensor, keep: Tensor) -> list[Tensor]:
 
 
 def logp_diff_stats(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, float]:
-    """Summary of ``train_logp - rollout_logp`` over masked tokens (nats per token).
+    """:func:`logp_diff_terms` read as floats (one host sync)."""
+    return read_stats(logp_diff_terms(train_logp, rollout_logp, mask))
+
+
+def logp_diff_terms(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> DeviceStats:
+    """Summary of ``train_logp - rollout_logp`` over masked tokens (nats per token), as 0-d tensors.
 
     Returns:
         ``logp_diff_mean`` (signed: > 0 means the trainer finds the tokens more likely than the
@@ -98,9 +104,8 @@ def logp_diff_stats(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> d
     signed_mean = _mean_max_min(diff, keep)[0]
     abs_mean, abs_max, _ = _mean_max_min(diff.abs(), keep)
     k3 = _mean_max_min(torch.expm1(d) - d, keep)[0]
-    values = torch.stack([signed_mean, abs_mean, abs_max, k3]).tolist()  # one host sync
     names = ["logp_diff_mean", "logp_abs_diff_mean", "logp_abs_diff_max", "kl_k3"]
-    return dict(zip(names, values, strict=True))
+    return dict(zip(names, [signed_mean, abs_mean, abs_max, k3], strict=True))
 
 
 def importance_weights(
@@ -113,6 +118,21 @@ def importance_weights(
     upper: float = 2.0,
     lower: float | None = None,
 ) -> ISResult:
+    """:func:`importance_terms` as an :class:`ISResult` (statistics read as floats, one host sync)."""
+    weights, stats = importance_terms(train_logp, rollout_logp, mask, level, mode, upper=upper, lower=lower)
+    return ISResult(weights=weights, stats=read_stats(stats))
+
+
+def importance_terms(
+    train_logp: Tensor,
+    rollout_logp: Tensor,
+    mask: Tensor,
+    level: ISLevel | str = ISLevel.SEQUENCE_GEOMEAN,
+    mode: ISMode | str = ISMode.MASK,
+    *,
+    upper: float = 2.0,
+    lower: float | None = None,
+) -> tuple[Tensor, DeviceStats]:
     """Importance weights correcting rollout-engine data towards the trainer's distribution.
 
     With ``d_t = train_logp_t - rollout_logp_t`` on masked tokens, the raw ratio is:
@@ -142,8 +162,8 @@ def importance_weights(
         lower: mask-mode lower threshold in ``(0, 1]``; default ``1 / upper``.
 
     Returns:
-        :class:`ISResult`. With identical log-probs every masked weight is exactly 1 and nothing is
-        clipped or masked.
+        ``(weights, stats)``: the applied weights ``[B, T]`` and the statistics of :class:`ISResult` as 0-d
+        tensors. With identical log-probs every masked weight is exactly 1 and nothing is clipped or masked.
     """
     lvl = parse_choice(ISLevel, level, "level")
     md = parse_choice(ISMode, mode, "mode")
@@ -175,17 +195,15 @@ def importance_weights(
         clipped = torch.zeros_like(keep)
         applied = torch.where(rejected, zeros, raw)
 
-    values = torch.stack(
-        [
-            *_mean_max_min(raw, keep),
-            _mean_max_min(applied, keep)[0],
-            _mean_max_min(rejected.to(raw.dtype), keep)[0],
-            _mean_max_min(clipped.to(raw.dtype), keep)[0],
-        ]
-    ).tolist()  # one host sync
+    values = [
+        *_mean_max_min(raw, keep),
+        _mean_max_min(applied, keep)[0],
+        _mean_max_min(rejected.to(raw.dtype), keep)[0],
+        _mean_max_min(clipped.to(raw.dtype), keep)[0],
+    ]
     names = ["raw_ratio_mean", "raw_ratio_max", "raw_ratio_min", "applied_mean", "masked_fraction",
              "clipped_fraction"]
-    return ISResult(weights=applied, stats=dict(zip(names, values, strict=True)))
+    return applied, dict(zip(names, values, strict=True))
 
 
 def mismatch_metrics(
@@ -207,9 +225,26 @@ def mismatch_metrics(
     ``mismatch/masked_fraction``, ``mismatch/clipped_fraction``. See :func:`logp_diff_stats` and
     :func:`importance_weights` for the arguments and units.
     """
-    out = {f"{prefix}{k}": v for k, v in logp_diff_stats(train_logp, rollout_logp, mask).items()}
-    stats = importance_weights(train_logp, rollout_logp, mask, level, mode, upper=upper, lower=lower).stats
+    return read_stats(mismatch_terms(train_logp, rollout_logp, mask, level, mode, upper=upper, lower=lower,
+                                      prefix=prefix)[1])
+
+
+def mismatch_terms(
+    train_logp: Tensor,
+    rollout_logp: Tensor,
+    mask: Tensor,
+    level: ISLevel | str = ISLevel.SEQUENCE_GEOMEAN,
+    mode: ISMode | str = ISMode.MASK,
+    *,
+    upper: float = 2.0,
+    lower: float | None = None,
+    prefix: str = "mismatch/",
+) -> tuple[Tensor, DeviceStats]:
+    """The importance weights of :func:`importance_terms` and the statistics of :func:`mismatch_metrics` (0-d
+    tensors), computed once: a trainer corrects with the weights and logs the statistics of the same ratios."""
+    out = {f"{prefix}{k}": v for k, v in logp_diff_terms(train_logp, rollout_logp, mask).items()}
+    weights, stats = importance_terms(train_logp, rollout_logp, mask, level, mode, upper=upper, lower=lower)
     renames = {"raw_ratio_mean": "is_raw_mean", "raw_ratio_max": "is_raw_max", "raw_ratio_min": "is_raw_min",
                "applied_mean": "is_applied_mean"}
     out.update({f"{prefix}{renames.get(k, k)}": v for k, v in stats.items()})
-    return out
+    return weights, out

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles_lite.algo.device_stats import DeviceStats, read_many
 from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.config.schema import AlgoConfig
 from miles_lite.config.views import ActorConfig
@@ -52,7 +53,8 @@ class ActorState(StrEnum):
     CLOSED = "closed"
 
 
-MicroLoss = Callable[[PackedMicroBatch], tuple[Tensor, dict[str, float], float]]
+# A micro-batch's loss, its statistics (0-d tensors, read once a step) and its share of the batch's loss.
+MicroLoss = Callable[[PackedMicroBatch], tuple[Tensor, DeviceStats, float]]
 
 
 class TrainerActor(ActorCheckpoint, ActorWeights):
@@ -312,7 +314,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
         """One optimizer step on `batch` (its own ref / teacher / old log-probs, if any)."""
         totals = BatchTotals.of(batch)
 
-        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
+        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, DeviceStats, float]:
             # The entropy enters the loss only with algo.entropy_coef != 0; otherwise it is a statistic
             # and the log-prob backward skips its gradient term.
             lp, ent = response_logprobs(self.policy, mb, self.logprob_options, with_entropy=True)
@@ -333,7 +335,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
         self._check_tokens(batch)
         totals = BatchTotals.of(batch)
 
-        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
+        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, DeviceStats, float]:
             lp, _ = response_logprobs(self.policy, mb, self.logprob_options, with_entropy=False)
             loss, stats = sft_micro_loss(lp, mb, batch)
             return loss, stats, totals.share(mb, "token_mean")
@@ -359,7 +361,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
               advance_schedule: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
         self.offloader.require_resident(OFFLOAD_PARTS, "an optimizer step")
-        parts: list[tuple[float, dict[str, float]]] = []
+        queued: list[tuple[float, DeviceStats]] = []
         routing_stats: RoutingStats | None = self.routing.new_stats() if self.routing is not None else None
         with cpu_compat.device_mode():
             self.policy.model.train()
@@ -378,10 +380,13 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
                     continue
                 # DDP averages gradients over DP ranks; the shares already sum to 1 over all ranks.
                 (loss * (share * self.par.dp_size)).backward()
-                parts.append((share, stats))
+                queued.append((share, stats))
             if self.policy.spec.is_moe:
                 scale_expert_grads(self.ddp, self.par.tp_size)
             self._finalize_grads([self.ddp])
+            # Every micro-batch's statistics in one host read, once all the step's kernels are queued: a read
+            # per statistic would make the host wait for the device before each backward.
+            parts = list(zip([share for share, _ in queued], read_many([stats for _, stats in queued]), strict=True))
             all_parts = [p for rank_parts in self._gather_dp(parts) for p in rank_parts]
             stats = reduce_stats(all_parts)
             if self.routing is not None and routing_stats is not None:
