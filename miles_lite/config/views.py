@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from miles_lite.config.colocation import engine_rollout
+from miles_lite.config.engine_launch import launch_rollout
 from miles_lite.config.lora_serving import serves_adapters
 from miles_lite.config.schema import (
     AlgoConfig,
@@ -62,8 +62,9 @@ class TrainerRoleConfig:
 @dataclass(frozen=True)
 class EngineFleetConfig:
     """The engines and the fleet that keeps them: `rollout` as the engines launch (flags derived from the rest
-    of the run included: the memory saver of a hand-off, LoRA serving), the restart budget and health checks
-    (`fault_tolerance`), where the engines run (`cluster`), the model they serve and its vocabulary."""
+    of the run included: the memory saver of a hand-off, LoRA serving, decode CUDA graphs sized to the batch),
+    the restart budget and health checks (`fault_tolerance`), where the engines run (`cluster`), the model they
+    serve and its vocabulary."""
 
     rollout: RolloutConfig
     fault_tolerance: FaultToleranceConfig
@@ -73,7 +74,7 @@ class EngineFleetConfig:
 
     @classmethod
     def of(cls, cfg: MilesConfig) -> EngineFleetConfig:
-        return cls(engine_rollout(cfg), cfg.fault_tolerance, cfg.cluster,
+        return cls(launch_rollout(cfg), cfg.fault_tolerance, cfg.cluster,
                    str(cfg.model.hf_path) if cfg.model.hf_path else None, model_dims(cfg).vocab_size)
 
 
