@@ -3,7 +3,10 @@
 Three parts, each switched by `trainer.offload.<part>`:
 
 - `params`: the model's parameters (and Megatron DDP's contiguous parameter buffers, when it keeps them);
-- `grads`: Megatron DDP's contiguous gradient buffers (`param.main_grad` views into them) and any `.grad`;
+- `grads`: Megatron DDP's contiguous gradient buffers (`param.main_grad` views into them) and any `.grad`.
+  Their values are dropped, not copied: every optimizer step begins by zeroing them, so nothing reads a
+  gradient across a hand-off, and copying them (fp32, twice the bf16 weights' bytes: 28 GiB at 7B) out and
+  back would be most of the hand-off's time. They come back zeroed;
 - `optimizer`: the torch optimizers' main parameters that are not model parameters (fp32 copies of bf16
   weights), every tensor of their state (Adam moments), and the divergence guard's snapshot buffers.
 
@@ -11,8 +14,9 @@ What moves is each tensor's *storage*: its bytes are copied to a host buffer (pi
 the copies run at full PCIe speed) and the storage is resized to zero, which frees the device memory while
 every tensor and view over it (parameters held by the optimizer, `main_grad` views, Megatron's bucket views)
 stays the same Python object; onloading resizes the storage back and copies the bytes in, so the state
-round-trips bit for bit. On a CPU build the same path runs: the storages are freed and restored in host
-memory (there is no device memory to give to an engine, but the bookkeeping and the exactness are the same).
+round-trips bit for bit (gradients aside, see above). On a CPU build the same path runs: the storages are
+freed and restored in host memory (there is no device memory to give to an engine, but the bookkeeping and the
+exactness are the same).
 
 Each part is RESIDENT or OFFLOADED; offloading an offloaded part or onloading a resident one is a no-op, so
 the driver may ask for "everything resident" without tracking what was moved.
@@ -37,13 +41,18 @@ class PartState(enum.Enum):
     OFFLOADED = "offloaded"
 
 
+# Parts whose values no one reads across a hand-off: their storage is freed, not copied, and comes back zeroed.
+DROPPED_PARTS = frozenset({"grads"})
+
+
 @dataclass
 class _Moved:
-    """One storage while it is offloaded: the storage object itself and its bytes on the host."""
+    """One storage while it is offloaded: the storage object itself and its bytes on the host (None: dropped)."""
 
     storage: torch.UntypedStorage
-    host: Tensor
+    host: Tensor | None
     device: torch.device
+    nbytes: int
 
 
 @dataclass
@@ -114,11 +123,14 @@ class TrainerOffload:
             for key, (storage, device) in _storages(self.collectors[part]()).items():
                 if key in skip:
                     continue
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.pin and device.type == "cuda")
-                host.untyped_storage().copy_(storage, non_blocking=True)
-                moved.append(_Moved(storage, host, device))
+                host = None
+                if part not in DROPPED_PARTS:
+                    host = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                       pin_memory=self.pin and device.type == "cuda")
+                    host.untyped_storage().copy_(storage, non_blocking=True)
+                moved.append(_Moved(storage, host, device, storage.nbytes()))
                 nbytes += storage.nbytes()
-            _synchronize(moved)  # the copies must land before the device storage goes
+            _synchronize(moved)  # the copies (and any kernel still reading a dropped part) land before it goes
             for m in moved:
                 m.storage.resize_(0)
             self._moved[part] = moved
@@ -139,9 +151,12 @@ class TrainerOffload:
                 continue
             moved, nbytes = self._moved[part], 0
             for m in moved:
-                m.storage.resize_(m.host.numel())
-                m.storage.copy_(m.host.untyped_storage(), non_blocking=True)
-                nbytes += m.host.numel()
+                m.storage.resize_(m.nbytes)
+                if m.host is None:
+                    _zero(m.storage, m.device)
+                else:
+                    m.storage.copy_(m.host.untyped_storage(), non_blocking=True)
+                nbytes += m.nbytes
             _synchronize(moved)
             self._moved[part] = []
             self.states[part] = PartState.RESIDENT
@@ -163,6 +178,11 @@ def _checked(parts: Sequence[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown trainer parts {unknown}; known: {OFFLOAD_PARTS}")
     return list(dict.fromkeys(parts))
+
+
+def _zero(storage: torch.UntypedStorage, device: torch.device) -> None:
+    """Fill a storage with zero bytes (a dropped part comes back as the zeros a new step would start from)."""
+    torch.empty(0, dtype=torch.uint8, device=device).set_(storage).zero_()
 
 
 def _synchronize(moved: Sequence[_Moved]) -> None:
