@@ -94,6 +94,7 @@ def _eval_sets(args: argparse.Namespace, cfg) -> int:
     from transformers import AutoTokenizer
 
     from miles_lite.config.schema import EvalSetConfig
+    from miles_lite.config.validate import eval_set_problems
     from miles_lite.config.views import EngineFleetConfig
     from miles_lite.data.encoding import PromptEncoder
     from miles_lite.data.problems import EvalSet, load_data_file, load_eval_sets
@@ -102,6 +103,8 @@ def _eval_sets(args: argparse.Namespace, cfg) -> int:
     from miles_lite.rollout.prompt_spec import sampling_from_config
     from miles_lite.run.task_check import check_task, run_reward_set
 
+    if problems := eval_set_problems(cfg):
+        raise ValueError("; ".join(problems))
     if args.data is not None:
         items = load_data_file(cfg.data, args.data)
         sets = [EvalSet(Path(args.data).stem, EvalSetConfig(path=args.data), items[: args.n] if args.n else items)]

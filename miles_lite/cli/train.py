@@ -22,46 +22,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config-name", default="config", help="top-level config file name without .yaml")
 
 
-def explain_override_error(err: Exception) -> str:
-    """One line naming the field, the value given and the type the schema wants (Hydra reports only
-    "Error merging override" and keeps the field in the exception it wraps)."""
-    import dataclasses
-    import re
-
-    added = re.search(r"Could not override '([^']+)'", str(err))
-    if added and "." in added.group(1):
-        # A key the schema allows (inside a free-form mapping such as rollout.sglang_args) but not yet set.
-        key = added.group(1)
-        return f"{key} is not set in {key.rsplit('.', 1)[0]}; add it with +{key}=<value>"
-    cause = err.__cause__
-    key = getattr(cause, "full_key", None)
-    if not key:
-        return str(err)
-    wanted = "value"
-    ref_type = getattr(cause, "ref_type", None)
-    if dataclasses.is_dataclass(ref_type):
-        wanted = str({f.name: f.type for f in dataclasses.fields(ref_type)}.get(key.rsplit(".", 1)[-1], wanted))
-    return f"{key}={getattr(cause, 'value', None)!r} is not of type {wanted}; set {key}=<{wanted}>"
-
-
 def compose_or_explain(args: argparse.Namespace, check: bool = True):
     """Compose and (with `check`) validate the configuration; print a readable error and return None on bad
     input. Without `check` only keys and types are checked, which needs no heavy import (torch)."""
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
+    from miles_lite.cli.overrides import compose_reporting_all
+    from miles_lite.config import ConfigError, validate
 
-    from miles_lite.config import ConfigError, load_config, validate
-    from miles_lite.config.keys import unknown_override_keys
-
-    unknown = unknown_override_keys(list(args.overrides))
-    if unknown:
-        for line in unknown:
+    cfg, problems = compose_reporting_all(list(args.overrides), args.config_dir, args.config_name)
+    if cfg is None:
+        for line in problems:
             print(f"miles-lite train: configuration error: {line}", file=sys.stderr)
-        return None
-    try:
-        cfg = load_config(args.overrides, args.config_dir, args.config_name)
-    except (HydraException, OmegaConfBaseException) as err:
-        print(f"miles-lite train: configuration error: {explain_override_error(err)}", file=sys.stderr)
         return None
     if not check:
         return cfg

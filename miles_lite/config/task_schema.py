@@ -46,13 +46,22 @@ class EvalSetConfig:
 
     path: str | None = None
     k: int = bounded(1, ge=1)
-    temperature: float = bounded(0.0, ge=0)
-    top_p: float = bounded(1.0, gt=0, le=1)
+    # None: greedy (0) for k = 1, rollout.temperature for k > 1 (k greedy samples would be one answer k times,
+    # so an explicit 0 with k > 1 is refused).
+    temperature: float | None = bounded(None, ge=0)
+    # None: rollout.top_p.
+    top_p: float | None = bounded(None, gt=0, le=1)
     # None: rollout.max_new_tokens.
     max_new_tokens: int | None = bounded(None, ge=1)
     threshold: float | None = None
     # Evaluate the first N prompts only (0: all).
     size: int = bounded(0, ge=0)
+
+    def sampling_temperature(self, run_temperature: float) -> float:
+        """The temperature the set samples at: its own, else greedy for k = 1 and the run's for k > 1."""
+        if self.temperature is not None:
+            return self.temperature
+        return 0.0 if self.k == 1 else run_temperature
 
 
 @dataclass

@@ -288,6 +288,19 @@ def _check_records(cfg: MilesConfig, problems: list[str]) -> None:
                         "calls, which records do not have; use experiment.warmup=none with records")
 
 
+def eval_set_problems(cfg: MilesConfig) -> list[str]:
+    """Evaluation sets whose k samples could not differ (k > 1 at temperature 0), each naming the fix."""
+    problems: list[str] = []
+    for name, s in cfg.data.eval_sets.items():
+        if s.k > 1 and s.sampling_temperature(cfg.rollout.temperature) == 0:
+            given = (f"data.eval_sets.{name}.temperature=0" if s.temperature is not None else
+                     "rollout.temperature=0 (the temperature of a k > 1 set without its own)")
+            problems.append(f"data.eval_sets.{name}.k={s.k} with {given} samples one greedy answer {s.k} times, "
+                            f"so avg@{s.k} and pass@{s.k} would equal greedy accuracy; give the set a temperature "
+                            f"above 0 (data.eval_sets.{name}.temperature) or set its k to 1")
+    return problems
+
+
 def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
     if cfg.data.source == "gsm8k":
         for dotted in ("data.train_path", "data.eval_path"):
@@ -372,6 +385,7 @@ def validate(cfg: MilesConfig) -> ModelDims | None:
     _check_rewards(cfg, problems)
     _check_rollout(cfg, problems)
     _check_paths_and_devices(cfg, problems)
+    problems += eval_set_problems(cfg)
     if cfg.cluster.api_key_file:
         from miles_lite.net.api_key import ApiKeyError, read_key_file
 

@@ -41,6 +41,17 @@ class PromptEncoder:
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def prompt_lengths(self, items: Sequence[Any]) -> list[int]:
+        """The tokens of each item's rendered prompt, as `prompt_specs` would send it (tokenised in one batch)."""
+        if not items:
+            return []
+        ids = self.tokenizer([self.render(p) for p in items], add_special_tokens=False)["input_ids"]
+        return [len(x) for x in ids]
+
+    def sft_lengths(self, items: Sequence[Any]) -> list[int]:
+        """The tokens of each item's SFT warm-up sequence (prompt, reference response, end of sequence)."""
+        return [len(seq) for seq in self.sft_batch(items).tokens] if items else []
+
     def prompt_specs(self, batch: Sequence[tuple[int, Any]]) -> list[PromptSpec]:
         """One `PromptSpec` per (index, problem): rendered, tokenised, with the reference data the rewards need."""
         specs = []

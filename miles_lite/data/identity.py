@@ -48,8 +48,11 @@ def _gsm8k(data: DataConfig) -> dict[str, Any]:
 
 
 def records_identity(path: str | Path, keys: RecordKeys) -> dict[str, Any]:
-    """A records file by content and the key mapping that reads it."""
-    return file_identity(path, extra={"keys": keys.as_dict()})
+    """A records file by content and the key mapping that reads it (named in `what`, so that a message about
+    a changed mapping shows which key changed)."""
+    identity = file_identity(path, extra={"keys": keys.as_dict()})
+    mapping = ", ".join(f"data.{name}={value}" for name, value in keys.as_dict().items() if value is not None)
+    return {**identity, "what": f"{identity['what']} read with {mapping}"}
 
 
 def _records(data: DataConfig) -> dict[str, Any]:

@@ -12,13 +12,13 @@ Math problems (`gsm8k.MathProblem`) offer the same attributes (`prompt`, `messag
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from miles_lite.data.gsm8k import DatasetError
+from miles_lite.data.jsonl import json_lines
 from miles_lite.formats.answer import numeric_label
 
 DEFAULT_SOURCE_COLUMN = "data_source"
@@ -95,14 +95,8 @@ def _iter_rows(path: Path) -> Iterator[tuple[str, Any]]:
         for index, row in enumerate(rows):
             yield f"{path}: row {index} (0-based)", row
         return
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}: line {lineno}"
-        try:
-            yield where, json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: invalid JSON ({exc.msg}); expected one JSON object per line") from None
+    for lineno, row in json_lines(path):
+        yield f"{path}: line {lineno}", row
 
 
 def _messages(value: Any, where: str, key: str) -> tuple[dict[str, str], ...]:

@@ -58,9 +58,11 @@ def pass_points(k: int) -> list[int]:
 
 
 def set_sampling(base: SamplingParams, eval_set: EvalSet) -> SamplingParams:
-    """The run's sampling with the set's temperature, top-p and token budget."""
+    """The run's sampling (`base`) with the set's temperature (unset: greedy for k = 1, the run's for k > 1),
+    top-p and token budget (unset: the run's)."""
     cfg = eval_set.cfg
-    return replace(base, temperature=cfg.temperature, top_p=cfg.top_p, top_k=-1,
+    return replace(base, temperature=cfg.sampling_temperature(base.temperature),
+                   top_p=cfg.top_p if cfg.top_p is not None else base.top_p, top_k=-1,
                    max_new_tokens=cfg.max_new_tokens or base.max_new_tokens)
 
 

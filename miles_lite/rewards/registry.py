@@ -58,12 +58,19 @@ RECORD_REWARD_NAMES: tuple[str, ...] = ("exact_match", "math_answer")
 @dataclass(frozen=True)
 class RegisteredReward:
     """A registry entry: the reward function, the largest raw value it can return, its calling convention
-    (`rewards.batch.STYLES`) and, for `rewards.by_source`, the one data source it scores (None: all)."""
+    (`rewards.batch.STYLES`), for `rewards.by_source` the one data source it scores (None: all), and whether
+    it compares the completion with a numeric label (`numeric_labels`: the math convention always does)."""
 
     fn: RewardFn
     max_value: float = 1.0
     style: str = "math"
     source: str | None = None
+    numeric_labels: bool = False
+
+    @property
+    def needs_numbers(self) -> bool:
+        """Whether a record whose label is not a number can never score with this reward."""
+        return self.style == "math" or self.numeric_labels
 
     def values(self, name: str, batch: RewardBatch) -> list[float]:
         """One raw value per completion of `batch`, NaN where it does not apply (other sources, None)."""
@@ -85,7 +92,7 @@ _BUILTIN_MAX = MappingProxyType({"tag_check": 4 * math_rewards.TAG_CREDIT})
 REWARD_REGISTRY: dict[str, RegisteredReward] = {
     **{name: RegisteredReward(getattr(math_rewards, name), _BUILTIN_MAX.get(name, 1.0)) for name in REWARD_NAMES},
     "exact_match": RegisteredReward(record_rewards.ExactMatch(), style="batch"),
-    "math_answer": RegisteredReward(record_rewards.math_answer, style="batch"),
+    "math_answer": RegisteredReward(record_rewards.math_answer, style="batch", numeric_labels=True),
 }
 BUILTIN_NAMES = (*REWARD_NAMES, *RECORD_REWARD_NAMES)
 

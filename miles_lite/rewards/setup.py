@@ -3,6 +3,7 @@ source, a remote reward model."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 
@@ -83,7 +84,7 @@ def build_reward_set(set_name: str, weights: Mapping[str, float], custom: str | 
             _add(weights_of, functions, *loaded, 1.0, f"rewards.custom={custom!r}", "rename the function")
     for source, path in (by_source or {}).items():
         fn_name, reward = load_reward_fn(path, f"rewards.by_source.{source}")
-        reward = RegisteredReward(reward.fn, reward.max_value, reward.style, source)
+        reward = dataclasses.replace(reward, source=source)
         _add(weights_of, functions, source, reward, 1.0, f"rewards.by_source.{source}", "rename the source")
     if remote is not None:
         if not remote.url.startswith(("http://", "https://")):

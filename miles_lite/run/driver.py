@@ -48,6 +48,7 @@ from miles_lite.run.failure import end_on_plugin_failure
 from miles_lite.run.handoff import Handoff
 from miles_lite.run.lock import RunLock
 from miles_lite.run.outputs import RunIO, checkpoint_root, finished_summary
+from miles_lite.run.prompt_check import check_prompts_fit
 from miles_lite.run.record import ResumePlan, plan_resume, record_start_config
 from miles_lite.run.rl_batch import (
     build_train_batch,
@@ -101,6 +102,7 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
         train_problems, held_out = load_problems(cfg.data, cfg.experiment.eval_size)
         eval_sets = load_eval_sets(cfg.data, cfg.experiment.eval_size)
         check_task(cfg, train_problems, eval_sets)
+        check_prompts_fit(cfg, train_problems, held_out, eval_sets)
         done = finished_summary(cfg, run_dir)  # reads only: a finished run re-run writes nothing
         if done is not None:
             print(f"miles-lite: {run_dir} already finished {done['steps_done']} steps (experiment.steps="

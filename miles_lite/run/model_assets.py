@@ -15,28 +15,57 @@ from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.formats.answer import CALCULATOR_TAGS
 
 
+def _extra_tags(cfg: MilesConfig) -> tuple[str, ...]:
+    # The calculator's tags are single tokens of the offline tokenizer when a run uses that tool.
+    return CALCULATOR_TAGS if cfg.rollout.environment == "calculator" else ()
+
+
+def run_tokenizer(cfg: MilesConfig) -> Any:
+    """The tokenizer both roles use: `model.tokenizer_path` / `model.hf_path`'s, or the offline one of a random
+    model (built once into `<experiment.output_dir>/.cache/tokenizers`)."""
+    if cfg.model.hf_path:
+        from transformers import AutoTokenizer
+
+        problem = tokenizer_problem(cfg)
+        if problem:
+            raise ValueError(problem)
+        return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+    cache = Path(cfg.experiment.output_dir) / ".cache" / "tokenizers"
+    tokenizer = load_or_build_tokenizer(cache, vocab_size=cfg.model.vocab_size, seed=0, extra_tags=_extra_tags(cfg))
+    if len(tokenizer) > cfg.model.vocab_size:
+        raise ValueError(f"the offline tokenizer has {len(tokenizer)} tokens but model.vocab_size="
+                         f"{cfg.model.vocab_size}; raise model.vocab_size")
+    return tokenizer
+
+
+def model_context(cfg: MilesConfig) -> tuple[int | None, str]:
+    """The positions one sequence (prompt and completion) may take, and where that figure comes from: SGLang's
+    `context_length` when set, else the model's `max_position_embeddings` (config.json, or `model.shape`);
+    None when config.json does not say."""
+    from miles_lite.config.engine_flags import flag_value
+
+    given = flag_value(cfg.rollout.sglang_args, "context_length") if cfg.rollout.backend == "sglang" else None
+    if isinstance(given, int) and not isinstance(given, bool) and given > 0:
+        return given, "rollout.sglang_args.context_length"
+    if not cfg.model.hf_path:
+        return cfg.model.shape.max_position_embeddings, "model.shape.max_position_embeddings"
+    config = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    size = text.get("max_position_embeddings", config.get("max_position_embeddings"))
+    return (int(size), f"max_position_embeddings in {cfg.model.hf_path}") if isinstance(size, int) else (None, "")
+
+
 def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
     """Resolve the model directory and tokenizer; a tiny random model is written under the run dir.
 
     Returns the config with `model.hf_path` pointing at the directory both roles load, and the tokenizer.
     """
-    from transformers import AutoTokenizer
-
     from miles_lite.trainer.tiny_hf import make_tiny_hf_model
 
+    tokenizer = run_tokenizer(cfg)
     if cfg.model.hf_path:
-        problem = tokenizer_problem(cfg)
-        if problem:
-            raise ValueError(problem)
-        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
         return cfg, tokenizer
-    cache = Path(cfg.experiment.output_dir) / ".cache" / "tokenizers"
-    # The calculator's tags are single tokens of the offline tokenizer when a run uses that tool.
-    extra_tags = CALCULATOR_TAGS if cfg.rollout.environment == "calculator" else ()
-    tokenizer = load_or_build_tokenizer(cache, vocab_size=cfg.model.vocab_size, seed=0, extra_tags=extra_tags)
-    if len(tokenizer) > cfg.model.vocab_size:
-        raise ValueError(f"the offline tokenizer has {len(tokenizer)} tokens but model.vocab_size="
-                         f"{cfg.model.vocab_size}; raise model.vocab_size")
+    extra_tags = _extra_tags(cfg)
     model_dir = run_dir / "initial_model"
     # What the random model is built from: a run started over with another shape (checkpoint.resume=none)
     # builds it again rather than loading the earlier one (the build is seeded: the same spec, the same weights).

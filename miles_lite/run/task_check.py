@@ -40,7 +40,7 @@ def check_task(cfg: MilesConfig, train: Sequence[Any], eval_sets: Sequence[EvalS
                 problem = columns_problem(reward.fn, columns)
                 if problem is not None:
                     raise DatasetError(f"reward {name!r} cannot score {field}: {problem}")
-        math_rewards = [n for n in reward_set.names if reward_set.reward(n).style == "math"]
+        math_rewards = [n for n in reward_set.names if reward_set.reward(n).needs_numbers]
         for item in items:
             if by_source and item.source not in by_source:
                 where = getattr(item, "where", field)
