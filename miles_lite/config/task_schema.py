@@ -14,7 +14,9 @@ class PresampleConfig:
 
     enabled: bool = True
     k: int = bounded(8, ge=1)
-    # strict = exact_check (answer and format); lenient = the last number in the text is right.
+    # Math problems: strict = exact_check (answer and format); lenient = the last number in the text is right.
+    # Records: strict = the total reward reaches the most the reward set gives (full marks); lenient = the total
+    # is above zero (some reward earned).
     scoring: str = one_of("lenient", "strict")
     drop_all_wrong: bool = True
     drop_all_right: bool = True

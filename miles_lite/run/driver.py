@@ -53,6 +53,7 @@ from miles_lite.run.record import ResumePlan, plan_resume, record_start_config
 from miles_lite.run.rl_batch import (
     build_train_batch,
     drop_stale,
+    require_scored,
     reward_stats,
     rl_distill_coef,
     rollout_stats,
@@ -343,6 +344,7 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         start_rollouts(system, data, rollouts)
     with timer.phase("reward"):  # dynamic sampling scored the groups as they completed
         groups = rollout.groups if cfg.rollout.dynamic_sampling else score_groups(system.reward_set, rollout.groups)
+    require_scored(groups)
     fresh, stale_stats = drop_stale(groups, system.version, cfg.rollout.max_staleness)
     batch, algo_stats = build_train_batch(fresh, cfg.algo)
     handoff.measure("generate")

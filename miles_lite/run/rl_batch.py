@@ -12,6 +12,7 @@ import torch
 from miles_lite.algo.advantages import compute_advantages
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.data.calculator import call_outcomes
+from miles_lite.plugins import PluginFailed
 from miles_lite.rollout.manager import MIXED_SEPARATOR
 from miles_lite.types import Group, Sample, TrainBatch
 
@@ -94,6 +95,20 @@ def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
     if len(scored) < len(every):
         stats["reward/unscored_samples"] = float(len(every) - len(scored))
     return stats
+
+
+def require_scored(groups: Sequence[Group]) -> None:
+    """Raise `PluginFailed` when no reward gave a value for any completion of a step (every reward returned
+    None for every completion): every total would be 0, so the step would train on nothing, and so would the
+    run's every later step while the reward keeps not applying; it names the rewards and the fix."""
+    every = [s for g in groups for s in g.samples]
+    names = sorted({k for s in every for k in s.rewards if k != "total"})
+    if not every or any(not math.isnan(s.rewards.get(n, math.nan)) for s in every for n in names):
+        return
+    plugin = f"reward {names[0]!r}" if len(names) == 1 else "rewards " + ", ".join(repr(n) for n in names)
+    raise PluginFailed(plugin, ValueError(
+        f"returned None for all {len(every)} completions of the step: none was scored, so there is nothing to learn "
+        "from; return a float for every completion a reward applies to (None only where it does not apply)"))
 
 
 def tool_stats(groups: Sequence[Group]) -> dict[str, float]:
