@@ -2,6 +2,10 @@
 the run implies, each added only where the user did not set it (in either spelling).
 
 - The memory saver of a hand-off run (`colocation.engine_rollout`).
+- SGLang's `--enable-return-routed-experts` with rollout routing replay (`trainer.routing_replay=true`):
+  SGLang (0.5.17: `enable_return_routed_experts`, `exec.features`) records the experts each token was routed to
+  only when started with it, and without it answers `return_routed_experts` requests with no routing, so the
+  trainer would route generated tokens itself. An explicit `false` is refused (`routing_problems`).
 - SGLang's decode CUDA graphs sized to the batch each engine decodes: SGLang captures decode graphs up to a batch
   it picks from the GPU's memory (256 on an H200 at TP < 4) and runs larger batches eagerly, 2-2.5x slower
   (measured on one H200: a step's 512 requests generated at 18-27k tokens/s with SGLang 0.5.17's default graphs
@@ -23,6 +27,7 @@ from miles_lite.config.schema import MilesConfig, RolloutConfig
 DECODE_GRAPH_FLAGS = ("cuda_graph_max_bs", "cuda_graph_max_bs_decode", "cuda_graph_bs", "cuda_graph_bs_decode",
                       "cuda_graph_config")
 MAX_DERIVED_GRAPH_BATCH = 1024
+ROUTED_EXPERTS_FLAG = "enable_return_routed_experts"
 
 
 def engine_batch(rollout: RolloutConfig) -> int:
@@ -49,6 +54,23 @@ def with_decode_graphs(rollout: RolloutConfig) -> RolloutConfig:
     return dataclasses.replace(rollout, sglang_args={**args, "cuda_graph_max_bs": decode_graph_batch(rollout)})
 
 
+def with_routed_experts(rollout: RolloutConfig, routing_replay: bool) -> RolloutConfig:
+    """`rollout` with SGLang returning routed experts when the trainer replays them (`trainer.routing_replay`)."""
+    if not routing_replay or rollout.backend != "sglang" or flag_keys(rollout.sglang_args, ROUTED_EXPERTS_FLAG):
+        return rollout
+    return dataclasses.replace(rollout, sglang_args={**rollout.sglang_args, ROUTED_EXPERTS_FLAG: True})
+
+
+def routing_problems(cfg: MilesConfig) -> list[str]:
+    """Engine flags that contradict routing replay, each naming the fix."""
+    setting = flag_value(cfg.rollout.sglang_args, ROUTED_EXPERTS_FLAG)
+    if not cfg.trainer.routing_replay or cfg.rollout.backend != "sglang" or setting in (None, True):
+        return []
+    return [f"rollout.sglang_args.{ROUTED_EXPERTS_FLAG}={setting!r}: trainer.routing_replay=true replays the experts "
+            "SGLang routed each generated token to, which it returns only with this flag on; remove the setting "
+            "(it is turned on for you) or set trainer.routing_replay=false"]
+
+
 def launch_rollout(cfg: MilesConfig) -> RolloutConfig:
     """`cfg.rollout` as the engines are launched with: the user's flags plus the derived ones."""
-    return with_decode_graphs(engine_rollout(cfg))
+    return with_decode_graphs(with_routed_experts(engine_rollout(cfg), cfg.trainer.routing_replay))

@@ -346,9 +346,10 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append(f"trainer.use_distributed_optimizer=true with {what} is not supported; set "
                         "trainer.use_distributed_optimizer=false")
     from miles_lite.config.colocation import handoff_problems
+    from miles_lite.config.engine_launch import routing_problems
     from miles_lite.config.weight_sync_choice import weight_sync_problems
 
-    problems += weight_sync_problems(cfg) + handoff_problems(cfg)
+    problems += weight_sync_problems(cfg) + handoff_problems(cfg) + routing_problems(cfg)
 
 
 def _check_lora(cfg: MilesConfig, problems: list[str]) -> None:

@@ -94,13 +94,18 @@ class WeightSyncSetup:
     seed: int
     adapters: LoraConfig | None = None
     base_model: str | None = None
+    # The probe's bound (`weight_sync.max_probe_logp_diff`, or the one chosen for the run) and, when chosen,
+    # why (named in a failed verification's message).
+    probe_bound: float = 1e-3
+    probe_bound_note: str = ""
 
     @classmethod
     def of(cls, cfg: MilesConfig) -> WeightSyncSetup:
-        from miles_lite.config.weight_sync_choice import collective_backend
+        from miles_lite.config.weight_sync_choice import collective_backend, probe_bound
 
+        bound, note = probe_bound(cfg)
         return cls(cfg.weight_sync, cfg.trainer.tp, "float32" if cfg.trainer.precision == "fp32" else "bfloat16",
                    cfg.rollout.backend, collective_backend(cfg), cfg.cluster.advertise_address,
                    tuple(cfg.rollout.engine_urls), model_dims(cfg).vocab_size, cfg.experiment.seed,
                    cfg.trainer.lora if serves_adapters(cfg) else None,
-                   str(cfg.model.hf_path) if cfg.model.hf_path else None)
+                   str(cfg.model.hf_path) if cfg.model.hf_path else None, bound, note)

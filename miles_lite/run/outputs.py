@@ -144,6 +144,7 @@ class RunIO:
         if probe is not None:
             self.last_sync["sync/probe_logp_diff_mean"] = probe
             self.last_sync["sync/probe_logp_diff_max"] = report.verify.logp_diff_max
+            self.last_sync["sync/probe_logp_diff_bound"] = report.verify.bound
 
     def publish_step(self, step: int, stats: dict[str, Any], groups: Sequence[Group],
                      fleet_stats: Mapping[str, float]) -> None:

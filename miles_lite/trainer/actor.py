@@ -184,6 +184,21 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
             if seq and (min(seq) < 0 or max(seq) >= vocab):
                 raise ValueError(f"TrainBatch.tokens[{i}] has ids outside [0, {vocab}) (the model's vocab_size)")
 
+    def _check_replayable(self, batch: TrainBatch) -> None:
+        """With routing replay, every generated sequence must carry the experts the engine routed it to: without
+        them its tokens would silently route themselves (an engine started without SGLang's
+        --enable-return-routed-experts answers with none)."""
+        if not self.cfg.trainer.routing_replay or self.routing is None:
+            return
+        routed = batch.routed_experts
+        missing = [i for i, r in enumerate(batch.response_lengths) if r > 1 and (routed is None or routed[i] is None)]
+        if missing:
+            raise ValueError(f"trainer.routing_replay=true, but {len(missing)} of the batch's {batch.num_sequences} "
+                             "sequences came back from the engines without routed experts: SGLang engines return them "
+                             "only when started with --enable-return-routed-experts (engines the run starts get it; "
+                             "engines started elsewhere, rollout.engine_urls, need it themselves), or set "
+                             "trainer.routing_replay=false")
+
     def _micro_batches(self, batch: TrainBatch) -> list[PackedMicroBatch]:
         """This data-parallel rank's share of `batch`, grouped by `trainer.micro_batch_tokens` (padding
         included on the local spec, whose micro-batches run as padded batches: see packing.py)."""
@@ -288,6 +303,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
         t0 = time.perf_counter()
         self._require_ready()
         self._check_tokens(batch)
+        self._check_replayable(batch)
         algo = self.cfg.algo
         if distill_coef is not None and distill_coef != algo.distill_coef:
             algo = dataclasses.replace(algo, distill_coef=distill_coef)

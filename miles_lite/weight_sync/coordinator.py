@@ -1,8 +1,8 @@
 """One weight push, start to end: pause -> flush -> push -> version check -> continue -> verify.
 
 A `threading.Lock` serialises pushes (two pushes never interleave, whichever threads call).
-States: IDLE -> PAUSING -> PUSHING -> CHECKING (versions) -> RESUMING -> CHECKING (probe, checksums,
-on running engines) -> IDLE; any failure ends in FAILED
+States: IDLE -> PAUSING -> PUSHING -> CHECKING (versions) -> RESUMING -> CHECKING (probe, on running
+engines) -> IDLE; any failure ends in FAILED
 (engines are resumed even then, so they keep serving; the caller marks them stale and the next
 push, after `connect` on the new fleet, brings them current).
 """
@@ -12,10 +12,8 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
 
 from miles_lite.weight_sync.transport import (
     EngineLoop,
@@ -62,8 +60,6 @@ class WeightSyncCoordinator:
         return self.loop.gather({f.engine_id: self.loop.submit(getattr(f.engine, method)()) for f in fleet})
 
     def push(self, fleet: Sequence[FleetEngine], named_shards: ShardSource, version: str,
-             new_tensors: Mapping[str, torch.Tensor] | None = None,
-             old_tensors: Mapping[str, torch.Tensor] | None = None,
              after_load: Callable[[], None] | None = None) -> SyncReport:
         """Push `named_shards` as `version` to every engine of `fleet`; raises `WeightSyncError` naming engines.
 
@@ -104,7 +100,7 @@ class WeightSyncCoordinator:
                 # Scoring needs running engines; a failure here names the engines to mark stale.
                 self.state = SyncState.CHECKING
                 try:
-                    verify = self.verifier.verify(fleet, version, new_tensors, old_tensors)
+                    verify = self.verifier.verify(fleet, version)
                 except BaseException:
                     self.state = SyncState.FAILED
                     raise

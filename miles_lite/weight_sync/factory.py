@@ -66,5 +66,6 @@ def build_coordinator(cfg: WeightSyncSetup, trainer: WeightSource, loop: EngineL
     verifier = None
     if ws.verify:
         probe = make_probe(cfg.vocab_size, ws.probe_sequences, ws.probe_tokens, seed=cfg.seed)
-        verifier = PushVerifier(loop, probe, trainer.probe_logprobs, max_probe_logp_diff=ws.max_probe_logp_diff)
+        verifier = PushVerifier(loop, probe, trainer.probe_logprobs, max_probe_logp_diff=cfg.probe_bound,
+                                bound_note=cfg.probe_bound_note)
     return WeightSyncCoordinator(transport, loop, verifier)

@@ -54,3 +54,21 @@ def test_reference_engines_get_no_sglang_flags() -> None:
 def test_derived_flag_is_spelt_as_the_installed_sglang_knows_it(known: frozenset[str], spelt: str) -> None:
     args = launch_rollout(_cfg("rollout.prompts_per_step=64")).sglang_args
     assert for_installed_sglang(args, known)[spelt] == 512
+
+
+def test_routing_replay_starts_sglang_returning_routed_experts() -> None:
+    cfg = _cfg("model=tiny_qwen3_moe", "trainer.routing_replay=true")
+    assert EngineFleetConfig.of(cfg).rollout.sglang_args["enable_return_routed_experts"] is True
+    assert "enable_return_routed_experts" not in EngineFleetConfig.of(_cfg("model=tiny_qwen3_moe")).rollout.sglang_args
+    # Reference engines answer routing requests without a flag.
+    ref = load_config(["model=tiny_qwen3_moe", "trainer.routing_replay=true"])
+    assert launch_rollout(ref).sglang_args == ref.rollout.sglang_args
+
+
+def test_routing_replay_refuses_engines_told_not_to_return_routing() -> None:
+    from miles_lite.config import ConfigError, validate
+
+    with pytest.raises(ConfigError, match=r"rollout.sglang_args.enable_return_routed_experts=False: "
+                                          r"trainer.routing_replay=true replays"):
+        validate(_cfg("model=tiny_qwen3_moe", "trainer.routing_replay=true", "rollout.max_new_tokens=32",
+                      "+rollout.sglang_args.enable-return-routed-experts=false"))
