@@ -61,8 +61,8 @@ def test_routing_replay_starts_sglang_engines_returning_routed_experts(tmp_path:
     argv_log = tmp_path / "argv.jsonl"
     env = {**os.environ, "FAKE_SGLANG_ARGV": str(argv_log),
            "PYTHONPATH": os.pathsep.join([str(tmp_path / "fake"), os.environ.get("PYTHONPATH", "")])}
-    proc = _train(tmp_path / "out", "rollout=sglang", "rollout.max_new_tokens=16", "fault_tolerance.max_engine_restarts=0",
-                  env=env)
+    proc = _train(tmp_path / "out", "rollout=sglang", "rollout.max_new_tokens=16",
+                  "fault_tolerance.max_engine_restarts=0", env=env)
     assert proc.returncode != 0  # the stand-in server exits at once
     (argv, *_) = [json.loads(line) for line in argv_log.read_text().splitlines()]
     assert "--enable-return-routed-experts" in argv, argv
