@@ -37,8 +37,8 @@ if [ "${parts[*]}" = sitting ]; then
   export SITTING=1
   export GUARD_7B_CONFIGS=${GUARD_7B_CONFIGS:-bf16,fp8-delayed}
   # shellcheck disable=SC2206
-  parts=(${SITTING_PARTS:-versions rollout recipe speed-recipe colocated-0.5b colocated-7b lora-7b-merged guard-7b
-         agents lora-7b rollout-default auth moe contract})
+  parts=(${SITTING_PARTS:-versions rollout recipe speed-recipe colocated-0.5b trainer-offload colocated-7b
+         lora-7b-merged guard-7b agents lora-7b rollout-default auth moe contract})
 fi
 failed=0
 # The GRPO parts' engines see SGLang installed apart, and push as the other GPU checks do.
@@ -68,7 +68,7 @@ part() {
 # Seconds each part of a sitting may take (default PART_TIMEOUT_S, else 3600).
 declare -A sitting_limit=([versions]=60 [rollout]=330 [rollout-default]=150 [recipe]=420 [speed-recipe]=360
                           [colocated-0.5b]=330 [colocated-7b]=330 [lora-7b-merged]=330 [lora-7b]=330
-                          [guard-7b]=240 [agents]=300 [auth]=240 [moe]=300 [contract]=300)
+                          [guard-7b]=240 [trainer-offload]=120 [agents]=300 [auth]=240 [moe]=300 [contract]=300)
 part_limit() {
   if [ -n "${SITTING:-}" ] && [ -n "${sitting_limit[$1]:-}" ]; then echo "${sitting_limit[$1]}"
   else echo "${PART_TIMEOUT_S:-3600}"; fi
@@ -160,6 +160,8 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     moe) part moe "$py" -m pytest -q -s --basetemp "$out/tmp-moe" tests/gpu/test_sglang_moe_gpu.py ;;
     multiturn) part multiturn "$py" -m pytest -q -s --basetemp "$out/tmp-multiturn" tests/integration/test_multi_turn_engines.py ;;
     trainer) part trainer "$py" -m pytest -q -s --basetemp "$out/tmp-trainer" tests/gpu/test_trainer_gpu.py ;;
+    trainer-offload) part trainer-offload "$py" -m pytest -q -s --basetemp "$out/tmp-trainer-offload" \
+                       tests/gpu/test_trainer_gpu.py -k offload ;;
     recipe) part recipe "$py" -m pytest -q -s --basetemp "$out/tmp-recipe" tests/gpu/test_gsm8k_recipe_gpu.py ;;
     guard-0.5b) part guard-0.5b "$py" benchmarks/train_step.py --guard --configs bf16,fp8-delayed --steps 20 \
                   --warmup 2 --out "$out/guard-0.5b.json" ;;
@@ -198,7 +200,7 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
                --out "$out/lora-7b.json" trainer.lora.rank=16 trainer.lora.alpha=32 ;;
     *) echo "unknown part $p (versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
             "lora colocated-0.5b resident-0.5b colocated-7b lora-7b lora-7b-merged speed-recipe speed-recipe-unfused" \
-            "rollout rollout-default; or the preset: sitting)"
+            "rollout rollout-default trainer-offload; or the preset: sitting)"
        failed=$((failed + 1)) ;;
   esac
 done
