@@ -171,8 +171,10 @@ def test_sigkilled_trainer_recovers_at_every_point_of_a_step(tmp_path: Path, ima
             lines = metrics_lines(volume) if volume is not None else []
             trainer = next((n for n, p in node.played.items() if n.startswith(f"{JOB}-trainer-0-")
                             and p.phase == "Running"), None)
-            if (len(kills) < len(KILL_POINTS) and trainer is not None
-                    and len(lines) - attempt_start >= STEPS_BEFORE_KILL and (not kills or last_checkpoint is not None)):
+            # Each attempt is killed once it has trained a few steps and the run has a committed checkpoint that
+            # the status names.
+            if (len(kills) < len(KILL_POINTS) and trainer is not None and last_checkpoint is not None
+                    and len(lines) - attempt_start >= STEPS_BEFORE_KILL and latest_checkpoint(volume) is not None):
                 engines = engines or Engines(api)
                 engines.refresh()
                 point = KILL_POINTS[len(kills)]

@@ -184,7 +184,9 @@ def test_a_lost_rollout_node_is_named_with_the_step_and_the_checkpoint(cluster, 
     cmd = [sys.executable, "-m", "miles_lite.cli", "train", *_overrides(
         ray_cluster.address, tmp_path, "experiment.steps=500", "checkpoint.interval=1",
         "fault_tolerance.health_interval_s=0.5", "fault_tolerance.failure_threshold=2",
-        "fault_tolerance.max_engine_restarts=1", "rollout.startup_timeout_s=60", "rollout.request_timeout_s=30")]
+        "fault_tolerance.max_engine_restarts=1", "rollout.startup_timeout_s=60", "rollout.request_timeout_s=30",
+        # A replacement of the lost node's engines waits this long for room in the gang before it counts as failed.
+        "cluster.placement_timeout_s=5")]
     log_path = tmp_path / "driver.log"
     run = tmp_path / "run"
     with log_path.open("w") as log:
