@@ -375,7 +375,7 @@ def test_a_lost_rollout_node_leaves_no_job_step_behind(slurm: SlurmCluster, job_
     # The watchdog of each Ray step polls at short periods here, as the test waits for it.
     env = {**job_env, "MILES_SLURM_WATCH_S": "2", "MILES_RAY_HEAD_LOST_S": "10"}
     job_id, run_dir = _submit(slurm, env, ["--gres=gpu:2"], "slurm/train-hetjob.sh",
-                              ["experiment.steps=6", *SHORT_RUN])
+                              ["experiment.steps=4", *SHORT_RUN])
     trainer_log = run_dir / "logs/trainer.log"
     deadline = time.monotonic() + JOB_TIMEOUT_S
     while not (trainer_log.exists() and re.search(r"^step 1/", trainer_log.read_text(errors="replace"), re.M)):
@@ -402,7 +402,7 @@ def test_a_lost_rollout_node_leaves_no_job_step_behind(slurm: SlurmCluster, job_
         assert re.search(r"(is no longer running|is gone \(10s\)); stopping this Ray node", rollout_log), rollout_log
         assert "attempt 2/" not in rollout_log, rollout_log  # never restarted against a head that is gone
         summary = json.loads((run_dir / "summary.json").read_text())
-        assert summary["steps_done"] == 6
+        assert summary["steps_done"] == 4
     finally:
         # The node comes back (its slurmd restarted) and finishes the job's clean-up; later tests need both nodes.
         subprocess.run(["/usr/sbin/slurmd", "-f", slurm.env["SLURM_CONF"], "-N", "n2"], env=slurm.env, check=True,
