@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -155,24 +156,9 @@ def _check_clip_args(clip_low: float, clip_high: float, dual_clip_c: float | Non
         raise ValueError(f"dual_clip_c must be > 1 (typically 3), or None to disable; got {dual_clip_c}")
 
 
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip_c: float | None = None,
-    ratio_type: RatioType | str = RatioType.TOKEN,
-    is_weights: Tensor | None = None,
-    agg_mode: AggMode | str = AggMode.TOKEN_MEAN,
-    agg_constant: float | None = None,
-) -> tuple[Tensor, PolicyLossStats]:
-    """:func:`policy_loss_terms` with its statistics read as :class:`PolicyLossStats` (floats)."""
-    loss, terms = policy_loss_terms(logp, old_logp, advantages, mask, clip_low=clip_low, clip_high=clip_high,
-                                    dual_clip_c=dual_clip_c, ratio_type=ratio_type, is_weights=is_weights,
-                                    agg_mode=agg_mode, agg_constant=agg_constant)
+def policy_loss(*args: Any, **kwargs: Any) -> tuple[Tensor, PolicyLossStats]:
+    """:func:`policy_loss_terms` (same arguments) with its statistics read as :class:`PolicyLossStats` (floats)."""
+    loss, terms = policy_loss_terms(*args, **kwargs)
     return loss, PolicyLossStats(**read_stats(terms))
 
 
@@ -332,18 +318,9 @@ def sft_loss(
     return aggregate(-logp, mask, agg_mode, agg_constant)
 
 
-def distillation_loss(
-    logp: Tensor,
-    teacher_logp: Tensor,
-    mask: Tensor,
-    agg_mode: AggMode | str = AggMode.TOKEN_MEAN,
-    agg_constant: float | None = None,
-    *,
-    sampler_logp: Tensor | None = None,
-) -> tuple[Tensor, float]:
-    """:func:`distillation_terms` with the reverse KL read as a float."""
-    loss, reverse_kl = distillation_terms(logp, teacher_logp, mask, agg_mode, agg_constant,
-                                          sampler_logp=sampler_logp)
+def distillation_loss(*args: Any, **kwargs: Any) -> tuple[Tensor, float]:
+    """:func:`distillation_terms` (same arguments) with the reverse KL read as a float."""
+    loss, reverse_kl = distillation_terms(*args, **kwargs)
     return loss, float(reverse_kl)
 
 
@@ -419,21 +396,9 @@ class LossConfig:
             )
 
 
-def total_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    config: LossConfig,
-    *,
-    ref_logp: Tensor | None = None,
-    entropy: Tensor | None = None,
-    teacher_logp: Tensor | None = None,
-    is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
-    """:func:`total_loss_terms` with its statistics read as floats (one host sync)."""
-    loss, stats = total_loss_terms(logp, old_logp, advantages, mask, config, ref_logp=ref_logp, entropy=entropy,
-                                   teacher_logp=teacher_logp, is_weights=is_weights)
+def total_loss(*args: Any, **kwargs: Any) -> tuple[Tensor, dict[str, float]]:
+    """:func:`total_loss_terms` (same arguments) with its statistics read as floats (one host sync)."""
+    loss, stats = total_loss_terms(*args, **kwargs)
     return loss, read_stats(stats)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -108,18 +109,10 @@ def logp_diff_terms(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> D
     return dict(zip(names, [signed_mean, abs_mean, abs_max, k3], strict=True))
 
 
-def importance_weights(
-    train_logp: Tensor,
-    rollout_logp: Tensor,
-    mask: Tensor,
-    level: ISLevel | str = ISLevel.SEQUENCE_GEOMEAN,
-    mode: ISMode | str = ISMode.MASK,
-    *,
-    upper: float = 2.0,
-    lower: float | None = None,
-) -> ISResult:
-    """:func:`importance_terms` as an :class:`ISResult` (statistics read as floats, one host sync)."""
-    weights, stats = importance_terms(train_logp, rollout_logp, mask, level, mode, upper=upper, lower=lower)
+def importance_weights(*args: Any, **kwargs: Any) -> ISResult:
+    """:func:`importance_terms` (same arguments) as an :class:`ISResult` (statistics read as floats, one host
+    sync)."""
+    weights, stats = importance_terms(*args, **kwargs)
     return ISResult(weights=weights, stats=read_stats(stats))
 
 
@@ -206,18 +199,9 @@ def importance_terms(
     return applied, dict(zip(names, values, strict=True))
 
 
-def mismatch_metrics(
-    train_logp: Tensor,
-    rollout_logp: Tensor,
-    mask: Tensor,
-    level: ISLevel | str = ISLevel.SEQUENCE_GEOMEAN,
-    mode: ISMode | str = ISMode.MASK,
-    *,
-    upper: float = 2.0,
-    lower: float | None = None,
-    prefix: str = "mismatch/",
-) -> dict[str, float]:
-    """Log-prob gap and IS statistics in one dict, keyed for logging.
+def mismatch_metrics(*args: Any, **kwargs: Any) -> dict[str, float]:
+    """The statistics of :func:`mismatch_terms` (same arguments) read as floats (one host sync): the log-prob gap
+    and IS statistics in one dict, keyed for logging.
 
     Keys (with the default prefix): ``mismatch/logp_diff_mean``, ``mismatch/logp_abs_diff_mean``,
     ``mismatch/logp_abs_diff_max``, ``mismatch/kl_k3``, ``mismatch/is_raw_mean``,
@@ -225,8 +209,7 @@ def mismatch_metrics(
     ``mismatch/masked_fraction``, ``mismatch/clipped_fraction``. See :func:`logp_diff_stats` and
     :func:`importance_weights` for the arguments and units.
     """
-    return read_stats(mismatch_terms(train_logp, rollout_logp, mask, level, mode, upper=upper, lower=lower,
-                                      prefix=prefix)[1])
+    return read_stats(mismatch_terms(*args, **kwargs)[1])
 
 
 def mismatch_terms(

@@ -50,7 +50,8 @@ def run(args: argparse.Namespace) -> int:
     files, an unwritable or full output directory, a run directory held by another run, a resume asking
     for changes its checkpoint cannot take), 3 training halted by a guard (diverged or non-finite steps),
     4 a plug-in failed (reward, group filter, generate function, environment, remote reward model; the
-    newest committed checkpoint is the resume point).
+    newest committed checkpoint is the resume point), 5 the run's Ray cluster lost a node (named in the last
+    line, with the step and the checkpoint a rerun resumes from).
     """
     cfg = compose_or_explain(args)
     if cfg is None:
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from miles_lite.run.driver import train
     from miles_lite.run.failure import EXIT_PLUGIN_FAILED, RunEndedByPlugin
     from miles_lite.run.lock import RunDirInUseError
+    from miles_lite.run.node_loss import EXIT_NODE_LOST, RunEndedByNodeLoss
     from miles_lite.run.record import ResumeRefused
 
     try:
@@ -79,6 +81,9 @@ def run(args: argparse.Namespace) -> int:
     except RunEndedByPlugin as err:
         print(f"miles-lite train: {err}", file=sys.stderr)
         return EXIT_PLUGIN_FAILED
+    except RunEndedByNodeLoss as err:
+        print(f"miles-lite train: {err}", file=sys.stderr)
+        return EXIT_NODE_LOST
     except DatasetError as err:  # raised before the run has a directory
         detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
         print(f"miles-lite train: data error: {detail} (check data.train_path / data.eval_path)", file=sys.stderr)

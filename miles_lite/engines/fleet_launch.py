@@ -14,7 +14,7 @@ from typing import Any
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.config.views import EngineFleetConfig
 from miles_lite.data.encoding import PromptEncoder
-from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted
+from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted, read_engine_list
 from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.net.api_key import ApiKey
 from miles_lite.plugins import load_sync_fn
@@ -157,9 +157,13 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
 async def follow_engine_list(fleet_urls: list[str], rollout: RolloutConfig, ft: FaultToleranceConfig,
                              path: str, *, vocab_size: int | None = None,
                              api_key: str | None = None) -> tuple[EngineFleet, EngineListFollower]:
-    """Attach the engines of `rollout.engine_urls`, then follow the list in `path` (the fleet grows and shrinks
-    with it; see engine_list.py). Call on the fleet's loop."""
+    """Attach the engines the list in `path` names (else those of `rollout.engine_urls`), then follow the list (the
+    fleet grows and shrinks with it; see engine_list.py). Call on the fleet's loop."""
     follower: EngineListFollower | None = None
+    listed = read_engine_list(path)
+    if listed:
+        # The list as it stands now: the operator leaves out engines it cannot schedule, which would never answer.
+        fleet_urls[:] = listed
 
     def wanted(url: str) -> bool:
         return follower is None or follower.still_listed(url)

@@ -355,6 +355,10 @@ class MetricsRegistry:
         """The host snapshot of a checkpoint held training for `seconds`."""
         self.ckpt_blocked.labels(self.run, self.role).set(seconds)
 
+    def checkpoint_step(self, step: int) -> None:
+        """The newest committed checkpoint of the run is of `step` (a background save committed, or a resume)."""
+        self.ckpt_step.labels(self.run, self.role).set(step)
+
     def checkpoint_committed(self, flush_seconds: float, nbytes: int, step: int | None = None) -> None:
         """A checkpoint's background flush finished and was committed (`nbytes` on disk, of `step`)."""
         if step is not None:

@@ -47,6 +47,7 @@ from miles_lite.run.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.run.failure import end_on_plugin_failure
 from miles_lite.run.handoff import Handoff
 from miles_lite.run.lock import RunLock
+from miles_lite.run.node_loss import NodeWatch, end_on_node_loss
 from miles_lite.run.outputs import RunIO, checkpoint_root, finished_summary
 from miles_lite.run.prompt_check import check_prompts_fit
 from miles_lite.run.record import ResumePlan, plan_resume, record_start_config
@@ -82,6 +83,8 @@ class RunSummary:
     config_changes: dict[str, Any] | None = None
     # The plug-in that ended the run: plugin, where, error, log, resume_from.
     plugin_failure: dict[str, Any] | None = None
+    # The Ray nodes whose loss ended the run: nodes, step, error, log, resume_from.
+    node_loss: dict[str, Any] | None = None
 
 
 def run_name(cfg: MilesConfig) -> str:
@@ -150,10 +153,16 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
     with System.start(cfg, run_dir) as system, RunIO(system.cfg, run_dir, run_name(cfg), record) as io:
         summary = RunSummary(str(run_dir), 0, 0.0, config_changes=plan.as_json() if plan.checkpoint else None)
+        nodes = NodeWatch.capture(cfg.cluster) if cfg.cluster.mode == "ray" else None
         try:
             _run(system, io, data, plan, stop, train_problems, held_out, summary, start, eval_sets)
         except PluginFailed as failure:
             raise end_on_plugin_failure(system, io, summary, failure, start) from failure
+        except Exception as err:
+            lost = nodes.lost() if nodes is not None else []
+            if not lost:
+                raise
+            raise end_on_node_loss(system, io, summary, err, lost, start) from err
     return summary
 
 

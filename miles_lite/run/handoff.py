@@ -9,10 +9,12 @@ Who holds the device is a state machine:
   state offloaded before the engines started (`System.start`), so they start into the room;
 - `for_generation`: the trainer offloads `trainer.offload.*` to host memory (`time/offload_seconds`);
 - `for_training`: the engines release weights, KV cache and CUDA graphs (`time/engine_sleep_seconds`),
-  then the trainer onloads (`time/onload_seconds`). Runs that push only LoRA adapters keep the engines'
-  weights: their base never changes, and SGLang's memory saver drops released weights (no host copy), so
-  an adapter-only push after the wake would leave the engine computing with garbage;
-- `push`: the trainer offloads its gradient buffers and optimizer state, the push resumes the engines'
+  then the trainer onloads (`time/onload_seconds`: on a GPU the time to queue the copies; they run on a stream
+  of their own while the step starts, the optimizer state landing before the optimizer step reads it). Runs
+  that push only LoRA adapters keep the engines' weights: their base never changes, and SGLang's memory saver
+  drops released weights (no host copy), so an adapter-only push after the wake would leave the engine
+  computing with garbage;
+- `push`: the trainer drops its gradient buffers and offloads its optimizer state, the push resumes the engines'
   weights, loads the new version and resumes their KV cache (`time/engine_wake_seconds`) before the probe
   verification; then the trainer offloads its parameters. The parameters stay on the device through the
   push because the push reads them and the verification scores the probe with them.

@@ -11,6 +11,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from miles_lite.checkpoint.commit_watch import CommitWatcher
 from miles_lite.checkpoint.driver_state import DriverState, capture_driver_rng
 from miles_lite.checkpoint.resume import set_aside_newer
 from miles_lite.cluster.role import TrainerRole
@@ -102,12 +103,19 @@ class RunIO:
         self.last_sync: dict[str, float] = {}
         self.evals: dict[str, dict[str, float]] = {}
         self._restarts_seen = 0.0
+        # `miles_lite_checkpoint_step` follows the commits of background saves too (whichever process commits).
+        self.commits = (CommitWatcher(cfg.checkpoint.dir, self.metrics.checkpoint_step)
+                        if cfg.checkpoint.dir else None)
 
     def __enter__(self) -> RunIO:
         self.progress.__enter__()
+        if self.commits is not None:
+            self.commits.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if self.commits is not None:
+            self.commits.stop()
         self.progress.__exit__(exc_type, *exc)
         for sink in self.sinks:
             sink.close()

@@ -376,7 +376,9 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
     def _step(self, batch: TrainBatch, micro_loss: MicroLoss, lr: float | None,
               advance_schedule: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.offloader.require_resident(OFFLOAD_PARTS, "an optimizer step")
+        # The optimizer state may still be coming back from host memory: the optimizer step waits for it (below).
+        self.offloader.ready_on_device(("params", "grads"), "an optimizer step")
+        self.offloader.check_resident(("optimizer",), "an optimizer step")
         queued: list[tuple[float, DeviceStats]] = []
         routing_stats: RoutingStats | None = self.routing.new_stats() if self.routing is not None else None
         with cpu_compat.device_mode():
@@ -429,6 +431,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
 
     def _apply_step(self, lr: float | None, advance_schedule: bool) -> dict[str, float]:
         """The optimizer step (and the RL schedule's), undone when the update guard finds it diverged."""
+        self.offloader.ready_on_device(("optimizer",), "an optimizer step")
         if lr is not None:
             set_lr(self.optimizer, lr)
         if self.guard is not None:

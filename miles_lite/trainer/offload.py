@@ -20,6 +20,11 @@ exactness are the same).
 
 Each part is RESIDENT or OFFLOADED; offloading an offloaded part or onloading a resident one is a no-op, so
 the driver may ask for "everything resident" without tracking what was moved.
+
+On a GPU an onload does not wait for its copies: they run on a stream of their own, and whatever reads a part
+waits for that part's copies first: `require_resident` (log-probs, the weight push, checkpoints) on the host,
+`ready_on_device` (the optimizer step) on the device only, so the optimizer state comes back while the step's
+forward and backward run on the parameters that came back first.
 """
 
 from __future__ import annotations
@@ -91,16 +96,35 @@ class TrainerOffload:
         self.states = dict.fromkeys(OFFLOAD_PARTS, PartState.RESIDENT)
         self._moved: dict[str, list[_Moved]] = {p: [] for p in OFFLOAD_PARTS}
         self.pin = torch.cuda.is_available()
+        # part -> the CUDA event after its onload copies (until a host wait saw them land).
+        self._pending: dict[str, Any] = {}
+        self._copy_stream: Any = None
 
     def offloaded(self) -> frozenset[str]:
         return frozenset(p for p, s in self.states.items() if s is PartState.OFFLOADED)
 
     def require_resident(self, parts: Sequence[str], what: str) -> None:
+        """Raise naming the offloaded `parts` that `what` needs on the device; wait (on the host) for the copies
+        of an onload of them still in flight."""
+        self.check_resident(parts, what)
+        for part in parts:
+            if (event := self._pending.pop(part, None)) is not None:
+                event.synchronize()
+
+    def check_resident(self, parts: Sequence[str], what: str) -> None:
         """Raise naming the offloaded `parts` that `what` needs on the device."""
         away = [p for p in parts if self.states[p] is PartState.OFFLOADED]
         if away:
             raise RuntimeError(f"{what} needs the trainer's {', '.join(away)} on the device, and they are offloaded "
                                "to host memory; onload them first")
+
+    def ready_on_device(self, parts: Sequence[str], what: str) -> None:
+        """Like `require_resident`, but the wait for copies in flight is the device's: work queued after this
+        call runs after them, and the host goes on at once."""
+        self.check_resident(parts, what)
+        for part in parts:
+            if (event := self._pending.get(part)) is not None:
+                torch.cuda.current_stream().wait_event(event)
 
     def _claimed_elsewhere(self, part: str) -> set[int]:
         """Storages of the parts before `part` (resident or not): never moved twice under two names."""
@@ -115,6 +139,7 @@ class TrainerOffload:
         """Move `parts` (those resident) to host memory, freeing their device storage."""
         start = time.perf_counter()
         stats = MoveStats()
+        self.require_resident([p for p in _checked(parts) if self.states[p] is PartState.RESIDENT], "an offload")
         for part in _checked(parts):
             if self.states[part] is PartState.OFFLOADED or part not in self.collectors:
                 continue
@@ -143,26 +168,45 @@ class TrainerOffload:
 
     @torch.no_grad()
     def onload(self, parts: Sequence[str] = OFFLOAD_PARTS) -> MoveStats:
-        """Bring `parts` (those offloaded) back into their storages, bit for bit."""
+        """Bring `parts` (those offloaded) back into their storages, bit for bit; on a GPU the copies run on the
+        offload's own stream and this returns once they are queued (see the module docstring)."""
         start = time.perf_counter()
         stats = MoveStats()
         for part in _checked(parts):
             if self.states[part] is PartState.RESIDENT:
                 continue
-            moved, nbytes = self._moved[part], 0
+            moved = self._moved[part]
+            on_gpu = any(m.device.type == "cuda" for m in moved)
             for m in moved:
-                m.storage.resize_(m.nbytes)
+                m.storage.resize_(m.nbytes)  # allocated on the compute stream, which will use it
                 if m.host is None:
                     _zero(m.storage, m.device)
-                else:
-                    m.storage.copy_(m.host.untyped_storage(), non_blocking=True)
-                nbytes += m.nbytes
-            _synchronize(moved)
+            if on_gpu:
+                self._pending[part] = self._copy_in(moved)
+            else:
+                for m in moved:
+                    if m.host is not None:
+                        m.storage.copy_(m.host.untyped_storage())
+            nbytes = sum(m.nbytes for m in moved)
             self._moved[part] = []
             self.states[part] = PartState.RESIDENT
             stats.bytes[part] = nbytes
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _copy_in(self, moved: Sequence[_Moved]) -> Any:
+        """Queue the host-to-device copies of `moved` on the offload's stream, after the work already queued on
+        the compute stream (the storages' new allocations); the event marking their end."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            for m in moved:
+                if m.host is not None:
+                    m.storage.copy_(m.host.untyped_storage(), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        return done
 
     def resident_bytes(self) -> int:
         """Bytes of the trainer's parts held in compute memory now (what an engine cannot use)."""

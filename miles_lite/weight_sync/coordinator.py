@@ -1,5 +1,8 @@
 """One weight push, start to end: pause -> flush -> push -> version check -> continue -> verify.
 
+Connecting to a new fleet (the first push of a trainer, or after an engine was replaced) also continues
+every engine: a trainer that died mid-push leaves its engines paused, and its replacement takes them over.
+
 A `threading.Lock` serialises pushes (two pushes never interleave, whichever threads call).
 States: IDLE -> PAUSING -> PUSHING -> CHECKING (versions) -> RESUMING -> CHECKING (probe, on running
 engines) -> IDLE; any failure ends in FAILED
@@ -72,6 +75,10 @@ class WeightSyncCoordinator:
             if ids != self._fleet_ids or self.transport.state is not TransportState.CONNECTED:
                 self.transport.connect(fleet)
                 self._fleet_ids = ids
+                # Only a push pauses engines, and every push here resumes them, even when it fails: an engine
+                # found paused now was left so by another process, a trainer that died mid-push (SIGKILL, a lost
+                # node). Paused, it would hold every request, this push's own probe first.
+                self._each(fleet, "resume")
             self.state = SyncState.PAUSING
             if self.verifier is not None:
                 self.verifier.before_push(fleet, version)

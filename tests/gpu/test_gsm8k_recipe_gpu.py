@@ -30,6 +30,7 @@ import torch
 
 from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.engines.sglang.command import sglang_importable
+from miles_lite.engines.sglang.launch import LAUNCH_MODULE
 from miles_lite.trainer.tiny_hf import QWEN25_05B_SHAPE, QWEN25_VOCAB, make_tiny_hf_model
 
 
@@ -96,9 +97,11 @@ def test_recipe_trains_and_pushes_verified_weights_every_step(model_dir: Path, t
                        .to_pylist())
         assert versions == {str(step)}, (step, versions)
 
-    # The engine ran from the shipped defaults: prefill CUDA graphs off.
+    # The engine ran from the shipped defaults (prefill CUDA graphs off) plus what the run derives: decode graphs
+    # up to the step's 512 requests. SGLang's server runs under the project's keyed launcher.
     commands = [line for log in run.rglob("*.log") for line in log.read_text(errors="replace").splitlines()
-                if line.startswith("$ ") and "sglang.launch_server" in line]
+                if line.startswith("$ ") and LAUNCH_MODULE in line]
     assert commands, "no engine command line in the run's logs"
     assert all("--disable-prefill-cuda-graph" in c or "--disable-piecewise-cuda-graph" in c for c in commands)
     assert all("--custom-weight-loader" in c for c in commands)
+    assert all("--cuda-graph-max-bs-decode 512" in c or "--cuda-graph-max-bs 512" in c for c in commands), commands
