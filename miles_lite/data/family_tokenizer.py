@@ -22,14 +22,13 @@ _QWEN_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| 
 _LLAMA_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
                   r"\s*[\r\n]+|\s+(?!\S)|\s+")
 _QWEN_SPECIAL = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-_QWEN_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 _LLAMA_SPECIAL = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
                   "<|eom_id|>", "<|python_tag|>")
-# family -> (regex, special tokens, added non-special tags, eos, pad)
+# family -> (regex, special tokens, eos, pad); the added tags are the template's own (`ChatTemplate.tags`).
 FAMILY_SPECS = {
-    "qwen2.5": (_QWEN_PATTERN, _QWEN_SPECIAL, _QWEN_TAGS[:4], "<|im_end|>", "<|endoftext|>"),
-    "qwen3": (_QWEN_PATTERN, _QWEN_SPECIAL, _QWEN_TAGS, "<|im_end|>", "<|endoftext|>"),
-    "llama3": (_LLAMA_PATTERN, _LLAMA_SPECIAL, (), "<|eot_id|>", "<|end_of_text|>"),
+    "qwen2.5": (_QWEN_PATTERN, _QWEN_SPECIAL, "<|im_end|>", "<|endoftext|>"),
+    "qwen3": (_QWEN_PATTERN, _QWEN_SPECIAL, "<|im_end|>", "<|endoftext|>"),
+    "llama3": (_LLAMA_PATTERN, _LLAMA_SPECIAL, "<|eot_id|>", "<|end_of_text|>"),
 }
 _RECIPE_VERSION = 1
 
@@ -41,8 +40,9 @@ def build_family_tokenizer(family: str, out_dir: str | Path, vocab_size: int = 2
 
     if family not in FAMILY_SPECS:
         raise ValueError(f"no project tokenizer for family {family!r}; families: {', '.join(FAMILY_SPECS)}")
-    pattern, special, tags, eos, pad = FAMILY_SPECS[family]
+    pattern, special, eos, pad = FAMILY_SPECS[family]
     template = load_chat_template(family)
+    tags = template.tags
     corpus = [template.render(c.messages, c.tools, add_generation_prompt=False, options=c.options)
               for c in generate_conversations(template, 300, seed=seed + 1)]
     for token in (*special, *tags):

@@ -13,6 +13,13 @@ from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import tokenizer_problem
 from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.formats.answer import CALCULATOR_TAGS
+from miles_lite.formats.chat import FAMILIES, load_chat_template
+
+
+def _agent_tags(cfg: MilesConfig) -> tuple[str, ...]:
+    """The tags of the agent sessions' chat template (a tiny model's `auto` is ChatML's qwen2.5)."""
+    name = "qwen2.5" if cfg.rollout.chat_template == "auto" else cfg.rollout.chat_template
+    return load_chat_template(name).tags if cfg.rollout.agent and name in FAMILIES else ()
 
 
 def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
@@ -31,8 +38,9 @@ def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
         tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
         return cfg, tokenizer
     cache = Path(cfg.experiment.output_dir) / ".cache" / "tokenizers"
-    # The calculator's tags are single tokens of the offline tokenizer when a run uses that tool.
-    extra_tags = CALCULATOR_TAGS if cfg.rollout.environment == "calculator" else ()
+    # The calculator's tags are single tokens of the offline tokenizer when a run uses that tool; so are the chat
+    # template's tool-call tags (<tool_call> ...) in agent runs.
+    extra_tags = CALCULATOR_TAGS if cfg.rollout.environment == "calculator" else _agent_tags(cfg)
     tokenizer = load_or_build_tokenizer(cache, vocab_size=cfg.model.vocab_size, seed=0, extra_tags=extra_tags)
     if len(tokenizer) > cfg.model.vocab_size:
         raise ValueError(f"the offline tokenizer has {len(tokenizer)} tokens but model.vocab_size="

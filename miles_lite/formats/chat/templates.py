@@ -46,6 +46,8 @@ class ChatTemplate:
     close = ""
     after_close = ""
     stop_texts: tuple[str, ...] = ()
+    # Tags the family's tokenizers hold as single (non-special) added tokens.
+    tags: tuple[str, ...] = ()
     tool_parser = "hermes"
     reasoning = False
 
@@ -81,10 +83,14 @@ def _qwen_tool_results(messages: Sequence[Message], i: int) -> str:
     return out
 
 
+_QWEN_TOOL_TAGS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
+
+
 class Qwen25Template(ChatTemplate):
     name = "qwen2.5"
     close, after_close = _IM_END, "\n"
     stop_texts = (_IM_END, "<|endoftext|>")
+    tags = _QWEN_TOOL_TAGS
 
     def render(self, messages, tools=None, add_generation_prompt=False, options=None):
         first_system = messages[0].content if messages and messages[0].role == "system" else None
@@ -108,6 +114,7 @@ class Qwen3Template(ChatTemplate):
     name = "qwen3"
     close, after_close = _IM_END, "\n"
     stop_texts = (_IM_END, "<|endoftext|>")
+    tags = (*_QWEN_TOOL_TAGS, "<think>", "</think>")
     reasoning = True
 
     def render(self, messages, tools=None, add_generation_prompt=False, options=None):
