@@ -192,8 +192,20 @@ def distill_batch(groups: Sequence[Group]) -> TrainBatch | None:
 
 
 def rollout_stats(stats: Any) -> dict[str, object]:
-    """The rollout manager's per-call stats under the metric keys the registry knows."""
+    """The rollout manager's per-call stats under the metric keys the registry knows (the agent slots' when an
+    agent ran)."""
+    agents = {} if not stats.agents_started else {
+        "rollout/agents_started": float(stats.agents_started),
+        "rollout/agents_failed": float(stats.agents_failed),
+        "rollout/agent_timeouts": float(stats.agents_timed_out),
+        "rollout/agent_turns_per_sample": stats.agent_turns / max(stats.agents_succeeded, 1),
+        "rollout/tito_mismatch": float(stats.tito_mismatch),
+        "rollout/session_engine_moves": float(stats.session_engine_moves),
+        "rollout/session_diverged": float(stats.session_diverged),
+        "rollout/session_branches": float(stats.session_branches),
+    }
     return {
+        **agents,
         "rollout/tokens_per_second": stats.tokens_per_s,
         "rollout/generated_tokens": float(stats.tokens_generated),
         "rollout/request_latency_seconds": list(stats.latencies_s),
