@@ -55,17 +55,18 @@ class System:
         self.api_key = api_key if api_key is not None else ApiKey.for_run(cfg.cluster.api_key_file)
         self.run_dir = run_dir
         self.tokenizer = tokenizer
+        # The agent sessions' chat template, checked on the tokenizer before any engine starts; prompts and SFT
+        # trajectories render through it as the gateway renders sessions.
+        self.chat_template = chat_template_of(cfg, tokenizer) if cfg.rollout.agent else None
         self.encoder = PromptEncoder(tokenizer, cfg.data.prompt_template,
                                      tool_solutions=cfg.rollout.environment == "calculator",
-                                     max_prompt_tokens=cfg.data.max_prompt_tokens)
+                                     max_prompt_tokens=cfg.data.max_prompt_tokens, chat_template=self.chat_template)
         # Blocking plug-in calls (environment replies, reward functions) run here, off the rollout loop.
         self.plugins = PluginPool(cfg.rollout.plugin_workers, cfg.rollout.plugin_pool, cfg.rollout.plugin_timeout_s)
         self.reward_set = build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom,
                                            remote_reward_spec(cfg), cfg.rewards.by_source, cfg.rewards.answer_pattern,
                                            agent=cfg.rollout.agent is not None).run_in(self.plugins,
                                                                                         cfg.rewards.timeout_s)
-        # The agent sessions' chat template, checked on the tokenizer before any engine starts.
-        self.chat_template = chat_template_of(cfg, tokenizer) if cfg.rollout.agent else None
         self.sampling = sampling_from_config(cfg.rollout, stop_token_ids=self.encoder.stop_token_ids,
                                              seed=cfg.experiment.seed)
         self.trainer: TrainerRole | None = None

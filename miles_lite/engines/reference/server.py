@@ -7,12 +7,14 @@ Bodies are bounded by what a request can need (413 beyond; `--max-request-bytes`
 model's size) and read with a deadline; connections idle for `--idle-timeout-s` are closed.
 Test-only behaviour: `drop_weight_updates` acknowledges weight updates (and
 bumps the version) but keeps the old weights; `fail_mode` hang/error stops answering or answers 500 to
-`/generate` and `/health_generate` once `fail_after` generate requests have been served.
+`/generate` and `/health_generate` once `fail_after` generate requests have been served; `record_requests` appends
+each finished `/generate` request (rid, input ids, output ids, finish reason) to a JSON-lines file.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -49,6 +51,8 @@ class ServerOptions:
     drop_weight_updates: bool = False
     fail_mode: str = "none"
     fail_after: int = 0
+    # Test-only: a JSON-lines file every finished /generate request is appended to (what the engine saw and made).
+    record_requests: str | None = None
     return_original_logprob: bool = False
     group_timeout_s: float = 600.0
     # Tensor-parallel ranks: one per process in the weight-update group, one SGLang-laid-out store each.
@@ -200,6 +204,11 @@ class ReferenceServer:
             return json_error(str(exc))
         except RuntimeError as exc:
             return json_error(str(exc), status=500)
+        if self.opts.record_requests:
+            with open(self.opts.record_requests, "a") as f:
+                for req, out in zip(reqs, outs, strict=True):
+                    f.write(json.dumps({"rid": req.rid, "input_ids": req.input_ids, "output_ids": out["output_ids"],
+                                        "finish_reason": out["meta_info"]["finish_reason"]}) + "\n")
         return web.json_response(outs if isinstance(body.get("input_ids", [None])[0], list) else outs[0])
 
     def _make_request(self, item: dict[str, Any]) -> GenRequest:

@@ -11,7 +11,7 @@ session that session's own key, which is all an agent is given):
   404 for an unknown session, 409 while another turn of the session runs, 503 when the run interrupted the
   session (a weight update), 502 when the engines failed the turn past their retries;
 - `GET /sessions/<id>/v1/models`: the served model, as OpenAI lists models;
-- `GET /sessions/<id>`: the session's record (token ids, loss mask, log-probs, turns, engine);
+- `GET /sessions/<id>`: the session's record (token ids, loss mask, log-probs, turns, engine and its URL);
 - `DELETE /sessions/<id>`: close the session; answers its record.
 
 It runs on the rollout event loop beside the manager; each turn is one engine request through `TurnRunner`.
@@ -178,7 +178,17 @@ class Gateway:
         return sampling, options, evaluation
 
     async def _get(self, request: web.Request) -> web.Response:
-        return web.json_response(self._session(request).record())
+        session = self._session(request)
+        return web.json_response({**session.record(), "engine_url": self._engine_url(session)})
+
+    def _engine_url(self, session: Session) -> str | None:
+        """The URL of the engine serving `session` (None before its first turn)."""
+        if session.engine is None:
+            return None
+        try:
+            return self.runner.manager.fleet.by_id(session.engine).engine.url
+        except KeyError:
+            return None
 
     async def _delete(self, request: web.Request) -> web.Response:
         session = self._session(request)
