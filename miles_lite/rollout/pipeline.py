@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from miles_lite.rollout.manager import ManagerState, RolloutManager, RolloutStats, Scorer
-from miles_lite.rollout.slots import AGENT_COUNTERS
 from miles_lite.rollout.manager import PromptSource as RefillSource
 from miles_lite.rollout.prompt_spec import PromptLike, PromptSpec, as_prompt_spec
+from miles_lite.rollout.slots import AGENT_COUNTERS
 from miles_lite.rollout.starvation import StarvationRelay
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.types import Group
