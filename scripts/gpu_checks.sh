@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
-# Parts: versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora,
+# Parts: versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs lora,
 # and, not in the default list, the colocated hand-off ones (colocated-0.5b resident-0.5b colocated-7b lora-7b) and
 # the RL step against the bare megatron-core step at the recipe's shape, with RoPE fused (the default on THD
 # rows) and unfused (speed-recipe speed-recipe-unfused).
@@ -26,7 +26,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora)
+[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs lora)
 failed=0
 # The GRPO parts' engines see SGLang installed apart, and push as the other GPU checks do.
 grpo=(-u benchmarks/grpo_steps.py --transport "${MILES_TEST_TRANSPORT:-ipc_handles}")
@@ -134,6 +134,8 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     auth) part auth "$py" -m pytest -q -s --basetemp "$out/tmp-auth" tests/gpu/test_sglang_auth_gpu.py ;;
     moe) part moe "$py" -m pytest -q -s --basetemp "$out/tmp-moe" tests/gpu/test_sglang_moe_gpu.py ;;
     multiturn) part multiturn "$py" -m pytest -q -s --basetemp "$out/tmp-multiturn" tests/integration/test_multi_turn_engines.py ;;
+    # Agent sessions through the gateway on stock SGLang (`miles-lite train rollout=sglang rollout.agent=...`).
+    agent) part agent "$py" -m pytest -q -s --basetemp "$out/tmp-agent" tests/gpu/test_agent_sglang_gpu.py ;;
     trainer) part trainer "$py" -m pytest -q -s --basetemp "$out/tmp-trainer" tests/gpu/test_trainer_gpu.py ;;
     recipe) part recipe "$py" -m pytest -q -s --basetemp "$out/tmp-recipe" tests/gpu/test_gsm8k_recipe_gpu.py ;;
     guard-0.5b) part guard-0.5b "$py" benchmarks/train_step.py --guard --configs bf16,fp8-delayed --steps 20 \
@@ -158,7 +160,7 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     # Whether a colocated LoRA GRPO step of the whole Qwen2.5-7B fits, its time and memory.
     lora-7b) grpo_part lora-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 --skip 1 \
                --out "$out/lora-7b.json" trainer.lora.rank=16 trainer.lora.alpha=32 ;;
-    *) echo "unknown part $p (versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
+    *) echo "unknown part $p (versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs" \
             "lora colocated-0.5b resident-0.5b colocated-7b lora-7b speed-recipe speed-recipe-unfused)"
        failed=$((failed + 1)) ;;
   esac

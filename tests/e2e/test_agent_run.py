@@ -1,5 +1,5 @@
-"""End to end through `miles-lite train` with an agent written against the real `openai` client (written to a
-plug-in file below): every session is three turns with tool results; its ids equal, turn by turn, the ids the
+"""End to end through `miles-lite train` with an agent written against the real `openai` client
+(`agent_probe.py`): every session is three turns with tool results; its ids equal, turn by turn, the ids the
 reference engines recorded receiving and producing; a diverging history is refused (400) and counted; a request
 without the session's key gets 401; an engine SIGKILLed mid-session moves the session to the other engine and
 its sample stays exact; a 2-second blocking tool in one agent delays no other."""
@@ -18,84 +18,8 @@ from miles_lite.observability.rollout_table import read_rollouts
 from miles_lite.observability.sinks import read_metrics_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+HERE = Path(__file__).resolve().parent
 
-PROBE_AGENT = '''
-import json, os, signal, time, urllib.request
-import openai
-
-CLAIMS = os.environ["AGENT_TEST_DIR"]
-
-
-def claim(name):
-    """True for the first agent of the run to ask (roles that must happen once)."""
-    try:
-        os.close(os.open(os.path.join(CLAIMS, name), os.O_CREAT | os.O_EXCL))
-        return True
-    except FileExistsError:
-        return False
-
-
-def kill_engine(url):
-    """SIGKILL the reference engine child of this process serving `url`."""
-    port = url.rsplit(":", 1)[1]
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\\0")
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-        if ppid == os.getpid() and b"miles_lite.engines.reference.engine" in cmd and port.encode() in cmd:
-            os.kill(int(pid), signal.SIGKILL)
-            return int(pid)
-    raise AssertionError(f"no engine child serving {url}")
-
-
-def get(url, key):
-    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
-    with urllib.request.urlopen(req) as resp:
-        return json.loads(resp.read())
-
-
-async def probe(base_url, api_key, record, sampling):
-    role = record.columns["metadata"]["role"]
-    out = {"role": role, "started": time.time()}
-    session_url = base_url.rsplit("/v1", 1)[0]
-    messages = [dict(m) for m in record.messages]
-    turns = []
-    async with openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
-        for turn in range(3):
-            resp = await client.chat.completions.create(model="policy", messages=messages, max_tokens=6,
-                                                        extra_body={"return_token_ids": True}, **sampling)
-            choice = resp.choices[0]
-            turns.append({"input": resp.model_extra["prompt_token_ids"], "output": choice.model_extra["token_ids"],
-                          "engine": resp.model_extra["session"]["engine"]})
-            messages.append(choice.message.model_dump(exclude_none=True))
-            if turn == 2:
-                break
-            messages.append({"role": "tool", "tool_call_id": f"call_{turn}", "content": f"result {turn}"})
-            if turn == 0 and role == "kill" and claim("kill"):
-                out["killed"] = kill_engine(get(session_url, api_key)["engine_url"])
-            if turn == 0 and role == "slow":
-                start = time.time()
-                time.sleep(2.0)  # a blocking tool: holds this agent's own thread
-                out["slow"] = [start, time.time()]
-            if turn == 1 and role == "diverge":
-                bad = [dict(m) for m in messages]
-                bad[1]["content"] = "another question"
-                try:
-                    await client.chat.completions.create(model="policy", messages=bad, max_tokens=6)
-                except openai.BadRequestError as exc:
-                    out["diverged"] = [exc.status_code, str(exc)]
-            if turn == 0 and role == "keyless":
-                async with openai.AsyncOpenAI(base_url=base_url, api_key="not-the-key", max_retries=0) as other:
-                    try:
-                        await other.chat.completions.create(model="policy", messages=messages, max_tokens=6)
-                    except openai.AuthenticationError as exc:
-                        out["keyless"] = exc.status_code
-    out.update(turns=turns, record=get(session_url, api_key), done=time.time())
-    out["reward"] = float(turns[-1]["output"][0] % 2)
-    return out
-'''
 
 ROLES = ["plain", "plain", "kill", "slow", "diverge", "keyless"]
 
@@ -107,19 +31,17 @@ def _records(path: Path) -> None:
 
 
 def test_agent_sessions_through_miles_lite_train_are_token_exact_and_survive_faults(tmp_path: Path):
-    (tmp_path / "plugins").mkdir()
-    (tmp_path / "plugins" / "probe_agent.py").write_text(PROBE_AGENT)
     (tmp_path / "claims").mkdir()
     _records(tmp_path / "records.jsonl")
     engine_log = tmp_path / "engine_requests.jsonl"
     env = {**os.environ, "AGENT_TEST_DIR": str(tmp_path / "claims"),
-           "PYTHONPATH": os.pathsep.join([str(tmp_path / "plugins"), os.environ.get("PYTHONPATH", "")])}
+           "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run(
         [sys.executable, "-m", "miles_lite.cli", "train", f"experiment.output_dir={tmp_path}",
          "experiment.run_name=run", "observability.progress=false", "experiment.warmup=none", "experiment.steps=1",
          "data.source=records", f"data.train_path={tmp_path / 'records.jsonl'}", "data.messages_key=messages",
          "data.metadata_key=metadata", "data.presample.enabled=false", "experiment.eval_size=0",
-         "rewards.set=none", "rollout.agent=probe_agent:probe", "rollout.chat_template=qwen2.5",
+         "rewards.set=none", "rollout.agent=agent_probe:probe", "rollout.chat_template=qwen2.5",
          "rollout.engines=2", "rollout.prompts_per_step=6", "rollout.group_size=2", "rollout.max_new_tokens=120",
          "rollout.async_steps=0", "algo.drop_zero_signal=false", "fault_tolerance.request_retries=4",
          "fault_tolerance.failure_threshold=1", "fault_tolerance.health_interval_s=0.5",
