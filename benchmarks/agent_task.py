@@ -10,8 +10,10 @@ Each seed runs as a user would (`PYTHONPATH=examples miles-lite train experiment
 one process at a time) and reads `eval/held_out/avg@1` (greedy: the share of the 500 held-out records whose
 agent answered right) after the SFT warm-up and after RL from the run's `summary.json`. The gain's standard
 error treats the two evaluations as independent samples of the held-out set
-(sqrt(p1 (1 - p1) / n + p2 (1 - p2) / n)). The load average (1 min) is sampled every 5 s while a run goes: the
-machine may be shared. Goal: a gain of at least +10 points on every seed, each run within 5 minutes.
+(sqrt(p1 (1 - p1) / n + p2 (1 - p2) / n)). The load average (1 min) is sampled every 5 s while a run goes (the
+machine may be shared), and the CPU seconds the run's processes used (user + system, every engine and worker
+included) are read when it ends: on a machine of its own, two cores run a run in about half of those. Goal: a
+gain of at least +10 points on every seed, each run within 5 minutes.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -41,6 +44,7 @@ def run_seed(seed: int, out_dir: Path, overrides: list[str]) -> dict:
            f"experiment.output_dir={out_dir}", f"experiment.run_name={name}", "observability.progress=false",
            *overrides]
     loads = []
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     while proc.poll() is None:
@@ -50,6 +54,8 @@ def run_seed(seed: int, out_dir: Path, overrides: list[str]) -> dict:
         except subprocess.TimeoutExpired:
             pass
     wall = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the run and every process it waited for
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     output = proc.stdout.read() if proc.stdout else ""
     if proc.returncode != 0:
         raise SystemExit(f"seed {seed} failed (exit {proc.returncode}):\n{output[-4000:]}")
@@ -57,13 +63,13 @@ def run_seed(seed: int, out_dir: Path, overrides: list[str]) -> dict:
     summary = json.loads((run / "summary.json").read_text())
     warmup = [json.loads(line) for line in (run / "warmup.jsonl").read_text().splitlines()]
     return {"seed": seed, "wall_s": wall, "before": summary["before"][MEASURE], "after": summary["after"][MEASURE],
-            "sft_steps": len(warmup), "steps": summary["steps_done"],
+            "sft_steps": len(warmup), "steps": summary["steps_done"], "cpu_s": cpu,
             "load_mean": statistics.mean(loads) if loads else 0.0, "load_max": max(loads, default=0.0)}
 
 
 def table(runs: list[dict]) -> str:
     lines = [f"{'seed':>4}  {'SFT':>4}  {'before':>7}  {'after':>7}  {'gain':>7}  {'SE':>5}  {'wall s':>6}  "
-             f"{'load mean/max':>13}"]
+             f"{'CPU s':>6}  {'load mean/max':>13}"]
     gains = []
     for r in runs:
         p1, p2 = r["before"], r["after"]
@@ -71,7 +77,8 @@ def table(runs: list[dict]) -> str:
         gain = 100 * (p2 - p1)
         gains.append(gain)
         lines.append(f"{r['seed']:>4}  {r['sft_steps']:>4}  {100 * p1:6.1f}%  {100 * p2:6.1f}%  {gain:+6.1f}  "
-                     f"{se:5.1f}  {r['wall_s']:6.0f}  {r['load_mean']:6.1f}/{r['load_max']:<5.1f}")
+                     f"{se:5.1f}  {r['wall_s']:6.0f}  {r.get('cpu_s', 0.0):6.0f}  "
+                     f"{r['load_mean']:6.1f}/{r['load_max']:<5.1f}")
     slowest = max(r["wall_s"] for r in runs)
     ok = min(gains) >= MIN_GAIN and slowest <= MAX_WALL_S
     lines.append(f"gains {min(gains):+.1f} to {max(gains):+.1f} points (median {statistics.median(gains):+.1f}; goal "

@@ -3,10 +3,9 @@ lookup_agent`, with `examples/` on PYTHONPATH; `experiment=agent_cpu`).
 
 It follows the lookup chain of its record (`lookup/make_data.py`): it sends the record's messages, runs every
 `lookup` tool call the model makes against the record's table and sends the results back, until the model
-answers without a tool call. Its reward is 1.0 when the answer is the record's label, else a third for each of
-the two lookups the chain needs that it made (partial credit: the model learns from the first right call before
-it gets a whole chain right); success, what the held-out evaluation counts, is the full reward. It knows nothing
-of miles-lite: a base URL, a key and chat completions, as against any OpenAI-compatible server.
+answers without a tool call; its reward is 1.0 when the answer is the record's label (a reward of a third per
+right lookup, tried as partial credit, learnt less in the same steps: +5.4 points against +13.0). It knows
+nothing of miles-lite: a base URL, a key and chat completions, as against any OpenAI-compatible server.
 
 The tool's schema is given to the model by its SFT warm-up, not by `tools=` in the request: a tiny model trained
 from scratch learns the call format from its reference trajectories, and the family's tool preamble (Qwen2.5's
@@ -46,7 +45,6 @@ async def lookup_agent(base_url: str, api_key: str, record: Any, sampling: dict[
     messages: list[dict[str, Any]] = [dict(m) for m in record.messages]
     calls = 0
     answer = None
-    queried: list[str] = []
     async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                            http_client=DefaultAsyncHttpxClient(verify=TLS)) as client:
         for _ in range(MAX_TURNS):
@@ -58,12 +56,6 @@ async def lookup_agent(base_url: str, api_key: str, record: Any, sampling: dict[
                 break
             for call in choice.message.tool_calls:
                 calls += 1
-                result = lookup(table, call.function.arguments)
-                if not result.startswith(("error", "unknown")):
-                    queried.append(result)
-                messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-    # The chain's two lookups: of the question (it returns the middle key), then of the middle key (the answer).
-    middle = table[record.messages[-1]["content"]]
-    steps = len(set(queried) & {middle, record.label})
-    reward = 1.0 if answer == record.label else steps / 3
-    return {"reward": reward, "tool_calls": calls, "answer": answer, "success": answer == record.label}
+                messages.append({"role": "tool", "tool_call_id": call.id,
+                                 "content": lookup(table, call.function.arguments)})
+    return {"reward": float(answer == record.label), "tool_calls": calls, "answer": answer}

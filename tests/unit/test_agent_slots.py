@@ -96,3 +96,33 @@ def test_a_blocking_two_second_tool_in_one_agent_delays_no_other(tmp_path: Path)
         assert min(seconds[0]) >= 4.0  # two tool calls of 2 s each
         others = [t for i in range(1, 6) for t in seconds[i]]
         assert max(others) < 1.5, others
+
+
+def test_an_abort_stops_the_agents_and_their_slots_run_again_in_the_next_call(tmp_path: Path):
+    import asyncio
+
+    with harness(tmp_path) as h:
+        for engine in h.engines:
+            engine.delay_s = 0.2  # turns long enough for the abort to find agents mid-session
+        cfg = replace(h.manager.cfg, agent="tests.unit.agents_for_tests:tool_agent", group_size=2)
+        h.manager.cfg = cfg
+        tok = h.tokenizer
+        slots = h.loop.run(start_agent_slots(h.manager, cfg, load_chat_template("qwen2.5"),
+                                             lambda t: list(tok(t, add_special_tokens=False)["input_ids"]),
+                                             tok.decode, KEY, "policy"))
+
+        async def interrupted():
+            call = asyncio.ensure_future(h.manager.generate_groups(_specs(h, [_record("kiwi", "7")] * 3)))
+            await asyncio.sleep(0.3)
+            await h.manager.abort(timeout_s=30)
+            return await call
+
+        try:
+            assert h.loop.run(interrupted()) == []
+            assert h.manager.pending_groups == 3 and not h.gateway.sessions
+            groups = h.loop.run(h.manager.generate_groups([]))
+        finally:
+            h.loop.run(stop_agent_slots(slots))
+            h.manager.agents = None
+        assert [len(g.samples) for g in groups] == [2, 2, 2]
+        assert all(s.turns == 3 and s.agent["reward"] == 1.0 for g in groups for s in g.samples)
