@@ -48,3 +48,15 @@ def note_abort(base_url, api_key, record, reason):
 
 def no_request_agent(base_url, api_key, record, sampling):
     return {"reward": 1.0}
+
+
+class StatefulTool:
+    """An environment with per-trajectory state (its `reset`), which worker processes could not keep."""
+
+    stop = ("</t>",)
+
+    def reset(self, record):
+        return StatefulTool()
+
+    def reply(self, turn, question):
+        return None

@@ -78,3 +78,9 @@ def test_a_conversational_response_must_be_assistant_turns_and_tool_results(tmp_
     path.write_text(json.dumps(row) + "\n")
     with pytest.raises(DatasetError, match=r"bad.jsonl: line 1: key 'response' \(data.response_key\)"):
         load_records(path, RecordKeys(messages_key="messages", response_key="response"))
+
+
+def test_a_process_pool_refuses_an_environment_with_per_trajectory_state():
+    text = _problems("rollout.plugin_pool=processes", "rollout.environment=tests.unit.agents_for_tests:StatefulTool")
+    assert "rollout.plugin_pool=processes" in text and "reset()" in text
+    validate(load_config(["rollout.plugin_pool=processes", "rollout.environment=calculator"]))

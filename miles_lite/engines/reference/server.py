@@ -7,14 +7,12 @@ Bodies are bounded by what a request can need (413 beyond; `--max-request-bytes`
 model's size) and read with a deadline; connections idle for `--idle-timeout-s` are closed.
 Test-only behaviour: `drop_weight_updates` acknowledges weight updates (and
 bumps the version) but keeps the old weights; `fail_mode` hang/error stops answering or answers 500 to
-`/generate` and `/health_generate` once `fail_after` generate requests have been served; `record_requests` appends
-each finished `/generate` request (rid, input ids, output ids, finish reason) to a JSON-lines file.
+`/generate` and `/health_generate` once `fail_after` generate requests have been served; `record_requests` logs them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -22,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from miles_lite.engines.reference import http_io
 from miles_lite.engines.reference import request_fields as rf
 from miles_lite.engines.reference.http_io import bad_request, json_error, json_result, read_body, split_batch
 from miles_lite.engines.reference.memory import EngineMemory, MemoryRequestError, requested_tags
@@ -51,8 +50,7 @@ class ServerOptions:
     drop_weight_updates: bool = False
     fail_mode: str = "none"
     fail_after: int = 0
-    # Test-only: a JSON-lines file every finished /generate request is appended to (what the engine saw and made).
-    record_requests: str | None = None
+    record_requests: str | None = None  # test: a JSON-lines file of every /generate request and its answer
     return_original_logprob: bool = False
     group_timeout_s: float = 600.0
     # Tensor-parallel ranks: one per process in the weight-update group, one SGLang-laid-out store each.
@@ -205,10 +203,7 @@ class ReferenceServer:
         except RuntimeError as exc:
             return json_error(str(exc), status=500)
         if self.opts.record_requests:
-            with open(self.opts.record_requests, "a") as f:
-                for req, out in zip(reqs, outs, strict=True):
-                    f.write(json.dumps({"rid": req.rid, "input_ids": req.input_ids, "output_ids": out["output_ids"],
-                                        "finish_reason": out["meta_info"]["finish_reason"]}) + "\n")
+            http_io.record_requests(self.opts.record_requests, [(r.rid, r.input_ids) for r in reqs], outs)
         return web.json_response(outs if isinstance(body.get("input_ids", [None])[0], list) else outs[0])
 
     def _make_request(self, item: dict[str, Any]) -> GenRequest:

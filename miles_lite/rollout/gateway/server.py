@@ -32,6 +32,7 @@ from miles_lite.formats.chat import ChatTemplate, Message, MessageError
 from miles_lite.formats.chat.incremental import NotAppendOnly
 from miles_lite.formats.chat.parsing import parse_turn
 from miles_lite.net.api_key import bearer_matches, derive
+from miles_lite.net.ports import LOCAL_HOST
 from miles_lite.rollout.fleet import FleetExhausted
 from miles_lite.rollout.gateway.openai_io import (
     Answer,
@@ -64,7 +65,7 @@ class Gateway:
     clients open; `options`: `rollout.chat_template_kwargs`."""
 
     def __init__(self, runner: TurnRunner, template: ChatTemplate, encode: Callable[[str], list[int]],
-                 decode: Callable[[Sequence[int]], str], *, api_key: str | None, host: str = "127.0.0.1",
+                 decode: Callable[[Sequence[int]], str], *, api_key: str | None, host: str = LOCAL_HOST,
                  port: int = 0, model_name: str = "policy", defaults: SamplingParams | None = None,
                  options: dict[str, Any] | None = None, branch: bool = False) -> None:
         self.runner, self.template, self.encode, self.decode = runner, template, encode, decode

@@ -127,8 +127,8 @@ class Session:
         best, why = Mark(0, 0), None
         for mark in self.marks:
             if len(request) <= mark.messages:
-                why = why or (f"the request has {len(request)} messages, fewer than the {mark.messages} the session "
-                              "holds through its turns")
+                why = why or (f"the request has {len(request)} messages, and the session holds {mark.messages} through "
+                              "its turns: a request must add messages to the history")
                 break
             problem = next(((i, d) for i in range(best.messages, mark.messages)
                             if (d := difference(self.history[i], request[i])) is not None), None)
