@@ -58,7 +58,13 @@ class ScriptEngine:
         out = out[:sampling.max_new_tokens]
         self.requests.append((list(input_ids), out))
         reason = "stop" if out and out[-1] == self.eos else "length"
-        return Generation(tuple(out), tuple(-0.25 for _ in out), reason, "1", self.engine_id)
+        routed = None
+        if kw.get("return_routed_experts"):  # a MoE engine's expert ids: 2 layers x top-2, per position it ran
+            import numpy as np
+
+            rows = len(input_ids) + len(out) - 1
+            routed = (np.arange(rows * 4, dtype=np.int32) // 4 + np.tile(np.arange(4, dtype=np.int32), rows)) % 8
+        return Generation(tuple(out), tuple(-0.25 for _ in out), reason, "1", self.engine_id, routed_experts=routed)
 
     async def health(self, timeout_s: float) -> bool:
         return not self.dead

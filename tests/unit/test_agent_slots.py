@@ -126,3 +126,21 @@ def test_an_abort_stops_the_agents_and_their_slots_run_again_in_the_next_call(tm
             h.manager.agents = None
         assert [len(g.samples) for g in groups] == [2, 2, 2]
         assert all(s.turns == 3 and s.agent["reward"] == 1.0 for g in groups for s in g.samples)
+
+
+def test_a_moe_session_sample_carries_the_last_turns_routed_experts_for_every_response_position(tmp_path: Path):
+    import numpy as np
+
+    from miles_lite.rollout.routing import RoutingLayout
+
+    with harness(tmp_path) as h:
+        h.manager.routing = RoutingLayout(num_hidden_layers=2, moe_layers=(0, 1), top_k=2, num_experts=8)
+        (group,) = _run(h, [_record("kiwi", "7")])
+        for sample in group.samples:
+            assert sample.prompt_ids + sample.response_ids in (inp + out for inp, out in h.engines[0].requests)
+            p, r = len(sample.prompt_ids), len(sample.response_ids)
+            assert sample.routed_experts.shape == (r - 1, 2, 2)
+            # Row i of the sample is position P + i of the sequence: the engine's ids for that position.
+            rows = p + r - 1
+            flat = (np.arange(rows * 4) // 4 + np.tile(np.arange(4), rows)) % 8
+            assert np.array_equal(sample.routed_experts, flat.reshape(rows, 2, 2)[p:].astype(np.int8))
