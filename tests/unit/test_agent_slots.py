@@ -68,8 +68,9 @@ def test_failed_and_timed_out_agents_are_dropped_counted_and_aborted(tmp_path: P
     agents_for_tests.ABORTS.clear()
     with harness(tmp_path) as h:
         records = [_record("kiwi", "7", name="ok"), _record("kiwi", "7", fail=True, name="fails"),
-                   _record("fig", "3", hang_s=3.0, name="hangs")]
-        groups = _run(h, records, agent_timeout_s=1.0, agent_abort="tests.unit.agents_for_tests:note_abort")
+                   _record("fig", "3", hang_s=10.0, name="hangs")]
+        # The limit leaves the other agents' three turns room on a loaded machine.
+        groups = _run(h, records, agent_timeout_s=3.0, agent_abort="tests.unit.agents_for_tests:note_abort")
         stats = h.manager.last_stats
         counts = (stats.agents_started, stats.agents_succeeded, stats.agents_failed, stats.agents_timed_out)
         assert counts == (6, 2, 2, 2)
