@@ -96,7 +96,7 @@ def test_a_blocking_two_second_tool_in_one_agent_delays_no_other(tmp_path: Path)
         seconds = {g.prompt_index: [s.agent["seconds"] for s in g.samples] for g in groups}
         assert min(seconds[0]) >= 4.0  # two tool calls of 2 s each
         others = [t for i in range(1, 6) for t in seconds[i]]
-        assert max(others) < 1.5, others
+        assert max(others) < 2.0, others  # a stalled loop would add the tool's 2 s to each
 
 
 def test_an_abort_stops_the_agents_and_their_slots_run_again_in_the_next_call(tmp_path: Path):

@@ -125,7 +125,7 @@ def test_a_two_second_tool_call_delays_only_its_own_trajectory():
         # served them while the tool blocked a worker thread).
         assert latencies[0] >= 2.0
         others = [latencies[i] for i in range(1, 8)]
-        assert max(others) < 0.5, others
+        assert max(others) < 2.0, others  # (~0.1 s each on an idle machine; a stalled loop would add the 2 s)
 
     asyncio.run(main())
 
