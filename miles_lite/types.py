@@ -84,6 +84,8 @@ class Sample:
     # MoE models: the engine's expert ids of the generated tokens it ran, `[R - 1, MoE layers, top_k]` int8/int16
     # numpy (rollout/routing.py), or None.
     routed_experts: Any = None
+    # What the agent plug-in returned for this sample (`rollout.agent`): its `reward` and any other fields.
+    agent: dict[str, Any] | None = None
 
     @property
     def reward(self) -> float:

@@ -3,7 +3,7 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
-# Parts: versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora
+# Parts: versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs lora
 # combinations (optimizer CPU offload with a resume, LoRA with FP8, the hand-off with FP8),
 # and, not in the default list, the colocated hand-off ones (colocated-0.5b resident-0.5b colocated-7b lora-7b) and
 # the RL step against the bare megatron-core step at the recipe's shape, with RoPE fused (the default on THD
@@ -33,14 +33,14 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora
+[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs lora
                                  combinations)
 if [ "${parts[*]}" = sitting ]; then
   export SITTING=1
   export GUARD_7B_CONFIGS=${GUARD_7B_CONFIGS:-bf16,fp8-delayed}
   # shellcheck disable=SC2206
   parts=(${SITTING_PARTS:-versions rollout recipe speed-recipe colocated-0.5b trainer-offload colocated-7b
-         lora-7b-merged guard-7b agents lora-7b rollout-default auth moe contract})
+         lora-7b-merged guard-7b agent lora-7b rollout-default auth moe contract})
 fi
 failed=0
 # The GRPO parts' engines see SGLang installed apart, and push as the other GPU checks do.
@@ -161,6 +161,8 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     auth) part auth "$py" -m pytest -q -s --basetemp "$out/tmp-auth" tests/gpu/test_sglang_auth_gpu.py ;;
     moe) part moe "$py" -m pytest -q -s --basetemp "$out/tmp-moe" tests/gpu/test_sglang_moe_gpu.py ;;
     multiturn) part multiturn "$py" -m pytest -q -s --basetemp "$out/tmp-multiturn" tests/integration/test_multi_turn_engines.py ;;
+    # Agent sessions through the gateway on stock SGLang (`miles-lite train rollout=sglang rollout.agent=...`).
+    agent) part agent "$py" -m pytest -q -s --basetemp "$out/tmp-agent" tests/gpu/test_agent_sglang_gpu.py ;;
     trainer) part trainer "$py" -m pytest -q -s --basetemp "$out/tmp-trainer" tests/gpu/test_trainer_gpu.py ;;
     trainer-offload) part trainer-offload "$py" -m pytest -q -s --basetemp "$out/tmp-trainer-offload" \
                        tests/gpu/test_trainer_gpu.py -k offload ;;
@@ -202,7 +204,7 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     # Whether a colocated LoRA GRPO step of the whole Qwen2.5-7B fits, its time and memory.
     lora-7b) grpo_part lora-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 --skip 1 \
                --out "$out/lora-7b.json" trainer.lora.rank=16 trainer.lora.alpha=32 ;;
-    *) echo "unknown part $p (versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
+    *) echo "unknown part $p (versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs" \
             "lora combinations colocated-0.5b resident-0.5b colocated-7b lora-7b lora-7b-merged speed-recipe" \
             "speed-recipe-unfused rollout rollout-default trainer-offload; or the preset: sitting)"
        failed=$((failed + 1)) ;;

@@ -6,6 +6,7 @@
     miles-lite eval MODEL_OR_CKPT DATA                                   evaluation (DATA: a file, synthetic, or sets)
     miles-lite convert --to-hf CKPT OUT | --from-hf HF_DIR OUT           checkpoint conversion
     miles-lite report RUN_DIR                                            HTML report of a run
+    miles-lite check-template [--template FAMILY|hf] [--tokenizer DIR]   chat template append-only check
 
 Each subcommand's implementation lives beside the code it drives and exposes
 `add_arguments(parser)` and `run(args) -> int`; this module only wires them.
@@ -26,6 +27,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("miles_lite.cli.eval", "greedy evaluation of a model or checkpoint on a data set"),
     "convert": ("miles_lite.cli.convert", "convert checkpoints to and from HF safetensors"),
     "report": ("miles_lite.observability.report", "write a self-contained HTML report of a run directory"),
+    "check-template": ("miles_lite.cli.check_template",
+                       "check that a chat template is append-only on a tokenizer (agent sessions rely on it)"),
 }
 
 

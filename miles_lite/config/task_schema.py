@@ -133,5 +133,8 @@ class RewardsConfig:
     # The `exact_match` reward compares this regex's match (its first group, if any) in the completion with
     # the label; None: the whole completion.
     answer_pattern: str | None = None
+    # Seconds one reward function may take over one batch (it runs in a worker, off the rollout loop); past
+    # it the run fails naming the reward. The remote reward model has its own `remote.timeout_s`.
+    timeout_s: float = bounded(600.0, gt=0)
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 

@@ -210,7 +210,7 @@ def _check_rewards(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append("rewards.remote: timeout_s must be > 0, retries and backoff_s >= 0")
     try:
         build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom, remote_reward_spec(cfg),
-                         cfg.rewards.by_source, cfg.rewards.answer_pattern)
+                         cfg.rewards.by_source, cfg.rewards.answer_pattern, agent=cfg.rollout.agent is not None)
     except ValueError as err:  # PluginError is a ValueError and names its field
         problems.append(str(err))
 
@@ -240,6 +240,7 @@ def _check_rollout(cfg: MilesConfig, problems: list[str]) -> None:
     if rollout.group_filter and not rollout.dynamic_sampling:
         problems.append(f"rollout.group_filter={rollout.group_filter!r} filters dynamic sampling's groups; set "
                         "rollout.dynamic_sampling=true")
+    _check_agent(cfg, problems)
     try:
         if rollout.group_filter:
             load_sync_fn(rollout.group_filter, "rollout.group_filter", positional=1)
@@ -249,6 +250,58 @@ def _check_rollout(cfg: MilesConfig, problems: list[str]) -> None:
             load_async_fn(rollout.generate_fn, "rollout.generate_fn", positional=3)
     except ValueError as err:  # PluginError names the field
         problems.append(str(err))
+
+
+def _check_agent(cfg: MilesConfig, problems: list[str]) -> None:
+    """The agent plug-in, its chat template and the plug-in pool (see rollout/agent.py)."""
+    from miles_lite.formats.chat import CHAT_TEMPLATE_CHOICES, unknown_family_message
+    from miles_lite.plugins import environment_from_plugin
+
+    rollout = cfg.rollout
+    if rollout.chat_template not in CHAT_TEMPLATE_CHOICES:
+        problems.append(unknown_family_message(rollout.chat_template))
+    if rollout.agent and (rollout.environment or rollout.generate_fn):
+        problems.append("rollout.agent runs its own turns through the session gateway: unset rollout.environment and "
+                        "rollout.generate_fn")
+    if rollout.agent_abort and not rollout.agent:
+        problems.append(f"rollout.agent_abort={rollout.agent_abort!r} is a hook of rollout.agent, which is not set")
+    if rollout.plugin_pool == "processes" and rollout.environment and rollout.environment != "calculator":
+        import pickle
+
+        try:
+            env = environment_from_plugin(rollout.environment, "rollout.environment")
+            if callable(getattr(env, "reset", None)):
+                problems.append("rollout.plugin_pool=processes runs each environment call in a worker process, where "
+                                "the per-trajectory state of rollout.environment's reset() would be lost: use "
+                                "rollout.plugin_pool=threads")
+            else:
+                pickle.dumps(env)
+        except ValueError:
+            pass  # reported by the plug-in checks
+        except Exception as exc:  # pickle raises several kinds
+            problems.append(f"rollout.plugin_pool=processes: rollout.environment cannot be sent to a worker process "
+                            f"({type(exc).__name__}: {exc}); use rollout.plugin_pool=threads")
+    if not rollout.agent:
+        return
+    from miles_lite.plugins import check_signature, load_plugin
+
+    try:
+        for path, field in ((rollout.agent, "rollout.agent"), (rollout.agent_abort, "rollout.agent_abort")):
+            if path:  # fn(base_url, api_key, record, sampling); the hook fn(base_url, api_key, record, reason)
+                check_signature(load_plugin(path, field), field, positional=4)
+    except ValueError as err:  # PluginError names the field
+        problems.append(str(err))
+    if rollout.chat_template == "hf" and cfg.model.hf_path:
+        from transformers import AutoTokenizer
+
+        from miles_lite.formats.chat import resolve_chat_template
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+        try:
+            resolve_chat_template("hf", tokenizer, cfg.model.arch, tiny=False,
+                                  tokenize=lambda t: list(tokenizer(t, add_special_tokens=False)["input_ids"]))
+        except ValueError as err:
+            problems.append(str(err))
 
 
 def remote_reward_spec(cfg: MilesConfig):

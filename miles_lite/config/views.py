@@ -10,6 +10,7 @@ weight push, the model's vocabulary), so the role does not re-derive them from s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from miles_lite.config.engine_launch import launch_rollout
 from miles_lite.config.lora_serving import serves_adapters
@@ -71,11 +72,18 @@ class EngineFleetConfig:
     cluster: ClusterConfig
     model_path: str | None
     vocab_size: int
+    model_arch: str = ""
+    model_name: str = ""
+    # A random model (no `model.hf_path`, or the one a run writes under its directory): it speaks the offline
+    # ChatML tokenizer whatever its architecture.
+    tiny_model: bool = False
 
     @classmethod
     def of(cls, cfg: MilesConfig) -> EngineFleetConfig:
-        return cls(launch_rollout(cfg), cfg.fault_tolerance, cfg.cluster,
-                   str(cfg.model.hf_path) if cfg.model.hf_path else None, model_dims(cfg).vocab_size)
+        path = str(cfg.model.hf_path) if cfg.model.hf_path else None
+        tiny = path is None or (Path(path) / "miles_lite_spec.json").is_file()
+        return cls(launch_rollout(cfg), cfg.fault_tolerance, cfg.cluster, path, model_dims(cfg).vocab_size,
+                   cfg.model.arch, cfg.model.name, tiny)
 
 
 @dataclass(frozen=True)

@@ -10,16 +10,22 @@ from typing import Any
 from miles_lite.data.calculator import tool_solution_segments
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.prompts import format_solution, render_messages, render_prompt
+from miles_lite.formats.chat.incremental import continuation, model_text
+from miles_lite.formats.chat.messages import normalize_all
 from miles_lite.types import PromptSpec, TrainBatch
 
 
 class PromptEncoder:
     """Renders and tokenises prompts and targets with `tokenizer` (an HF tokenizer) and the system prompt
-    `template` (`data.prompt_template`). With `tool_solutions` the SFT targets show the calculator's turns."""
+    `template` (`data.prompt_template`). With `tool_solutions` the SFT targets show the calculator's turns. With a
+    `chat_template` (`formats.chat`, an agent run's) records render through it, as the session gateway renders
+    them, and a reference response given as messages is a whole trajectory: assistant turns trained on, the
+    text between them (tool results, turn markers) out of the loss, tokenised as a session tokenises it."""
 
     def __init__(self, tokenizer: Any, template: str = "default", tool_solutions: bool = False,
-                 max_prompt_tokens: int | None = None) -> None:
+                 max_prompt_tokens: int | None = None, chat_template: Any = None) -> None:
         self.tokenizer = tokenizer
+        self.chat_template = chat_template
         self.max_prompt_tokens = max_prompt_tokens
         self.template = template
         self.tool_solutions = tool_solutions
@@ -33,6 +39,8 @@ class PromptEncoder:
         if isinstance(item, str) or isinstance(item, MathProblem):
             return render_prompt(self.tokenizer, item if isinstance(item, str) else item.question, self.template)
         messages = item.messages if item.messages is not None else ({"role": "user", "content": item.prompt},)
+        if self.chat_template is not None:
+            return self.chat_template.render(normalize_all(list(messages)), _tools(item), add_generation_prompt=True)
         return render_messages(self.tokenizer, messages)
 
     def encode(self, text: str) -> list[int]:
@@ -78,6 +86,12 @@ class PromptEncoder:
                 if p.response is None:
                     raise ValueError(f"{p.where}: the SFT warm-up needs a reference response; set data.response_key "
                                      "or experiment.warmup=none")
+                if not isinstance(p.response, str):
+                    target, mask = self._trajectory(p)
+                    tokens.append(prompt + target)
+                    plens.append(len(prompt))
+                    masks.append(mask)
+                    continue
                 segments = [(p.response, True)]
             elif self.tool_solutions:
                 segments = tool_solution_segments(p)
@@ -94,4 +108,34 @@ class PromptEncoder:
             plens.append(len(prompt))
             masks.append(mask)
         batch = TrainBatch.without_rollout(tokens, plens)
-        return dataclasses.replace(batch, loss_masks=masks) if self.tool_solutions else batch
+        return dataclasses.replace(batch, loss_masks=masks) if self.tool_solutions or any(0 in m for m in masks) \
+            else batch
+
+    def _trajectory(self, record: Any) -> tuple[list[int], list[int]]:
+        """The ids and loss mask of a response given as messages, built as a session builds them: each assistant
+        turn as the text the template renders for it after its generation prompt (end-of-turn token included;
+        trained), each stretch between turns as the continuation the next request appends (not trained)."""
+        if self.chat_template is None:
+            raise ValueError(f"{record.where}: a reference response given as messages is rendered with the agent "
+                             "sessions' chat template; set rollout.agent (and rollout.chat_template)")
+        prompt = normalize_all(list(record.messages))
+        response = normalize_all(list(record.response))
+        tools, history, ids, mask = _tools(record), list(prompt), [], []
+        for i, message in enumerate(response):
+            if message.role != "assistant":
+                continue
+            request = [*prompt, *response[:i]]
+            if ids:
+                appended = self.encode(continuation(self.chat_template, history, request, tools, None, closed=True))
+                ids, mask = ids + appended, mask + [0] * len(appended)
+            turn = self.encode(model_text(self.chat_template, request, message, tools, None))
+            ids, mask = ids + turn, mask + [1] * len(turn)
+            history = [*request, message]
+        return ids, mask
+
+
+def _tools(record: Any) -> Any:
+    """The tool schemas a chat record's prompt is rendered with: its `tools` column (OpenAI's list), or None."""
+    columns = getattr(record, "columns", None) or {}
+    tools = columns.get("tools")
+    return tools if isinstance(tools, list) and tools else None

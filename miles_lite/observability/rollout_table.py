@@ -43,6 +43,8 @@ SCHEMA = pa.schema([
     # The prompt's label (a string as it is, any other JSON value as JSON) and its data source (null: none).
     pa.field("label", pa.string()),
     pa.field("source", pa.string()),
+    # What the agent plug-in returned for the sample (`rollout.agent`), as JSON; null without an agent.
+    pa.field("agent", pa.string()),
 ])
 
 
@@ -67,6 +69,7 @@ class RolloutRow:
     turns: int = 1
     label: str | None = None
     source: str | None = None
+    agent: str | None = None
 
 
 def label_text(group: Group) -> str | None:
@@ -100,6 +103,7 @@ def rows_from_groups(step: int, groups: Sequence[Group]) -> list[RolloutRow]:
                 turns=sample.turns,
                 label=label_text(group),
                 source=group.source,
+                agent=None if sample.agent is None else json.dumps(sample.agent, ensure_ascii=False, default=str),
             ))
     return rows
 

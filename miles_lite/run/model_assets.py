@@ -11,13 +11,28 @@ from typing import Any
 
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import tokenizer_problem
-from miles_lite.data.tokenizer import load_or_build_tokenizer
+from miles_lite.data.tokenizer import load_or_build_tokenizer, tokenizer_cache_key
 from miles_lite.formats.answer import CALCULATOR_TAGS
+from miles_lite.formats.chat import FAMILIES, load_chat_template
+from miles_lite.formats.chat.check import generate_conversations
 
 
-def _extra_tags(cfg: MilesConfig) -> tuple[str, ...]:
-    # The calculator's tags are single tokens of the offline tokenizer when a run uses that tool.
-    return CALCULATOR_TAGS if cfg.rollout.environment == "calculator" else ()
+def _agent_vocabulary(cfg: MilesConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The tags of the agent sessions' chat template (a tiny model's `auto` is ChatML's qwen2.5), and texts in it
+    (generated conversations with tool calls) for the offline tokenizer's merges."""
+    name = "qwen2.5" if cfg.rollout.chat_template == "auto" else cfg.rollout.chat_template
+    if not cfg.rollout.agent or name not in FAMILIES:
+        return (), ()
+    template = load_chat_template(name)
+    texts = tuple(template.render(c.messages, c.tools, options=c.options)
+                  for c in generate_conversations(template, 200, seed=1))
+    return template.tags, texts
+
+
+def _extra_vocabulary(cfg: MilesConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Tags the offline tokenizer keeps as single tokens, and texts it learns merges from: the calculator's tags
+    when a run uses that tool; the chat template's tool-call tags (<tool_call> ...) in agent runs."""
+    return (CALCULATOR_TAGS, ()) if cfg.rollout.environment == "calculator" else _agent_vocabulary(cfg)
 
 
 def run_tokenizer(cfg: MilesConfig) -> Any:
@@ -31,7 +46,9 @@ def run_tokenizer(cfg: MilesConfig) -> Any:
             raise ValueError(problem)
         return AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
     cache = Path(cfg.experiment.output_dir) / ".cache" / "tokenizers"
-    tokenizer = load_or_build_tokenizer(cache, vocab_size=cfg.model.vocab_size, seed=0, extra_tags=_extra_tags(cfg))
+    extra_tags, extra_texts = _extra_vocabulary(cfg)
+    tokenizer = load_or_build_tokenizer(cache, vocab_size=cfg.model.vocab_size, seed=0, extra_tags=extra_tags,
+                                        extra_texts=extra_texts)
     if len(tokenizer) > cfg.model.vocab_size:
         raise ValueError(f"the offline tokenizer has {len(tokenizer)} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}; raise model.vocab_size")
@@ -65,12 +82,14 @@ def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
     tokenizer = run_tokenizer(cfg)
     if cfg.model.hf_path:
         return cfg, tokenizer
-    extra_tags = _extra_tags(cfg)
+    extra_tags, extra_texts = _extra_vocabulary(cfg)
     model_dir = run_dir / "initial_model"
     # What the random model is built from: a run started over with another shape (checkpoint.resume=none)
     # builds it again rather than loading the earlier one (the build is seeded: the same spec, the same weights).
     spec = json.dumps({"arch": cfg.model.arch, "shape": dataclasses.asdict(cfg.model.shape),
-                       "vocab_size": cfg.model.vocab_size, "tokenizer_tags": list(extra_tags)}, sort_keys=True)
+                       "vocab_size": cfg.model.vocab_size, "tokenizer_tags": list(extra_tags),
+                       **({"tokenizer_texts": tokenizer_cache_key(extra_texts=extra_texts)} if extra_texts else {})},
+                      sort_keys=True)
     spec_file = model_dir / "miles_lite_spec.json"
     if model_dir.exists() and (not spec_file.is_file() or spec_file.read_text() != spec):
         shutil.rmtree(model_dir)

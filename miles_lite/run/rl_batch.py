@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from miles_lite.algo.advantages import compute_advantages
+from miles_lite.algo.advantages import compute_advantages, ragged_advantages
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.data.calculator import call_outcomes
 from miles_lite.plugins import PluginFailed
@@ -139,18 +139,12 @@ def build_train_batch(groups: Sequence[Group], algo: AlgoConfig) -> tuple[TrainB
     if not groups:
         return None, {"algo/zero_signal_share": 0.0, "algo/zero_signal_groups": 0.0, "algo/groups": 0.0,
                       "algo/trained_sequences": 0.0}
-    sizes = {len(g.samples) for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"groups of unequal sizes {sorted(sizes)}: every prompt needs rollout.group_size samples")
-    group_size = sizes.pop()
-    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
-    result = compute_advantages(rewards, group_size, algo.advantage_estimator, std_normalize=algo.std_normalize)
-    keep = result.keep_mask if algo.drop_zero_signal else torch.ones_like(result.keep_mask)
-    stats = {"algo/zero_signal_share": result.zero_signal_share,
-             "algo/zero_signal_groups": float(result.zero_signal_mask.sum()),
+    advantages, zero, keep = _advantages(groups, algo)
+    stats = {"algo/zero_signal_share": sum(zero) / len(zero) if zero else 0.0,
+             "algo/zero_signal_groups": float(sum(zero)),
              "algo/groups": float(len(groups))}
     samples = [s for g in groups for s in g.samples]
-    chosen = [i for i in range(len(samples)) if bool(keep[i]) and samples[i].response_ids]
+    chosen = [i for i in range(len(samples)) if keep[i] and samples[i].response_ids]
     stats["algo/trained_sequences"] = float(len(chosen))
     if not chosen:
         return None, stats
@@ -158,11 +152,28 @@ def build_train_batch(groups: Sequence[Group], algo: AlgoConfig) -> tuple[TrainB
         tokens=[samples[i].prompt_ids + samples[i].response_ids for i in chosen],
         prompt_lengths=[len(samples[i].prompt_ids) for i in chosen],
         rollout_logprobs=[list(samples[i].rollout_logprobs) for i in chosen],
-        advantages=[float(result.advantages[i]) for i in chosen],
+        advantages=[advantages[i] for i in chosen],
         loss_masks=_loss_masks([samples[i] for i in chosen]),
         routed_experts=_routed([samples[i] for i in chosen]),
     )
     return batch, stats
+
+
+def _advantages(groups: Sequence[Group], algo: AlgoConfig) -> tuple[list[float], list[bool], list[bool]]:
+    """Per-sample advantages, per-group zero-signal flags and per-sample keep flags. Groups are `group_size`
+    samples each, except where an agent's sample was dropped (`rollout.agent`): then the estimator runs on the
+    ragged groups (`ragged_advantages`)."""
+    sizes = {len(g.samples) for g in groups}
+    if len(sizes) == 1 and min(sizes) > 0:
+        rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
+        result = compute_advantages(rewards, sizes.pop(), algo.advantage_estimator, std_normalize=algo.std_normalize)
+        keep = result.keep_mask if algo.drop_zero_signal else torch.ones_like(result.keep_mask)
+        return result.advantages.tolist(), result.zero_signal_mask.tolist(), keep.tolist()
+    nonempty = [g for g in groups if g.samples]
+    advantages, zero = ragged_advantages([[s.reward for s in g.samples] for g in nonempty], algo.advantage_estimator,
+                                         std_normalize=algo.std_normalize)
+    keep = [not (algo.drop_zero_signal and z) for g, z in zip(nonempty, zero, strict=True) for _ in g.samples]
+    return advantages, zero, keep
 
 
 def _routed(samples: Sequence[Sample]) -> list[Any] | None:
@@ -196,8 +207,20 @@ def distill_batch(groups: Sequence[Group]) -> TrainBatch | None:
 
 
 def rollout_stats(stats: Any) -> dict[str, object]:
-    """The rollout manager's per-call stats under the metric keys the registry knows."""
+    """The rollout manager's per-call stats under the metric keys the registry knows (the agent slots' when an
+    agent ran)."""
+    agents = {} if not stats.agents_started else {
+        "rollout/agents_started": float(stats.agents_started),
+        "rollout/agents_failed": float(stats.agents_failed),
+        "rollout/agent_timeouts": float(stats.agents_timed_out),
+        "rollout/agent_turns_per_sample": stats.agent_turns / max(stats.agents_succeeded, 1),
+        "rollout/tito_mismatch": float(stats.tito_mismatch),
+        "rollout/session_engine_moves": float(stats.session_engine_moves),
+        "rollout/session_diverged": float(stats.session_diverged),
+        "rollout/session_branches": float(stats.session_branches),
+    }
     return {
+        **agents,
         "rollout/tokens_per_second": stats.tokens_per_s,
         "rollout/generated_tokens": float(stats.tokens_generated),
         "rollout/request_latency_seconds": list(stats.latencies_s),

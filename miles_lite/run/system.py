@@ -20,8 +20,9 @@ from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import remote_reward_spec
 from miles_lite.config.views import EngineFleetConfig, TrainerRoleConfig, WeightSyncSetup
 from miles_lite.data.encoding import PromptEncoder
-from miles_lite.engines.fleet_launch import Rollout, build_rollout
+from miles_lite.engines.fleet_launch import Rollout, build_rollout, chat_template_of
 from miles_lite.net.api_key import ApiKey
+from miles_lite.plugins import PluginPool
 from miles_lite.rewards.setup import build_reward_set
 from miles_lite.rollout.fleet import EngineFleet
 from miles_lite.rollout.prompt_spec import sampling_from_config
@@ -55,11 +56,18 @@ class System:
         self.api_key = api_key if api_key is not None else ApiKey.for_run(cfg.cluster.api_key_file)
         self.run_dir = run_dir
         self.tokenizer = tokenizer
+        # The agent sessions' chat template, checked on the tokenizer before any engine starts; prompts and SFT
+        # trajectories render through it as the gateway renders sessions.
+        self.chat_template = chat_template_of(EngineFleetConfig.of(cfg), tokenizer) if cfg.rollout.agent else None
         self.encoder = PromptEncoder(tokenizer, cfg.data.prompt_template,
                                      tool_solutions=cfg.rollout.environment == "calculator",
-                                     max_prompt_tokens=cfg.data.max_prompt_tokens)
+                                     max_prompt_tokens=cfg.data.max_prompt_tokens, chat_template=self.chat_template)
+        # Blocking plug-in calls (environment replies, reward functions) run here, off the rollout loop.
+        self.plugins = PluginPool(cfg.rollout.plugin_workers, cfg.rollout.plugin_pool, cfg.rollout.plugin_timeout_s)
         self.reward_set = build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom,
-                                           remote_reward_spec(cfg), cfg.rewards.by_source, cfg.rewards.answer_pattern)
+                                           remote_reward_spec(cfg), cfg.rewards.by_source, cfg.rewards.answer_pattern,
+                                           agent=cfg.rollout.agent is not None).run_in(self.plugins,
+                                                                                        cfg.rewards.timeout_s)
         self.sampling = sampling_from_config(cfg.rollout, stop_token_ids=self.encoder.stop_token_ids,
                                              seed=cfg.experiment.seed)
         self.trainer: TrainerRole | None = None
@@ -122,7 +130,7 @@ class System:
 
             start = gang_fleet
         return build_rollout(EngineFleetConfig.of(self.cfg), self.tokenizer, log_dir, seed=self.cfg.experiment.seed,
-                             start=start, api_key=self.api_key)
+                             start=start, api_key=self.api_key, plugins=self.plugins, chat_template=self.chat_template)
 
     def _start_sync(self) -> None:
         from miles_lite.weight_sync.factory import build_coordinator
@@ -163,6 +171,7 @@ class System:
                         trainer, self.trainer = self.trainer, None
                         trainer.close()
                 finally:
+                    self.plugins.close()
                     self.api_key.close()
 
     def __enter__(self) -> System:
