@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from miles_lite.formats.files import write_atomic
 from miles_lite.observability import plots
 from miles_lite.observability.rollout_table import read_rollouts
 from miles_lite.observability.sinks import EVAL_PHASE, read_metrics_file
@@ -153,7 +154,7 @@ def write_report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | 
                  top_k: int = 5) -> Path:
     """Render and write the report; returns its path (default ``RUN_DIR/report.html``)."""
     path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
-    path.write_text(render_report(run_dir, top_k), encoding="utf-8")
+    write_atomic(path, render_report(run_dir, top_k))
     return path
 
 

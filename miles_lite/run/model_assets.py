@@ -13,6 +13,7 @@ from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import tokenizer_problem
 from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.formats.answer import CALCULATOR_TAGS
+from miles_lite.formats.files import write_atomic
 
 
 def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
@@ -49,7 +50,7 @@ def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
         make_tiny_hf_model(cfg.model.arch, cfg.model.shape, cfg.model.vocab_size, model_dir,
                            seed=cfg.model.shape.init_seed)
         tokenizer.save_pretrained(str(model_dir))
-        spec_file.write_text(spec)
+        write_atomic(spec_file, spec)  # last: the directory is complete once its spec is there
     model = dataclasses.replace(cfg.model, hf_path=str(model_dir), tokenizer_path=str(model_dir))
     return dataclasses.replace(cfg, model=model), tokenizer
 

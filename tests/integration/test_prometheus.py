@@ -179,8 +179,8 @@ def test_scraped_values_match_the_run(scraped_run: ScrapedRun) -> None:
         assert len(result) == 1, (name, labels, result)
         return float(result[0]["value"][1])
 
-    assert [r["step"] for r in records] == list(range(STEPS))
-    assert value("miles_lite_step") == STEPS - 1
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert value("miles_lite_step") == STEPS
     for metric, key, labels in [
         ("miles_lite_reward_mean", "reward/mean", {}),
         ("miles_lite_reward_std", "reward/std", {}),
