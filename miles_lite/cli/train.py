@@ -53,6 +53,7 @@ def compose_or_explain(args: argparse.Namespace, check: bool = True):
     from omegaconf.errors import OmegaConfBaseException
 
     from miles_lite.config import ConfigError, load_config, validate
+    from miles_lite.config.compose import ConfigFileError
     from miles_lite.config.keys import unknown_override_keys
 
     unknown = unknown_override_keys(list(args.overrides))
@@ -62,6 +63,9 @@ def compose_or_explain(args: argparse.Namespace, check: bool = True):
         return None
     try:
         cfg = load_config(args.overrides, args.config_dir, args.config_name)
+    except ConfigFileError as err:
+        print(f"miles-lite train: configuration error: {err}", file=sys.stderr)
+        return None
     except (HydraException, OmegaConfBaseException) as err:
         print(f"miles-lite train: configuration error: {explain_override_error(err)}", file=sys.stderr)
         return None

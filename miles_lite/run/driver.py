@@ -49,7 +49,7 @@ from miles_lite.run.handoff import Handoff
 from miles_lite.run.lock import RunLock
 from miles_lite.run.naming import choose_run, mark_finished, mark_unfinished, named
 from miles_lite.run.outputs import RunIO, checkpoint_root, finished_summary
-from miles_lite.run.record import ResumePlan, plan_resume, record_start_config
+from miles_lite.run.record import ResumePlan, ResumeRefused, plan_resume, record_start_config
 from miles_lite.run.rl_batch import (
     build_train_batch,
     drop_stale,
@@ -150,7 +150,11 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
     # Recorded by every checkpoint; compared with what a resume asks for before any work.
     record = {"config": config_tree(cfg), "data": data_identity(cfg.data)}
     recorded_cfg, cfg = cfg, checkpoints_under(cfg, run_dir)
-    plan = plan_resume(recorded_cfg, resolve_resume(cfg.checkpoint, log=print))  # ResumeRefused: nothing touched
+    try:
+        chosen = resolve_resume(cfg.checkpoint, log=print)
+    except FileNotFoundError as err:  # a path holding no intact checkpoint
+        raise ResumeRefused(str(err)) from None
+    plan = plan_resume(recorded_cfg, chosen)  # ResumeRefused: nothing touched
     if plan.checkpoint is None and cfg.checkpoint.dir and Path(cfg.checkpoint.dir).is_dir():
         # A fresh start: earlier checkpoints of this run (resume=none, or none intact) belong to another
         # configuration; a later resume must not take them.
