@@ -12,6 +12,7 @@ starting with `# @package _global_`.
 
 from __future__ import annotations
 
+import io
 import shutil
 import tempfile
 from pathlib import Path
@@ -22,7 +23,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig, OmegaConf
 
-from miles_lite.config.schema import MilesConfig
+from miles_lite.config.schema import GROUPS, MilesConfig
 
 SCHEMA_NAME = "miles_lite_schema"
 
@@ -80,11 +81,32 @@ def _search_path_override(overrides: list[str]) -> tuple[list[str], list[str]]:
     return rest, dirs
 
 
+# The primary config of a composition on top of a recorded configuration (`recorded=`).
+RECORDED_NAME = "miles_lite_recorded"
+
+
+def _on_recorded(overrides: list[str], recorded: str, tmp: Path) -> list[str]:
+    """Write `recorded` (a whole resolved configuration's YAML) as a primary config in `tmp`; the overrides with
+    each config group choice (`rollout=sglang`) added after it (`+rollout=sglang`), so the group's file applies
+    over the recorded values."""
+    body = OmegaConf.load(io.StringIO(recorded))
+    text = "defaults:\n  - miles_lite_schema\n  - _self_\n" + OmegaConf.to_yaml(body)
+    (tmp / f"{RECORDED_NAME}.yaml").write_text(text)
+    out = []
+    for override in overrides:
+        key, sep, _ = override.partition("=")
+        out.append(f"+{override}" if sep and key in GROUPS else override)
+    return out
+
+
 def compose_dictconfig(
-    overrides: list[str] | None = None, config_dir: str | Path | None = None, config_name: str = "config"
+    overrides: list[str] | None = None, config_dir: str | Path | None = None, config_name: str = "config",
+    recorded: str | None = None,
 ) -> DictConfig:
     """Compose `config_name` with Hydra overrides (`trainer.tp=2`, `experiment=...`, `experiment=PATH.yaml`);
-    `config_dir`: a directory searched before `conf/` (see the module docstring)."""
+    `config_dir`: a directory searched before `conf/` (see the module docstring). `recorded`: the YAML of a
+    run's resolved configuration to start from instead of `conf/config.yaml` (what `miles-lite eval` does with
+    a run or a checkpoint); the overrides apply over it."""
     register_schema()
     main = default_config_dir().resolve()
     overrides, exp_file = experiment_file(list(overrides or []))
@@ -98,11 +120,16 @@ def compose_dictconfig(
         if extra != main:
             searched.append(extra)
     with tempfile.TemporaryDirectory(prefix="miles-lite-conf-") as tmp:
+        if recorded is not None:
+            overrides = _on_recorded(overrides, recorded, Path(tmp))
+            searched.insert(0, Path(tmp))
+            config_name = RECORDED_NAME
         if exp_file is not None:
             # Hydra finds group options by name in its search path: the file goes first there, as experiment/<stem>.
             (Path(tmp) / "experiment").mkdir()
             shutil.copyfile(exp_file, Path(tmp) / "experiment" / f"{exp_file.stem}.yaml")
-            searched.insert(0, Path(tmp))
+            if Path(tmp) not in searched:
+                searched.insert(0, Path(tmp))
         primary, later = (searched[0], [*searched[1:], main]) if searched else (main, [])
         if later:
             overrides.append("hydra.searchpath=[" + ",".join(f"file://{d}" for d in later) + "]")
@@ -119,10 +146,11 @@ def compose_dictconfig(
 
 
 def load_config(
-    overrides: list[str] | None = None, config_dir: str | Path | None = None, config_name: str = "config"
+    overrides: list[str] | None = None, config_dir: str | Path | None = None, config_name: str = "config",
+    recorded: str | None = None,
 ) -> MilesConfig:
     """Compose and convert to the typed `MilesConfig` dataclass (not validated; see `validate`)."""
-    cfg = compose_dictconfig(overrides, config_dir, config_name)
+    cfg = compose_dictconfig(overrides, config_dir, config_name, recorded)
     return cast(MilesConfig, OmegaConf.to_object(cfg))
 
 

@@ -136,7 +136,8 @@ def _started_at(text: str) -> str:
     return first[len(_HEADER):].strip() if first.startswith(_HEADER) else "unknown"
 
 
-def _body(text: str) -> str:
+def config_body(text: str) -> str:
+    """A `config.yaml`'s configuration without its header line."""
     return text.split("\n", 1)[1] if text.startswith(_HEADER) else text
 
 
@@ -147,7 +148,7 @@ def record_start_config(run_dir: Path, cfg_yaml: str, step: int) -> Path | None:
     kept = None
     if path.is_file():
         old = path.read_text()
-        if _body(old) == cfg_yaml:
+        if config_body(old) == cfg_yaml:
             return None
         started = _started_at(old)
         kept = run_dir / f"config.from_step_{started}.yaml"
