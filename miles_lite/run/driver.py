@@ -103,17 +103,20 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
     locks: list[RunLock] = []
     try:
         # A data error ends the run before it has a directory.
-        train_problems, held_out = load_problems(cfg.data, cfg.experiment.eval_size)
+        notes: list[str] = []
+        train_problems, held_out = load_problems(cfg.data, cfg.experiment.eval_size, notes)
         eval_sets = load_eval_sets(cfg.data, cfg.experiment.eval_size)
         check_task(cfg, train_problems, eval_sets)
+        notes += [f"evaluation set {s.name!r}: {s.cut} (its size, or experiment.eval_size for held_out)"
+                  for s in eval_sets if s.cut]
         done = finished_summary(cfg, run_dir)  # reads only: a finished run re-run writes nothing
         if done is not None:
             mark_finished(choice)
             print(f"miles-lite: {run_dir} already finished {done['steps_done']} steps (experiment.steps="
                   f"{cfg.experiment.steps}); nothing to do. Raise experiment.steps to train further.", flush=True)
             return RunSummary(**{k: v for k, v in done.items() if k in RunSummary.__dataclass_fields__})
-        if choice.note:
-            print(f"miles-lite: {choice.note}", flush=True)
+        for note in [choice.note, *notes] if choice.note else notes:
+            print(f"miles-lite: {note}", flush=True)
         new_dir = not run_dir.exists()
         try:
             locks.append(RunLock(run_dir))
@@ -402,7 +405,8 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
     handoff.measure("sync")
     io.report_sync(sync_report, sync_seconds)
     tools = tool_stats(groups) if cfg.rollout.environment else {}
-    stats: dict[str, Any] = {**reward_stats(groups), **tools, **algo_stats, **train_stats, **timer.stats(),
+    stats: dict[str, Any] = {**reward_stats(groups, system.reward_set), **tools, **algo_stats, **train_stats,
+                             **timer.stats(),
                              **handoff.stats(),
                              **rollout_stats(rollout.stats), **stale_stats, **eval_stats,
                              "rollout/pauses": float(rollout.pauses),

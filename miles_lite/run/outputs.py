@@ -258,7 +258,7 @@ class RunIO:
         from miles_lite.observability.plots import reward_plot
         from miles_lite.observability.sinks import read_metrics_file
 
-        png = reward_plot(read_metrics_file(self.run_dir))
+        png = reward_plot(read_metrics_file(self.run_dir), read_metrics_file(self.run_dir, evaluations=True))
         if png is not None:
             write_atomic(self.run_dir / "curves.png", png)
         before, after = summary.before.get("exact"), summary.after.get("exact")
