@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
             return _eval_math(args, cfg)
         except (DatasetError, ValueError) as err:
             hint = ""
-            if cfg.data.source != "records" and "missing field 'question'" in str(err):
+            if cfg.data.source != "records" and "each record needs 'question' and 'answer'" in str(err):
                 hint = ("; a records file needs data.source=records and its key mapping (data.prompt_key=..., "
                         "data.label_key=...), or evaluate the run that trained on it, which knows both")
             print(f"miles-lite eval: {err}{hint}", file=sys.stderr)
