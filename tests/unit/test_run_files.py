@@ -57,7 +57,8 @@ def test_every_append_is_one_write(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 # Modules that write a run's files (or the files of `miles-lite report` / `presample`), and the few writes that
 # are not artifacts: the output-directory probe (a scratch file it removes) and the run lock (`os.open`).
-WRITERS = ["run", "observability", "cli", "evaluation", "rollout/presample.py", "cluster/engine_gang.py"]
+WRITERS = ["run", "observability", "cli", "evaluation", "rollout/presample.py", "cluster/engine_gang.py",
+           "data/gsm8k.py"]
 NOT_ARTIFACTS = {"run/dir_probe.py"}
 PLAIN_WRITE = re.compile(r"\.write_text\(|\.write_bytes\(|open\([^)]*[\"'](?:w|a|wb|ab|w\+|a\+)[\"']")
 
