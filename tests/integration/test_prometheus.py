@@ -141,7 +141,7 @@ def test_the_run_was_scraped_while_alive_and_lingered_for_its_final_values(scrap
     assert len(before_final) >= 2, up
     assert [v for t, v in up if t == scraped_run.final_scrape] == [1.0]
     steps = [v for _, v in server.raw_samples(f'miles_lite_step{{run="{run}"}}')]
-    assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] == STEPS - 1, steps
+    assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] == STEPS, steps
     log = " ".join(scraped_run.log.split())  # the console wraps long lines
     assert "waiting up to 120 s for a scrape of the final metrics" in log
     assert "no scrape within" not in log
