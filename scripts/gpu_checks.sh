@@ -126,7 +126,7 @@ from pathlib import Path
 path = Path(sys.argv[1])
 result = json.loads(path.read_text())
 rows = [json.loads(x) for x in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-result["push"] = [{"step": m["step"] + 1, "bytes": m["sync/bytes"], "seconds": m["sync/seconds"],
+result["push"] = [{"step": m["step"], "bytes": m["sync/bytes"], "seconds": m["sync/seconds"],
                    "probe_logp_diff_mean": m.get("sync/probe_logp_diff_mean")} for m in rows if "sync/bytes" in m]
 path.write_text(json.dumps(result, indent=1))
 print("LoRA push bytes:", [p["bytes"] for p in result["push"]], "seconds:", [round(p["seconds"], 3) for p in result["push"]])

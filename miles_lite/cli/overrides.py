@@ -69,6 +69,7 @@ def compose_reporting_all(overrides: Sequence[str], config_dir: str | None = Non
     from omegaconf.errors import OmegaConfBaseException
 
     from miles_lite.config import load_config
+    from miles_lite.config.compose import ConfigFileError
 
     problems: list[str] = []
     remaining: list[str] = []
@@ -83,6 +84,8 @@ def compose_reporting_all(overrides: Sequence[str], config_dir: str | None = Non
         try:
             cfg = load_config(remaining, config_dir, config_name)
             break
+        except ConfigFileError as err:  # a configuration directory or experiment file that is not there
+            return None, [*problems, str(err)]
         except (HydraException, OmegaConfBaseException) as err:
             problems.append(explain_override_error(err))
             bad = failing_override(err, remaining)

@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="base sampling seed (each sample gets its own)")
     parser.add_argument("--chunk", type=int, default=64, help="questions sent per batch of groups")
     parser.add_argument("--log-dir", help="engine server logs (default: <out dir>/presample_logs)")
-    parser.add_argument("--config-dir", help="configuration directory (default: the package's conf/)")
+    parser.add_argument("--config-dir", help="a directory of your own configuration files, searched before the "
+                        "package's conf/")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides, e.g. rollout.top_p=0.9")
 
 

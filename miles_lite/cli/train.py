@@ -18,7 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hydra override, e.g. trainer.tp=2, rollout=sglang, experiment=tiny_cpu")
     parser.add_argument("--cfg", choices=("job", "all"), default=None,
                         help="print the resolved configuration (job: as the run uses it) and exit")
-    parser.add_argument("--config-dir", default=None, help="configuration directory (default: the project's conf/)")
+    parser.add_argument("--config-dir", default=None,
+                        help="a directory of your own configuration files, searched before the project's conf/ "
+                             "(e.g. DIR/experiment/mine.yaml for experiment=mine)")
     parser.add_argument("--config-name", default="config", help="top-level config file name without .yaml")
 
 
@@ -43,6 +45,32 @@ def compose_or_explain(args: argparse.Namespace, check: bool = True):
     return cfg
 
 
+def this_command(args: argparse.Namespace) -> str:
+    """The command line that started this run, as a shell reads it (the same command continues the run)."""
+    import os
+    import shlex
+
+    prog = ["miles-lite"] if os.path.basename(sys.argv[0]) == "miles-lite" else [sys.executable, "-m", "miles_lite.cli"]
+    options = ["--config-dir", args.config_dir] if args.config_dir else []
+    if args.config_name != "config":
+        options += ["--config-name", args.config_name]
+    return shlex.join([*prog, "train", *options, *args.overrides])
+
+
+def resume_hint(args: argparse.Namespace, run_dir: str, checkpoint: bool, timestamped: bool) -> str:
+    """How to go on with a run that stopped early: the exact command, where to run it, what it does."""
+    import os
+
+    what = "continues it from its newest checkpoint" if checkpoint else "starts it again (warm-up included)"
+    lines = [f"miles-lite train: to go on, run in {os.getcwd()} the same command again; it {what}:",
+             f"  {this_command(args)}"]
+    if timestamped:
+        name = os.path.basename(os.path.normpath(run_dir))
+        lines.append(f"  (with other settings, name the run: experiment.run_name={name}; a new run instead: "
+                     "checkpoint.resume=none)")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     """Compose, validate, then print (`--cfg`) or train.
 
@@ -51,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
     for changes its checkpoint cannot take), 3 training halted by a guard (diverged or non-finite steps),
     4 a plug-in failed (reward, group filter, generate function, environment, remote reward model; the
     newest committed checkpoint is the resume point), 5 the run's Ray cluster lost a node (named in the last
-    line, with the step and the checkpoint a rerun resumes from).
+    line, with the step and the checkpoint a rerun resumes from), 130 aborted by a second Ctrl-C (the newest
+    committed checkpoint is the resume point). A run that stopped early prints the command that continues it.
     """
     cfg = compose_or_explain(args)
     if cfg is None:
@@ -61,10 +90,25 @@ def run(args: argparse.Namespace) -> int:
 
         print(to_yaml(cfg), end="")
         return 0
-    from miles_lite.run.stop import StopRequest
+    from miles_lite.run.stop import EXIT_ABORTED, RunAborted, StopRequest
 
     # Installed before the heavy imports below: a pre-emption signal during start-up still stops cleanly.
     stop = StopRequest().install()
+    try:
+        return _train(args, cfg, stop)
+    except RunAborted as aborted:
+        print(f"miles-lite train: {aborted}; nothing of the interrupted step was saved", file=sys.stderr)
+        print(resume_hint(args, str(aborted.run_dir), aborted.checkpoint is not None,
+                          not cfg.experiment.run_name), file=sys.stderr)
+        return EXIT_ABORTED
+    except KeyboardInterrupt:  # before the run had a directory (start-up, data checks)
+        print("miles-lite train: aborted by a second Ctrl-C before the run started", file=sys.stderr)
+        return EXIT_ABORTED
+    finally:
+        stop.restore()
+
+
+def _train(args: argparse.Namespace, cfg, stop) -> int:
     from miles_lite.data.gsm8k import DatasetError
     from miles_lite.run.dir_probe import OutputDirError
     from miles_lite.run.driver import train
@@ -80,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     except RunEndedByPlugin as err:
         print(f"miles-lite train: {err}", file=sys.stderr)
+        print(resume_hint(args, err.run_dir, err.checkpoint, not cfg.experiment.run_name), file=sys.stderr)
         return EXIT_PLUGIN_FAILED
     except RunEndedByNodeLoss as err:
         print(f"miles-lite train: {err}", file=sys.stderr)
@@ -88,6 +133,8 @@ def run(args: argparse.Namespace) -> int:
         detail = "; ".join(line.strip() for line in str(err).splitlines() if line.strip())
         print(f"miles-lite train: data error: {detail} (check data.train_path / data.eval_path)", file=sys.stderr)
         return 2
+    if summary.stopped_by_signal:
+        print(resume_hint(args, summary.run_dir, summary.steps_done > 0, not cfg.experiment.run_name), file=sys.stderr)
     if summary.stopped_reason is not None and not summary.stopped_by_signal:
         return 3  # a guard halted training; the final checkpoint holds the last good weights
     return 0

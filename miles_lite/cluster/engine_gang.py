@@ -20,7 +20,6 @@ import dataclasses
 import enum
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from miles_lite.cluster.engine_actor import EngineLocation, EngineServer
 from miles_lite.cluster.gang import GangSpec, reserve, rollout_gang
 from miles_lite.config.views import EngineFleetConfig
 from miles_lite.engines.fleet_launch import populate
+from miles_lite.formats.files import append_line
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.engine_state import EngineHandle
 from miles_lite.rollout.fleet import EngineFleet
@@ -154,9 +154,8 @@ class RolloutGang:
         self.locations.append(location)
         logger.info("%s", location.describe())
         print(f"miles-lite: rollout gang: {location.describe()}", flush=True)
-        os.makedirs(self.log_dir, exist_ok=True)
-        with open(Path(self.log_dir) / "engines.jsonl", "a") as f:
-            f.write(json.dumps({**dataclasses.asdict(location), "time": time.time()}) + "\n")
+        record = {**dataclasses.asdict(location), "time": time.time()}
+        append_line(Path(self.log_dir) / "engines.jsonl", json.dumps(record))
 
     async def stop(self, slot: int, actor: Any, grace_s: float = 10.0) -> None:
         """Stop the server through its actor, then end the actor (its bundle is free for a replacement)."""

@@ -414,7 +414,10 @@ class ExperimentConfig:
     # Teacher for on-policy distillation (HF directory); None: trained tiny teacher.
     teacher_path: str | None = None
     eval_every: int = bounded(0, ge=0)
-    eval_size: int = bounded(64, ge=0)
+    # Held-out problems / records evaluated before and after RL (and every `eval_every` steps): None (null) every
+    # one of data.eval_path (GSM8K without one: the last 64 training problems, taken out of training); 0 none;
+    # N the first N of data.eval_path (the cut is reported). Synthetic data holds out data.synthetic.eval_size.
+    eval_size: int | None = bounded(None, ge=0)
     seed: int = 0
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_lite.config.engine_flags import flag_value
+from miles_lite.config.resume_path import resume_problem
 from miles_lite.config.schema import MilesConfig, choices, ranges
 
 
@@ -374,9 +375,8 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append("trainer.precision=fp8 needs TransformerEngine on a GPU; use fp32 or bf16 on CPU")
     if cfg.trainer.layer_spec == "te" and cfg.trainer.device == "cpu":
         problems.append("trainer.layer_spec=te needs a GPU; use trainer.layer_spec=local on CPU")
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and not os.path.isdir(resume):
-        problems.append(f"checkpoint.resume={resume!r} is neither auto, none nor a checkpoint directory")
+    if (resume_error := resume_problem(cfg.checkpoint)) is not None:
+        problems.append(resume_error)
     if cfg.rollout.async_steps >= 1 and cfg.rollout.max_staleness < 1:
         # Generation that overlaps training is always at least one version behind when it is trained on.
         problems.append(

@@ -18,6 +18,7 @@ from typing import Any
 from miles_lite.data.errors import DatasetError
 from miles_lite.data.jsonl import json_lines, read_text
 from miles_lite.formats.answer import numbers_equal, parse_final_answer, parse_number
+from miles_lite.formats.files import write_atomic
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 _ANNOTATION_RE = re.compile(r"<<([^<>]*)>>")
@@ -226,9 +227,9 @@ def save_gsm8k(problems: Iterable[MathProblem], path: str | Path) -> Path:
         import pyarrow.parquet as pq
 
         schema = pa.schema([("question", pa.string()), ("answer", pa.string())])
-        pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+        buffer = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(records, schema=schema), buffer)
+        write_atomic(path, buffer.getvalue().to_pybytes())  # an interrupted save leaves no half a file
     else:
-        with path.open("w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        write_atomic(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
     return path

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from miles_lite.formats.files import temporary_name
 from miles_lite.types import Group
 
 ROLLOUT_DIR = "rollouts"
@@ -148,9 +149,13 @@ class RolloutTableWriter:
         if wrong:
             raise ValueError(f"rollout rows carry step(s) {sorted(wrong)} but are written as step {step}")
         path = self.path_for(step)
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(_to_table(rows), tmp, compression="zstd")
-        os.replace(tmp, path)
+        tmp = temporary_name(path)
+        try:
+            pq.write_table(_to_table(rows), tmp, compression="zstd")
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     def write_groups(self, step: int, groups: Sequence[Group]) -> Path | None:

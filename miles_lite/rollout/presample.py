@@ -31,6 +31,7 @@ from typing import Any
 from miles_lite.config.schema import PresampleConfig
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.formats.answer import answer_matches, find_numbers
+from miles_lite.formats.files import write_atomic
 from miles_lite.rewards import RewardSet, score_groups
 from miles_lite.rewards.math import score_exact
 from miles_lite.rollout.manager import RolloutManager
@@ -196,5 +197,5 @@ def write_filtered(problems: Sequence[MathProblem], report: PresampleReport, pat
     from miles_lite.data.gsm8k import save_gsm8k
 
     out = save_gsm8k([problems[i] for i in report.kept_indices], path)
-    out.with_name(f"{out.stem}.presample.json").write_text(report.to_json() + "\n", encoding="utf-8")
+    write_atomic(out.with_name(f"{out.stem}.presample.json"), report.to_json() + "\n")
     return out

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.checkpoint.driver_state import DriverState, restore_driver_rng
-from miles_lite.checkpoint.resume import resolve_resume, set_aside_newer
+from miles_lite.checkpoint.resume import newest_complete, resolve_resume, set_aside_newer
 from miles_lite.config import MilesConfig, to_yaml
 from miles_lite.config.changes import config_tree
 from miles_lite.data.identity import data_identity
@@ -47,10 +47,11 @@ from miles_lite.run.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.run.failure import end_on_plugin_failure
 from miles_lite.run.handoff import Handoff
 from miles_lite.run.lock import RunLock
+from miles_lite.run.naming import choose_run, mark_finished, mark_unfinished, named
 from miles_lite.run.node_loss import NodeWatch, end_on_node_loss
 from miles_lite.run.outputs import RunIO, checkpoint_root, finished_summary
 from miles_lite.run.prompt_check import check_prompts_fit
-from miles_lite.run.record import ResumePlan, plan_resume, record_start_config
+from miles_lite.run.record import ResumePlan, ResumeRefused, plan_resume, record_start_config
 from miles_lite.run.rl_batch import (
     build_train_batch,
     drop_stale,
@@ -60,7 +61,7 @@ from miles_lite.run.rl_batch import (
     rollout_stats,
     tool_stats,
 )
-from miles_lite.run.stop import StopRequest
+from miles_lite.run.stop import RunAborted, StopRequest
 from miles_lite.run.system import System
 from miles_lite.run.task_check import check_task
 from miles_lite.run.warmup import presample_filter, run_warmup
@@ -88,30 +89,40 @@ class RunSummary:
 
 
 def run_name(cfg: MilesConfig) -> str:
-    return cfg.experiment.run_name or f"{cfg.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """The run's name: `experiment.run_name` once `train` has chosen it (`run.naming`)."""
+    return cfg.experiment.run_name or choose_run(cfg).name
 
 
 def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
     """Run RL training end to end as configured; returns the run's summary.
 
     `stop`: an installed `StopRequest` (the CLI installs it before the heavy imports, so an early
-    pre-emption signal is not lost); None installs one here.
+    pre-emption signal is not lost); None installs one here. A second Ctrl-C raises `RunAborted` once the
+    roles are stopped.
     """
     start = time.perf_counter()
-    run_dir = Path(cfg.experiment.output_dir) / run_name(cfg)
+    choice = choose_run(cfg)  # an unfinished run of the same settings is continued (`run.naming`)
+    cfg = named(cfg, choice)
+    run_dir = Path(cfg.experiment.output_dir) / choice.name
     stop = stop or StopRequest().install()
     locks: list[RunLock] = []
     try:
         # A data error ends the run before it has a directory.
-        train_problems, held_out = load_problems(cfg.data, cfg.experiment.eval_size)
+        notes: list[str] = []
+        train_problems, held_out = load_problems(cfg.data, cfg.experiment.eval_size, notes)
         eval_sets = load_eval_sets(cfg.data, cfg.experiment.eval_size)
         check_task(cfg, train_problems, eval_sets)
         check_prompts_fit(cfg, train_problems, held_out, eval_sets)
+        notes += [f"evaluation set {s.name!r}: {s.cut} (its size, or experiment.eval_size for held_out)"
+                  for s in eval_sets if s.cut]
         done = finished_summary(cfg, run_dir)  # reads only: a finished run re-run writes nothing
         if done is not None:
+            mark_finished(choice)
             print(f"miles-lite: {run_dir} already finished {done['steps_done']} steps (experiment.steps="
                   f"{cfg.experiment.steps}); nothing to do. Raise experiment.steps to train further.", flush=True)
             return RunSummary(**{k: v for k, v in done.items() if k in RunSummary.__dataclass_fields__})
+        for note in [choice.note, *notes] if choice.note else notes:
+            print(f"miles-lite: {note}", flush=True)
         new_dir = not run_dir.exists()
         try:
             locks.append(RunLock(run_dir))
@@ -129,7 +140,14 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None) -> RunSummary:
                                  "writable directory") from None
         if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(run_dir.resolve()):
             locks.append(RunLock(cfg.checkpoint.dir, "checkpoint.dir"))
-        return _train(cfg, run_dir, stop, train_problems, held_out, start, eval_sets)
+        mark_unfinished(choice)
+        try:
+            summary = _train(cfg, run_dir, stop, train_problems, held_out, start, eval_sets)
+        except KeyboardInterrupt:  # a second Ctrl-C; the roles were stopped on the way out
+            raise RunAborted(run_dir, newest_complete(checkpoint_root(cfg, run_dir))) from None
+        if summary.steps_done >= cfg.experiment.steps and summary.stopped_reason is None:
+            mark_finished(choice)
+        return summary
     finally:
         for lock in reversed(locks):
             lock.release()
@@ -141,7 +159,11 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
     # Recorded by every checkpoint; compared with what a resume asks for before any work.
     record = {"config": config_tree(cfg), "data": data_identity(cfg.data)}
     recorded_cfg, cfg = cfg, checkpoints_under(cfg, run_dir)
-    plan = plan_resume(recorded_cfg, resolve_resume(cfg.checkpoint, log=print))  # ResumeRefused: nothing touched
+    try:
+        chosen = resolve_resume(cfg.checkpoint, log=print)
+    except FileNotFoundError as err:  # a path holding no intact checkpoint
+        raise ResumeRefused(str(err)) from None
+    plan = plan_resume(recorded_cfg, chosen)  # ResumeRefused: nothing touched
     if plan.checkpoint is None and cfg.checkpoint.dir and Path(cfg.checkpoint.dir).is_dir():
         # A fresh start: earlier checkpoints of this run (resume=none, or none intact) belong to another
         # configuration; a later resume must not take them.
@@ -172,8 +194,11 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
     system.report_fleet_events(io.log)
     handoff = Handoff(system)
     handoff.for_training()  # a resume loads the trainer's whole state; a fresh run's warm-up trains
-    first_step = continue_from(io.resume(system, plan.checkpoint), system, data, io, handoff, plan.data_changed)
+    driver = io.resume(system, plan.checkpoint)
+    first_step = continue_from(driver, system, data, io, handoff, plan.data_changed)
     summary.steps_done = first_step
+    if driver is not None:  # the evaluations before RL stay the run's baseline
+        summary.before = io.before = earlier_before(driver, io.run_dir)
     if (line := plan.line()) is not None:
         io.log(line)
     try:
@@ -194,9 +219,9 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
     rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size,
                                relay=system.relay, **refill_hooks(system, data))
     try:
-        for step in range(first_step, cfg.experiment.steps):
+        for step in range(first_step + 1, cfg.experiment.steps + 1):
             rl_step(system, data, io, rollouts, step, held_out, eval_sets, handoff)
-            summary.steps_done = step + 1
+            summary.steps_done = step
             if stop.requested:
                 summary.stopped_by_signal = True
                 summary.stopped_reason = stop.name
@@ -214,6 +239,9 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
             data.load_state_dict(untrained)
     handoff.for_training()  # the checkpoint reads the trainer's whole state
     io.save_checkpoint(system, data, summary.steps_done, final=True)
+    if summary.stopped_by_signal:
+        io.log(f"stopped by {stop.name} after step {summary.steps_done}/{cfg.experiment.steps}: the run continues "
+               f"from checkpoint step {summary.steps_done} when started again")
     if handoff.enabled and (held_out or eval_sets) and summary.stopped_reason is None:
         # The engines sleep since the checkpoint: wake them with the same weights (the same version).
         io.report_sync(*handoff.push(summary.steps_done))
@@ -246,6 +274,7 @@ def prepare_rl(system: System, data: PromptSource, train_problems: list, held_ou
         summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
     if eval_sets and not stop.requested:
         summary.before.update(io.report_eval_sets("before RL", eval_sets_now(system, eval_sets), 0))
+    io.before = summary.before  # every checkpoint carries it: a resumed run still compares with it
     if stop.requested:
         return False
     presample_filter(system, data, train_problems, io)
@@ -274,6 +303,19 @@ def continue_from(driver: DriverState | None, system: System, data: PromptSource
     # The restored weights have taken `driver.step` RL steps: the version they had when saved.
     io.report_sync(*handoff.push(driver.step))
     return driver.step
+
+
+def earlier_before(driver: DriverState, run_dir: Path) -> dict[str, float]:
+    """The evaluations before RL of a resumed run: from its checkpoint, else (checkpoints that predate
+    recording them) from the `summary.json` an earlier start of the run wrote."""
+    before = driver.extra.get("before")
+    if isinstance(before, dict):
+        return dict(before)
+    try:
+        before = json.loads((run_dir / "summary.json").read_text()).get("before")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return dict(before) if isinstance(before, dict) else {}
 
 
 def eval_now(system: System, held_out: list) -> EvalResult:
@@ -314,19 +356,21 @@ def refill_hooks(system: System, data: PromptSource) -> dict[str, Any]:
 
 
 def eval_due(cfg: MilesConfig, step: int) -> bool:
-    """Whether step `step` starts with a held-out evaluation: every `experiment.eval_every` steps done."""
-    every = cfg.experiment.eval_every
-    return every > 0 and step > 0 and step % every == 0
+    """Whether step `step` (counted from 1) starts with a held-out evaluation: every `experiment.eval_every`
+    steps done (after step 1 at the earliest: the one before RL is `prepare_rl`'s)."""
+    every, done = cfg.experiment.eval_every, step - 1
+    return every > 0 and done > 0 and done % every == 0
 
 
 def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int,
             held_out: list | None = None, eval_sets: list[EvalSet] | None = None,
             handoff: Handoff | None = None) -> None:
-    """One RL step; with `rollout.async_steps=N` the next N steps' generation overlaps its training.
+    """RL step `step` (counted from 1: the checkpoint after it is `step_<step>`, its push version `step`); with
+    `rollout.async_steps=N` the next N steps' generation overlaps its training.
 
-    When `eval_due`, the held-out problems are evaluated (greedy) on the weights of the steps done so
-    far, between collecting this step's groups and starting the next generation (no generation is in
-    flight then: validation keeps `rollout.async_steps <= 1` with `experiment.eval_every`), and the
+    When `eval_due`, the held-out problems are evaluated (greedy) on the weights of the `step - 1` steps
+    done so far, between collecting this step's groups and starting the next generation (no generation
+    is in flight then: validation keeps `rollout.async_steps <= 1` with `experiment.eval_every`), and the
     shares join this step's stats as `eval/<measure>`; so do the evaluation sets' measures, as
     `eval/<set>/<measure>`.
     """
@@ -343,13 +387,13 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
     if held_out and eval_due(cfg, step) and not rollouts.busy:
         with timer.phase("eval"):
             result = eval_now(system, held_out)
-        io.log(result.table(f"held-out evaluation after {step} RL steps"))
+        io.log(result.table(f"held-out evaluation after {step - 1} RL steps"))
         eval_stats = {f"eval/{k}": v for k, v in result.as_dict().items() if k != "n"}
     if eval_sets and eval_due(cfg, step) and not rollouts.busy:
         with timer.phase("eval"):
             results = eval_sets_now(system, eval_sets)
-        eval_stats.update(io.report_eval_sets(f"evaluation after {step} RL steps", results, step, in_step=True))
-    while rollouts.pending < cfg.rollout.async_steps and step + 1 + rollouts.pending < cfg.experiment.steps:
+        eval_stats.update(io.report_eval_sets(f"evaluation after {step - 1} RL steps", results, step, in_step=True))
+    while rollouts.pending < cfg.rollout.async_steps and step + rollouts.pending < cfg.experiment.steps:
         start_rollouts(system, data, rollouts)
     with timer.phase("reward"):  # dynamic sampling scored the groups as they completed
         groups = rollout.groups if cfg.rollout.dynamic_sampling else score_groups(system.reward_set, rollout.groups)
@@ -365,16 +409,17 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
             train_stats = system.trainer.train_step(batch, distill_coef=rl_distill_coef(cfg))
     with timer.phase("checkpoint"):
         in_flight = rollouts.tag
-        io.maybe_save_checkpoint(system, CursorAt(in_flight) if in_flight is not None else data, step + 1)
+        io.maybe_save_checkpoint(system, CursorAt(in_flight) if in_flight is not None else data, step)
     handoff.measure("train")
     with timer.phase("sync"):
         rollouts.pause()
-        sync_report, sync_seconds = handoff.push(step + 1)
+        sync_report, sync_seconds = handoff.push(step)
         rollouts.resume()
     handoff.measure("sync")
     io.report_sync(sync_report, sync_seconds)
     tools = tool_stats(groups) if cfg.rollout.environment else {}
-    stats: dict[str, Any] = {**reward_stats(groups), **tools, **algo_stats, **train_stats, **timer.stats(),
+    stats: dict[str, Any] = {**reward_stats(groups, system.reward_set), **tools, **algo_stats, **train_stats,
+                             **timer.stats(),
                              **handoff.stats(),
                              **rollout_stats(rollout.stats), **stale_stats, **eval_stats,
                              "rollout/pauses": float(rollout.pauses),

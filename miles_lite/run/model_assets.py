@@ -15,6 +15,7 @@ from miles_lite.data.tokenizer import load_or_build_tokenizer, tokenizer_cache_k
 from miles_lite.formats.answer import CALCULATOR_TAGS
 from miles_lite.formats.chat import FAMILIES, load_chat_template
 from miles_lite.formats.chat.check import generate_conversations
+from miles_lite.formats.files import write_atomic
 
 
 def _agent_vocabulary(cfg: MilesConfig) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -97,7 +98,7 @@ def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
         make_tiny_hf_model(cfg.model.arch, cfg.model.shape, cfg.model.vocab_size, model_dir,
                            seed=cfg.model.shape.init_seed)
         tokenizer.save_pretrained(str(model_dir))
-        spec_file.write_text(spec)
+        write_atomic(spec_file, spec)  # last: the directory is complete once its spec is there
     model = dataclasses.replace(cfg.model, hf_path=str(model_dir), tokenizer_path=str(model_dir))
     return dataclasses.replace(cfg, model=model), tokenizer
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from miles_lite.checkpoint.resume import newest_complete
 from miles_lite.config.schema import ClusterConfig
+from miles_lite.formats.files import append_line
 
 # Exit status of `miles-lite train` when the run's Ray cluster lost a node (0 done, 2 bad input, 3 halted by a
 # guard, 4 a plug-in failed).
@@ -106,9 +107,8 @@ def end_on_node_loss(system: Any, io: Any, summary: Any, error: BaseException, l
     nodes = ", ".join(n.describe() for n in lost)
     step = f"step {summary.steps_done + 1}/{cfg.experiment.steps}"
     cause = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}".rstrip(": ")
-    with open(path, "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {nodes} lost at {step}\n"
-                f"{''.join(traceback.format_exception(error))}\n")
+    append_line(path, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {nodes} lost at {step}\n"
+                      f"{''.join(traceback.format_exception(error))}")
     summary.stopped_reason = f"{nodes} lost at {step}"
     summary.node_loss = {"nodes": [n.__dict__ for n in lost], "step": summary.steps_done + 1,
                          "error": cause, "log": str(path), "resume_from": str(resume) if resume else None}

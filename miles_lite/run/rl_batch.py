@@ -68,8 +68,14 @@ def rl_distill_coef(cfg: MilesConfig) -> float:
     return 0.0 if cfg.experiment.warmup == "opd" else cfg.algo.distill_coef
 
 
-def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
-    """Reward mean/std, exact accuracy (with the math rewards) and per-reward value lists over every sample.
+def reward_stats(groups: Sequence[Group], reward_set: Any = None) -> dict[str, object]:
+    """Reward mean/std, the task's accuracy and per-reward value lists over every sample.
+
+    Accuracy: with the math rewards, `reward/exact_accuracy` (the exact answer-and-format share); with any
+    other reward set (records tasks, `rewards.set=math_answer`), given `reward_set`, `reward/accuracy`: the
+    share of samples whose total reaches the most the set can give a record of their source (what makes an
+    evaluation set's sample correct). With data sources, `reward/mean/<source>` and `reward/accuracy/<source>`
+    per source.
 
     A reward that does not apply to a sample (None, or another data source's reward: NaN in `rewards`)
     is left out of that reward's values and counted in `reward/none/<name>`; `reward/mean` and
@@ -86,6 +92,8 @@ def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
     if not every or "exact_check" in names:  # the math rewards' exact answer-and-format share
         stats["reward/exact_accuracy"] = (sum(s.rewards.get("exact_check", 0.0) for s in every) / len(every)
                                           if every else 0.0)
+    elif reward_set is not None:
+        stats.update(task_accuracy(groups, reward_set))
     for name in names:
         values = [s.rewards.get(name, 0.0) for s in every]
         stats[f"reward/values/{name}"] = [v for v in values if not math.isnan(v)]
@@ -109,6 +117,27 @@ def require_scored(groups: Sequence[Group]) -> None:
     raise PluginFailed(plugin, ValueError(
         f"returned None for all {len(every)} completions of the step: none was scored, so there is nothing to learn "
         "from; return a float for every completion a reward applies to (None only where it does not apply)"))
+
+
+# A sample is right when its total is within this of the most its source can get (totals are float sums).
+ACCURACY_TOLERANCE = 1e-9
+
+
+def task_accuracy(groups: Sequence[Group], reward_set: Any) -> dict[str, float]:
+    """`reward/accuracy` over every sample, and `reward/accuracy/<source>`, `reward/mean/<source>` per data source."""
+    right: dict[str | None, list[float]] = {}
+    totals: dict[str | None, list[float]] = {}
+    for group in groups:
+        bar = reward_set.max_total_for(group.source) - ACCURACY_TOLERANCE
+        for sample in group.samples:
+            right.setdefault(group.source, []).append(float(sample.reward >= bar))
+            totals.setdefault(group.source, []).append(sample.reward)
+    every = [r for values in right.values() for r in values]
+    stats = {"reward/accuracy": sum(every) / len(every) if every else 0.0}
+    for source in sorted(s for s in right if s is not None):
+        stats[f"reward/accuracy/{source}"] = sum(right[source]) / len(right[source])
+        stats[f"reward/mean/{source}"] = sum(totals[source]) / len(totals[source])
+    return stats
 
 
 def tool_stats(groups: Sequence[Group]) -> dict[str, float]:

@@ -122,7 +122,7 @@ def test_moe_train_cli_pushes_verified(run: str, tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [0, 1]
+    assert [s["step"] for s in steps] == [1, 2]
     for stats in steps:
         # A push after every step, verified (a probe diff over the limit would have failed the run).
         assert stats["sync/probe_logp_diff_max"] < PROBE_TOL

@@ -144,7 +144,7 @@ def test_engines_run_on_the_rollout_node_and_a_killed_one_is_replaced_there(clus
     # Every push was verified (the probe scored the same on both sides), every step ran once.
     records = _records(run)
     summary = json.loads((run / "summary.json").read_text())
-    assert [r["step"] for r in records] == list(range(summary["steps_done"]))
+    assert [r["step"] for r in records] == list(range(1, summary["steps_done"] + 1))
     assert all(r["sync/probe_logp_diff_mean"] < 1e-3 for r in records)
     assert records[-1]["fleet/restarts"] >= 1 and records[-1]["fleet/engines_healthy"] == ENGINES
 
