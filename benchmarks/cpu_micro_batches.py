@@ -34,6 +34,7 @@ from typing import Any
 from step_timing import time_interleaved  # this directory: benchmarks run as scripts
 
 from miles_lite.config.compose import load_config
+from miles_lite.config.views import ActorConfig
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.data.problems import load_problems
 from miles_lite.net.ports import LOCAL_HOST, free_port
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cpu_micro_batches_") as tmp:
         cfg = load_config([f"experiment.output_dir={tmp}"])
         cfg, tokenizer = prepare_model(cfg, Path(tmp))
-        problems, _ = load_problems(cfg)
+        problems, _ = load_problems(cfg.data, cfg.experiment.eval_size)
         encoder = PromptEncoder(tokenizer, cfg.data.prompt_template)
         bs = cfg.experiment.warmup_batch_size
         sft = encoder.sft_batch(problems[:bs])
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"SFT batch: {sft.num_sequences} sequences, {sft.num_tokens} tokens; RL batch: {rl.num_sequences} "
               f"sequences, {rl.num_tokens} tokens ({min(lengths)}-{max(lengths)} per sequence)")
         print(f"load average before: {os.getloadavg()[0]:.2f}", flush=True)
-        actor = TrainerActor(cfg, 0, 1, init_method=f"tcp://{LOCAL_HOST}:{free_port(LOCAL_HOST)}")
+        actor = TrainerActor(ActorConfig.of(cfg), 0, 1, init_method=f"tcp://{LOCAL_HOST}:{free_port(LOCAL_HOST)}")
         try:
             lr = cfg.experiment.warmup_lr
             sft_times = time_interleaved(variants(actor, lambda: actor.sft_step(sft, lr=lr), args.budgets),

@@ -185,7 +185,7 @@ def _gib(value: Any) -> float | None:
 
 def step_row(m: dict[str, Any]) -> dict[str, Any]:
     """One step's row from its metrics record."""
-    row = {"step": m["step"] + 1, **{p: m.get(f"time/{p}_seconds", 0.0) for p in PHASES}}
+    row = {"step": m["step"], **{p: m.get(f"time/{p}_seconds", 0.0) for p in PHASES}}
     row.update(step_s=m.get("time/step_seconds"), train_tokens_per_s=m.get("tokens_per_s"),
                generate_tokens_per_s=m.get("rollout/tokens_per_second"),
                response_len=m.get("rollout/response_length_mean"),

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from step_timing import profile_steps, summarize, time_interleaved, time_steps  # this directory: scripts
 
 from miles_lite.config.schema import MilesConfig, TinyModelShape
+from miles_lite.config.views import ActorConfig
 from miles_lite.data.permutation import permutation_batch
 from miles_lite.data.tokenizer import load_or_build_tokenizer
 from miles_lite.trainer import cpu_compat
@@ -102,7 +103,7 @@ def make_model_dir(shape_name: str, root: Path, init_std: float) -> Path:
 
 
 def actor_config(model_dir: Path, run: RunConfig, device: str, micro_batch_tokens: int, lr: float,
-                 logprob: dict[str, Any] | None = None, transformer: dict[str, Any] | None = None) -> MilesConfig:
+                 logprob: dict[str, Any] | None = None, transformer: dict[str, Any] | None = None) -> ActorConfig:
     """A single-rank trainer configuration for `run` on `device` (gpu: TE spec; cpu: local spec).
 
     `logprob`: `trainer.logprob_*` overrides (chunk_tokens, recompute, kernel); `transformer`:
@@ -121,7 +122,7 @@ def actor_config(model_dir: Path, run: RunConfig, device: str, micro_batch_token
     for key, value in (logprob or {}).items():
         setattr(t, f"logprob_{key}", value)
     t.transformer = dict(transformer or {})
-    return cfg
+    return ActorConfig.of(cfg)
 
 
 def rl_batch(lengths: list[int], prompt_lengths: list[int], vocab: int, seed: int, group: int = 8) -> TrainBatch:

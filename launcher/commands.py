@@ -10,6 +10,7 @@ import json
 import shlex
 from typing import Any
 
+from launcher import derived
 from launcher.spec import JobSpec, SpecError
 
 CONFIG_MOUNT = "/etc/miles-lite"
@@ -89,12 +90,21 @@ def weight_transport(job: JobSpec) -> str | None:
 
 
 def shares_volume(job: JobSpec) -> bool:
-    """Whether engine pods mount the job's checkpoint volume too (the disk transport's shared directory)."""
-    return weight_transport(job) == "disk"
+    """Whether engine pods mount the job's checkpoint volume too: the disk transport's shared directory, or the
+    directory of pushed LoRA adapters each engine loads."""
+    return weight_transport(job) == "disk" or derived.pushes_adapters(job)
 
 
 def _transport_problems(job: JobSpec) -> list[str]:
     transport = weight_transport(job)
+    if derived.pushes_adapters(job):
+        # The adapter push writes files whatever the transport: only the volume matters.
+        if job.checkpoint.claim_name:
+            return []
+        return [f"spec.overrides: trainer.lora.rank={derived.lora_rank(job)} pushes each adapter version as a "
+                "directory the engine pods load, so trainer and engine pods need one shared volume; set "
+                "spec.checkpoint.volume.claimName to a ReadWriteMany PVC, or push merged weights "
+                "(weight_sync.lora=merged)"]
     if transport is None or transport == "distributed":
         return []
     where = "spec.overrides: weight_sync"
@@ -115,7 +125,7 @@ def resolved_overrides(job: JobSpec) -> list[str]:
         if key in MANAGED_KEYS:
             problems.append(f"spec.overrides[{i}]: {key} is set by the operator from the MilesJob spec; "
                             "remove it and use the matching spec field")
-    problems += _transport_problems(job)
+    problems += _transport_problems(job) + derived.flag_problems(job)
     if problems:
         raise SpecError(problems)
     urls = ",".join(f"'{u}'" for u in engine_urls(job))
@@ -141,7 +151,9 @@ def resolved_overrides(job: JobSpec) -> list[str]:
         # Engine pods dial the trainer's weight-update rendezvous at trainer pod 0's Service name.
         f"cluster.advertise_address={trainer_head_host(job)}",
     ]
-    if shares_volume(job):
+    if derived.pushes_adapters(job):
+        managed.append(f"weight_sync.disk_dir={job.checkpoint.mount_path}/adapters")
+    elif shares_volume(job):
         managed.append(f"weight_sync.disk_dir={job.checkpoint.mount_path}/weights")
     if job.trainer.replicas > 1:
         # Trainer pods form one Ray cluster headed by pod 0; the engines are external.
@@ -161,6 +173,13 @@ def sglang_args_json(args: dict[str, Any], tp: int) -> str:
     return json.dumps({k: v for k, v in args.items() if k != "tp_size"}, sort_keys=True)
 
 
+def engine_sglang_args(job: JobSpec) -> dict[str, Any]:
+    """The engine pods' SGLang flags: `spec.rollout.sglangArgs` plus those the job's overrides imply
+    (`launcher.derived`) that it does not set, in either spelling."""
+    given = {str(k).replace("-", "_") for k in job.rollout.sglang_args}
+    return {**{k: v for k, v in derived.sglang_flags(job).items() if k not in given}, **job.rollout.sglang_args}
+
+
 def engine_command(job: JobSpec) -> list[str]:
     """Container command of a rollout engine pod: SGLang's server, or the CPU reference engine.
 
@@ -171,11 +190,12 @@ def engine_command(job: JobSpec) -> list[str]:
         tp = engine_tp(job)
         return ["miles-lite", "engine", "--backend", "sglang", "--model-path", str(job.model.hf_path),
                 "--host", "0.0.0.0", "--port", str(job.rollout.port), "--tp", str(tp),
-                "--sglang-args", sglang_args_json(dict(job.rollout.sglang_args), tp)]
+                "--sglang-args", sglang_args_json(engine_sglang_args(job), tp)]
     # The reference engine composes the job's config (same tiny model and seed) from the same overrides.
+    flags = "".join(f" {shlex.quote(f)}" for f in derived.reference_flags(job))
     script = (
         f"mapfile -t OVERRIDES < {CONFIG_MOUNT}/{OVERRIDES_FILE}\n"
-        f'exec miles-lite engine --host 0.0.0.0 --port {job.rollout.port} "${{OVERRIDES[@]}}"\n'
+        f'exec miles-lite engine --host 0.0.0.0 --port {job.rollout.port}{flags} "${{OVERRIDES[@]}}"\n'
     )
     return ["bash", "-euc", script]
 

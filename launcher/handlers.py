@@ -3,7 +3,9 @@ registry bound to one Reconciler, so tests and the entry point each run their ow
 
 - create / resume / spec update, and a timer every `OperatorConfig.interval_s` -> `Reconciler.reconcile` (apply
   the newest valid spec, heal failed pods and trainer, write the status)
-Per-job locks keep the two from interleaving on one MilesJob (kopf runs timers beside change handlers).
+- delete -> `Reconciler.mark_terminating` (phase Terminating while the MilesJob goes)
+Per-job locks keep passes from interleaving on one MilesJob (kopf runs timers beside change handlers), and
+each pass writes its status before it releases the lock, so the next pass reads it.
 """
 
 from __future__ import annotations
@@ -72,27 +74,30 @@ def build_registry(reconciler: Reconciler) -> kopf.OperatorRegistry:
             certificate_path=cfg.cert_file, private_key_path=cfg.key_file,
         )
 
-    def run_pass(body: kopf.Body, patch: kopf.Patch) -> None:
+    def run_pass(body: kopf.Body) -> None:
+        # The pass writes the status itself, inside the lock: kopf would write a returned status after the
+        # handler, outside it, where the next pass could read the job first and overwrite what this one counted.
         with locks.get(body["metadata"]["uid"]):
-            changes = reconciler.reconcile(body, utc_now())
-        for key, value in changes.items():
-            patch.status[key] = value
+            reconciler.reconcile(body, utc_now())
 
     # A new or edited spec is reconciled at once (the pass decides whether and how an edit is applied).
     @kopf.on.resume(*resource, registry=registry)
     @kopf.on.create(*resource, registry=registry)
     @kopf.on.update(*resource, field="spec", registry=registry)
-    def apply_fn(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-        run_pass(body, patch)
+    def apply_fn(body: kopf.Body, **_: Any) -> None:
+        run_pass(body)
 
     @kopf.timer(*resource, interval=reconciler.config.interval_s, initial_delay=reconciler.config.interval_s,
                 registry=registry)
-    def reconcile_fn(body: kopf.Body, patch: kopf.Patch, **_: Any) -> None:
-        run_pass(body, patch)
+    def reconcile_fn(body: kopf.Body, **_: Any) -> None:
+        run_pass(body)
 
     @kopf.on.delete(*resource, registry=registry, optional=True)
     def forget_fn(body: kopf.Body, **_: Any) -> None:
-        # Children go with the MilesJob through their ownerReferences.
-        locks.forget(body["metadata"]["uid"])
+        # Children go with the MilesJob through their ownerReferences; until it is gone its status says so.
+        uid = body["metadata"]["uid"]
+        with locks.get(uid):
+            reconciler.mark_terminating(body, utc_now())
+        locks.forget(uid)
 
     return registry

@@ -28,7 +28,8 @@ PLURALS: dict[str, str] = {
 
 
 class Conflict(RuntimeError):
-    """The object exists already (HTTP 409), e.g. a predecessor still being deleted."""
+    """HTTP 409: the object exists already (a predecessor still being deleted), or a write conditioned on a
+    resourceVersion found the object changed since."""
 
 
 class Refused(ValueError):
@@ -129,9 +130,16 @@ class KubeApi:
 
     def patch(self, api_version: str, kind: str, namespace: str, name: str, patch: Mapping[str, Any],
               subresource: str | None = None) -> dict[str, Any]:
-        """JSON merge patch (RFC 7386) of an object or of its `subresource` (e.g. status)."""
-        return self._call("PATCH", object_path(api_version, kind, namespace, name, subresource), body=patch,
-                          content_type="application/merge-patch+json")
+        """JSON merge patch (RFC 7386) of an object or of its `subresource` (e.g. status). A patch that names
+        `metadata.resourceVersion` applies only to that version: Conflict when the object changed since."""
+        try:
+            return self._call("PATCH", object_path(api_version, kind, namespace, name, subresource), body=patch,
+                              content_type="application/merge-patch+json")
+        except ApiException as err:
+            if err.status == 409:
+                raise Conflict(f"{kind} {namespace}/{name} changed since it was read: {_server_message(err)}") \
+                    from err
+            raise
 
     def delete(self, api_version: str, kind: str, namespace: str, name: str) -> bool:
         """Delete with background propagation (children follow); False when it was already gone."""

@@ -20,13 +20,14 @@ A finished job (Succeeded or Failed) stops its engines and the trainer's remaini
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from datetime import datetime
 from typing import Any
 
+from launcher import report
 from launcher import status as st
 from launcher.changes import Change, EditRefused, applied_spec, check_restart, classify
+from launcher.commands import ENGINES_FILE, engine_pod_name, engine_urls
 from launcher.kube import Conflict, KubeApi, Refused
 from launcher.render import HASH_ANNOTATION, JOB_LABEL, ROLE_LABEL, key_secret_metadata, render_job, selector
 from launcher.security import ensure_key_secret
@@ -89,14 +90,60 @@ def _gone(obj: Mapping[str, Any]) -> bool:
     return bool(obj["metadata"].get("deletionTimestamp"))
 
 
+def _scheduled(pod: Mapping[str, Any]) -> Mapping[str, Any] | None:
+    return next((c for c in (pod.get("status") or {}).get("conditions") or [] if c.get("type") == "PodScheduled"),
+                None)
+
+
+def _unschedulable(pod: Mapping[str, Any]) -> bool:
+    """A Pending pod the scheduler found no node for (PodScheduled False, reason Unschedulable)."""
+    c = _scheduled(pod)
+    return ((pod.get("status") or {}).get("phase") in (None, "Pending") and c is not None
+            and c.get("status") == "False" and c.get("reason") == "Unschedulable")
+
+
+def _scheduled_message(pod: Mapping[str, Any]) -> str:
+    return str((_scheduled(pod) or {}).get("message") or "")
+
+
+def publish_engines(api: KubeApi, job: JobSpec, unschedulable: tuple[str, ...]) -> None:
+    """Write the engines the trainer's fleet should use into the job's ConfigMap (`engines`, which the running
+    trainer follows): every desired engine but those the scheduler cannot place, in index order."""
+    name = f"{job.name}-config"
+    live = api.get("v1", "ConfigMap", job.namespace, name)
+    if live is None:
+        return
+    urls = [u for i, u in enumerate(engine_urls(job)) if engine_pod_name(job, i) not in unschedulable]
+    text = "\n".join(urls) + "\n"
+    if (live.get("data") or {}).get(ENGINES_FILE) != text:
+        api.patch("v1", "ConfigMap", job.namespace, name, {"data": {ENGINES_FILE: text}})
+
+
 def _parallelism(job: Mapping[str, Any]) -> int | None:
     return (job.get("spec") or {}).get("parallelism")
 
 
-@dataclass
-class _Counts:
+@dataclass(frozen=True)
+class _Deltas:
+    """Restarts a pass counted (added to the stored counters when its status is written)."""
+
     trainer_restarts: int
     engine_restarts: int
+
+    def counts(self) -> dict[str, int]:
+        return {"trainer_restarts": self.trainer_restarts, "engine_restarts": self.engine_restarts}
+
+
+@dataclass
+class _Counts:
+    """The restart counters as a pass sees them (stored values plus what it counted so far)."""
+
+    trainer_restarts: int
+    engine_restarts: int
+
+    def deltas(self, status: Mapping[str, Any]) -> _Deltas:
+        return _Deltas(self.trainer_restarts - int(status.get("trainerRestarts") or 0),
+                       self.engine_restarts - int(status.get("engineRestarts") or 0))
 
 
 @dataclass(frozen=True)
@@ -184,16 +231,21 @@ class Reconciler:
 
     # ---- one pass ----
     def reconcile(self, body: Mapping[str, Any], now: str) -> dict[str, Any]:
-        """One pass over the job `body` at time `now` (RFC 3339); returns the status fields to merge-patch.
+        """One pass over the job `body` at time `now` (RFC 3339); writes the job's status and returns what it
+        wrote. Call it under the job's lock (launcher/handlers.py): passes of one job must not interleave.
 
         The job is re-read first: the copy an event delivered may predate the previous pass's status write,
-        and the restart counters must build on the stored values. Whatever fails during the pass, the returned
-        status holds what the pass did (restart counters) and names the failure.
+        and the restart counters must build on the stored values. The status is written before the pass
+        returns, conditioned on the resourceVersion read (`write_status`), so no later pass reads a status
+        older than this one's. Whatever fails during the pass, the status written holds what the pass did
+        (restart counters) and names the failure.
         """
         meta = body["metadata"]
         fresh = self.api.get_job(meta["namespace"], meta["name"])
         if fresh is None or fresh["metadata"].get("uid") != meta.get("uid"):
             return {}
+        if _gone(fresh):
+            return self.mark_terminating(fresh, now)
         try:
             # First: the write bumps metadata.generation, and the status must record the bumped one, or the
             # next pass would take the operator's own write for a user's edit and run the job again.
@@ -203,53 +255,84 @@ class Reconciler:
         status = dict(body.get("status") or {})
         phase = status.get("phase")
         generation = int(body["metadata"].get("generation") or 0)
-        conditions = list(status.get("conditions") or [])
         reopened = st.reopens(status, generation)
         if phase in st.TERMINAL and not reopened:
             return {}
         try:
             desired = self._desired(body, status)
         except (SpecError, Refused) as err:
-            return self._refused_at_start(body, phase, status, conditions, now, generation, str(err))
+            return self._refused_at_start(body, phase, now, generation, str(err))
         counts = _Counts(int(status.get("trainerRestarts") or 0), int(status.get("engineRestarts") or 0))
+        replacing = set(status.get("replacing") or [])
         try:
-            obs, progress = self._act(desired, counts, status)
+            obs, progress = self._act(desired, counts, status, replacing)
         except Refused as err:
             # Not foreseen by the checks above: report it once instead of retrying every pass.
-            return self._refused_at_start(body, phase, status, conditions, now, generation, str(err), counts)
+            return self._refused_at_start(body, phase, now, generation, str(err), counts.deltas(status))
         except Exception as err:  # saved below with the counters; the next pass retries
             self.log.exception("reconcile of %s/%s failed", meta["namespace"], meta["name"])
-            c = st.set_condition(conditions, st.RECONCILED, False, "Error", f"{type(err).__name__}: {err}", now,
-                                 generation)
-            return {"conditions": c, "trainerRestarts": counts.trainer_restarts,
-                    "engineRestarts": counts.engine_restarts}
-        job = desired.job
-        patch = self._status(phase, obs, status, conditions, now, generation, progress, job.gang.timeout_seconds,
-                             desired, reopened)
-        patch.update(trainerRestarts=counts.trainer_restarts, engineRestarts=counts.engine_restarts)
-        if patch["phase"] in st.TERMINAL:
-            self._stop(job.namespace, job.name)
+            text = f"{type(err).__name__}: {err}"
+            deltas = counts.deltas(status)
+
+            def failed(stored: Mapping[str, Any]) -> dict[str, Any]:
+                c = st.set_condition(list(stored.get("conditions") or []), st.RECONCILED, False, "Error", text,
+                                     now, generation)
+                return {"conditions": c, **report.counters(stored, deltas.trainer_restarts, deltas.engine_restarts,
+                                                           tuple(replacing))}
+
+            return self.write_status(body, failed)
+        result = report.PassResult(obs, progress, generation, reopened, desired.job.gang.timeout_seconds,
+                                   replacing=tuple(replacing), refusal=desired.refusal, change=desired.change,
+                                   **counts.deltas(status).counts())
+        patch = self.write_status(body, lambda stored: report.compose(stored, result, now))
+        if patch.get("phase") in st.TERMINAL:
+            self._stop(desired.job.namespace, desired.job.name)
         return patch
 
-    def _refused_at_start(self, body: Mapping[str, Any], phase: str | None, status: Mapping[str, Any],
-                          conditions: list[dict[str, Any]], now: str, generation: int, message: str,
-                          counts: _Counts | None = None) -> dict[str, Any]:
+    def write_status(self, body: Mapping[str, Any], compose: Callable[[Mapping[str, Any]], dict[str, Any]],
+                     attempts: int = 5) -> dict[str, Any]:
+        """Merge-patch the status `compose(stored status)` on the job `body`, conditioned on its resourceVersion;
+        when the job changed meanwhile (kopf's own annotations, another operator), compose again on the newer
+        status. Returns the patch written (empty: nothing to write, or the job is gone)."""
+        meta = body["metadata"]
+        ns, name, uid = meta["namespace"], meta["name"], meta.get("uid")
+        current: Mapping[str, Any] | None = body
+        for _ in range(attempts):
+            if current is None or current["metadata"].get("uid") != uid:
+                return {}
+            patch = compose(current.get("status") or {})
+            if not patch:
+                return {}
+            version = current["metadata"].get("resourceVersion")
+            try:
+                self.api.patch(API_VERSION, KIND, ns, name, {"metadata": {"resourceVersion": version},
+                                                            "status": patch}, "status")
+                return patch
+            except Conflict:
+                current = self.api.get_job(ns, name)
+        raise Conflict(f"MilesJob {ns}/{name} changed on each of {attempts} status writes; the next pass retries")
+
+    def mark_terminating(self, body: Mapping[str, Any], now: str) -> dict[str, Any]:
+        """Record that the job's deletion was requested (phase Terminating); nothing is created any more."""
+        generation = int(body["metadata"].get("generation") or 0)
+        return self.write_status(body, lambda stored: report.terminating(stored, now, generation))
+
+    def _refused_at_start(self, body: Mapping[str, Any], phase: str | None, now: str, generation: int, message: str,
+                          deltas: _Deltas | None = None) -> dict[str, Any]:
         """A job whose spec was never applied cannot run: Failed with reason InvalidSpec (a new spec reopens
         it), anything it started stopped."""
         meta = body["metadata"]
-        obs = st.Observation(spec_error=message)
-        conditions = st.set_condition(conditions, st.INVALID_SPEC, True, st.INVALID_SPEC_REASON, message, now,
-                                      generation)
-        patch = self._status(phase, obs, status, conditions, now, generation, st.Progress(None, None), None, None,
-                             phase == st.FAILED)
-        if counts is not None:
-            patch.update(trainerRestarts=counts.trainer_restarts, engineRestarts=counts.engine_restarts)
+        result = report.PassResult(st.Observation(spec_error=message), st.Progress(None, None), generation,
+                                   phase == st.FAILED, has_desired=False,
+                                   extra=[(st.INVALID_SPEC, True, st.INVALID_SPEC_REASON, message)],
+                                   **(deltas.counts() if deltas else {}))
+        patch = self.write_status(body, lambda stored: report.compose(stored, result, now))
         self.log.error("%s/%s: %s", meta["namespace"], meta["name"], message)
         self._stop(meta["namespace"], meta["name"])
         return patch
 
-    def _act(self, desired: _Desired, counts: _Counts, status: Mapping[str, Any]) -> tuple[st.Observation,
-                                                                                             st.Progress]:
+    def _act(self, desired: _Desired, counts: _Counts, status: Mapping[str, Any],
+             replacing: set[str]) -> tuple[st.Observation, st.Progress]:
         job, objs = desired.job, desired.objs
         ensure_key_secret(self.api, job, key_secret_metadata(job))  # before any pod that mounts it
         if desired.change is not None:
@@ -260,17 +343,28 @@ class Reconciler:
             if obj["kind"] not in ("Job", "Pod"):
                 apply_object(self.api, obj)
         job_obj = next(o for o in objs if o["kind"] == "Job")
-        obs = self._trainer(job, job_obj, counts)
+        obs = self._trainer(job, job_obj, counts, int(status.get("trainerActive") or 0))
         pods = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Pod"}
         prev_desired = status.get("enginesDesired")
-        obs = self._engines(job, pods, counts, obs, int(prev_desired) if prev_desired is not None else None)
+        obs = self._engines(job, pods, counts, obs, int(prev_desired) if prev_desired is not None else None,
+                            replacing)
+        publish_engines(self.api, job, obs.engines_unschedulable)
         return obs, self._progress(job)
 
-    def _trainer(self, job: JobSpec, rendered: dict[str, Any], counts: _Counts) -> st.Observation:
+    def _trainer(self, job: JobSpec, rendered: dict[str, Any], counts: _Counts, was_active: int) -> st.Observation:
+        """Create, heal or replace the trainer Job. `was_active`: its active pods at the last pass (a Job that
+        vanished after running was deleted by someone: a restart counted like a failure)."""
         obs = st.Observation(trainer_replicas=job.trainer.replicas, engines_desired=job.rollout.engines)
         live = self.api.get(*_meta(rendered))
         if live is not None and _gone(live):
             return replace(obs, trainer_restarting=True)
+        if live is None and was_active > 0:
+            if counts.trainer_restarts >= job.fault_tolerance.max_trainer_restarts:
+                return replace(obs, trainer_exhausted=True)
+            self.log.warning("trainer Job of %s/%s was deleted while it ran; restart %d from the newest checkpoint",
+                             job.namespace, job.name, counts.trainer_restarts + 1)
+            counts.trainer_restarts += 1
+            obs = replace(obs, trainer_restarting=True, restart_reason=st.RESTART_TRAINER_GONE)
         if live is not None:
             s = live.get("status") or {}
             if _index_done(s.get("completedIndexes"), 0) or _condition(live, "Complete"):
@@ -283,14 +377,14 @@ class Reconciler:
                 self.api.delete(*_meta(rendered))
                 counts.trainer_restarts += 1
                 live = None
-                obs = replace(obs, trainer_restarting=True, restart_reason="TrainerFailed")
+                obs = replace(obs, trainer_restarting=True, restart_reason=st.RESTART_TRAINER_FAILED)
             elif _hash(live) != _hash(rendered) or _parallelism(live) != _parallelism(rendered):
                 # A new template (an applied edit), or workers scaled to zero when the job last stopped.
                 self.log.info("trainer Job of %s/%s is outdated; replacing it (it resumes from the newest "
                               "checkpoint)", job.namespace, job.name)
                 self.api.delete(*_meta(rendered))
                 live = None
-                obs = replace(obs, trainer_restarting=True, restart_reason="SpecChanged")
+                obs = replace(obs, trainer_restarting=True, restart_reason=st.RESTART_SPEC_CHANGED)
             else:
                 return replace(obs, trainer_active=int(s.get("active") or 0))
         try:
@@ -301,17 +395,22 @@ class Reconciler:
         return obs
 
     def _engines(self, job: JobSpec, desired: dict[str, dict[str, Any]], counts: _Counts,
-                 obs: st.Observation, prev_desired: int | None) -> st.Observation:
+                 obs: st.Observation, prev_desired: int | None, replacing: set[str]) -> st.Observation:
+        """Replace engine pods that failed, exited or vanished (each counted once), delete the ones beyond
+        spec.rollout.engines. `replacing` (updated in place): pods this operator deleted on purpose and has not
+        recreated yet; their absence is not a loss."""
         live = {p["metadata"]["name"]: p for p in self.api.list("v1", "Pod", job.namespace, selector(job, "rollout"))}
         for name, pod in live.items():
             if name not in desired and not _gone(pod):
                 self.api.delete("v1", "Pod", job.namespace, name)
+        replacing.intersection_update(desired)
         ready = alive = 0
         exhausted = False
+        unschedulable: list[str] = []
+        why_unschedulable = ""
         budget = job.fault_tolerance.max_engine_restarts
         for index, (name, rendered) in enumerate(sorted(desired.items(), key=lambda kv: int(kv[0].rsplit("-", 1)[1]))):
             pod = live.get(name)
-            died = False
             if pod is not None and _gone(pod):
                 continue
             if pod is not None and (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
@@ -321,28 +420,36 @@ class Reconciler:
                 self.log.warning("engine pod %s/%s exited (%s); replacing it", job.namespace, name,
                                  pod["status"]["phase"])
                 self.api.delete("v1", "Pod", job.namespace, name)
-                pod, died = None, True
+                counts.engine_restarts += 1
+                replacing.add(name)
+                pod = None
             elif pod is not None and _hash(pod) != _hash(rendered):
                 self.api.delete("v1", "Pod", job.namespace, name)
+                replacing.add(name)
                 pod = None
-            elif pod is None and prev_desired is not None and index < prev_desired:
+            elif pod is None and name not in replacing and prev_desired is not None and index < prev_desired:
                 # It existed on the previous pass and is gone: an engine lost (deleted or evicted).
                 if counts.engine_restarts >= budget:
                     exhausted = True
                     continue
                 self.log.warning("engine pod %s/%s disappeared; replacing it", job.namespace, name)
-                died = True
+                counts.engine_restarts += 1
+                replacing.add(name)
             if pod is None:
                 try:
                     self.api.create(rendered)
                 except Conflict:
-                    continue
-                counts.engine_restarts += int(died)
+                    continue  # its predecessor is still being deleted: created by a later pass, not counted again
+                replacing.discard(name)
                 alive += 1
                 continue
             alive += 1
             ready += int(_condition(pod, "Ready"))
-        return replace(obs, engines_ready=ready, engines_alive=alive, engines_exhausted=exhausted)
+            if _unschedulable(pod):
+                unschedulable.append(name)
+                why_unschedulable = why_unschedulable or _scheduled_message(pod)
+        return replace(obs, engines_ready=ready, engines_alive=alive, engines_exhausted=exhausted,
+                       engines_unschedulable=tuple(unschedulable), unschedulable_message=why_unschedulable)
 
     def _trainer_pod0(self, job: JobSpec) -> dict[str, Any] | None:
         pods = [p for p in self.api.list("v1", "Pod", job.namespace, selector(job, "trainer"))
@@ -368,100 +475,3 @@ class Reconciler:
         live = self.api.get("batch/v1", "Job", namespace, trainer)
         if live is not None and _parallelism(live) != 0:
             self.api.patch("batch/v1", "Job", namespace, trainer, {"spec": {"parallelism": 0}})
-
-    def _status(self, phase: str | None, obs: st.Observation, status: Mapping[str, Any],
-                conditions: list[dict[str, Any]], now: str, generation: int, progress: st.Progress,
-                gang_timeout_s: int | None, desired: _Desired | None, reopened: bool) -> dict[str, Any]:
-        new_phase, reason, message = st.decide_phase(obs)
-        st.transition(phase, new_phase, reopened=reopened)
-        start = status.get("startTime") or now
-        c = st.set_condition(conditions, st.TRAINER_READY, obs.trainer_active >= obs.trainer_replicas,
-                             "TrainerRestarting" if obs.trainer_restarting else "Active",
-                             f"{obs.trainer_active}/{obs.trainer_replicas} trainer pods active", now, generation)
-        c = st.set_condition(c, st.ENGINES_READY, obs.engines_desired > 0 and obs.engines_ready >= obs.engines_desired,
-                             "EnginesExhausted" if obs.engines_exhausted else "Ready",
-                             f"{obs.engines_ready}/{obs.engines_desired} engines ready", now, generation)
-        started = obs.trainer_active >= obs.trainer_replicas
-        timeout = self._timed_out(start, now, gang_timeout_s)
-        c = st.set_condition(c, st.GANG_SCHEDULED, started, "Started" if started else
-                             ("Timeout" if timeout else "Waiting"),
-                             "trainer gang started" if started else "waiting for the trainer gang to start", now,
-                             generation)
-        if desired is not None:
-            c = self._edit_conditions(c, obs, status, desired, now, generation)
-        c = st.set_condition(c, st.RECONCILED, True, "Reconciled", "the last pass completed", now, generation)
-        if progress.problem:
-            c = st.set_condition(c, st.PROGRESS_REPORTED, False, "MetricsUnreadable", progress.problem, now,
-                                 generation)
-        elif progress.step is not None:
-            c = st.set_condition(c, st.PROGRESS_REPORTED, True, "Reported", f"step {progress.step}", now, generation)
-        if new_phase == st.SUCCEEDED:
-            c = st.set_condition(c, st.COMPLETE, True, reason, message, now, generation)
-        if new_phase == st.FAILED:
-            c = st.set_condition(c, st.FAILED_CONDITION, True, reason, message, now, generation)
-        elif reopened:
-            c = st.set_condition(c, st.FAILED_CONDITION, False, "SpecChanged",
-                                 f"generation {generation} is valid; the job starts again", now, generation)
-        patch: dict[str, Any] = {
-            "phase": new_phase, "message": message, "observedGeneration": generation, "conditions": c,
-            "startTime": start, "enginesReady": obs.engines_ready, "enginesDesired": obs.engines_desired,
-            "engines": f"{obs.engines_ready}/{obs.engines_desired}", "trainerActive": obs.trainer_active,
-        }
-        if progress.step is not None:
-            patch["step"] = progress.step
-        if progress.checkpoint is not None:
-            patch["lastCheckpoint"] = progress.checkpoint
-        if new_phase in st.TERMINAL:
-            patch["completionTime"] = now
-        elif reopened:
-            patch["completionTime"] = None
-        if desired is not None and desired.refusal is not None:
-            patch["message"] = f"{message}; the newest spec is not applied: {desired.refusal[1]}"
-        return patch
-
-    @staticmethod
-    def _edit_conditions(c: list[dict[str, Any]], obs: st.Observation, status: Mapping[str, Any],
-                         desired: _Desired, now: str, generation: int) -> list[dict[str, Any]]:
-        """InvalidSpec, Scaling and Restarting: whether the newest spec is applied and what applying it does."""
-        if desired.refusal is not None:
-            c = st.set_condition(c, st.INVALID_SPEC, True, desired.refusal[0], desired.refusal[1], now, generation)
-        else:
-            c = st.set_condition(c, st.INVALID_SPEC, False, "Applied", f"generation {generation} is applied", now,
-                                 generation)
-        old = {x["type"]: x for x in status.get("conditions") or []}
-        prev_desired = status.get("enginesDesired")
-        settled = obs.engines_ready == obs.engines_desired
-        if prev_desired is not None and int(prev_desired) != obs.engines_desired:
-            verb = "adding" if obs.engines_desired > int(prev_desired) else "removing"
-            c = st.set_condition(c, st.SCALING, True, "ScaleUp" if verb == "adding" else "ScaleDown",
-                                 f"rollout engines {prev_desired} -> {obs.engines_desired}: {verb} engine pods; the "
-                                 "trainer keeps running and its fleet follows the engine list", now, generation)
-        elif old.get(st.SCALING, {}).get("status") == "True" and not settled:
-            c = [x if x["type"] != st.SCALING else {**old[st.SCALING], "observedGeneration": generation} for x in c]
-        else:
-            c = st.set_condition(c, st.SCALING, False, "Stable", f"{obs.engines_ready}/{obs.engines_desired} engines "
-                                 "ready", now, generation)
-        if obs.trainer_restarting:
-            why = {"SpecChanged": f"applying {desired.change.describe() if desired.change else 'the new spec'}: ",
-                   "TrainerFailed": "the trainer failed: "}.get(obs.restart_reason or "", "")
-            reason = obs.restart_reason or old.get(st.RESTARTING, {}).get("reason") or "TrainerRestarting"
-            c = st.set_condition(c, st.RESTARTING, True, reason,
-                                 f"{why}the trainer restarts from its newest checkpoint", now, generation)
-        elif old.get(st.RESTARTING, {}).get("status") == "True" and obs.trainer_active < obs.trainer_replicas:
-            c = [x if x["type"] != st.RESTARTING else {**old[st.RESTARTING], "observedGeneration": generation}
-                 for x in c]
-        else:
-            c = st.set_condition(c, st.RESTARTING, False, "Running", "no trainer restart in progress", now,
-                                 generation)
-        return c
-
-    @staticmethod
-    def _timed_out(start: str, now: str, timeout_s: int | None) -> bool:
-        if timeout_s is None:
-            return False
-        try:
-            waited = (datetime.fromisoformat(now.replace("Z", "+00:00"))
-                      - datetime.fromisoformat(start.replace("Z", "+00:00"))).total_seconds()
-        except ValueError:
-            return False
-        return waited > timeout_s

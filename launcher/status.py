@@ -3,6 +3,7 @@
 Phases: Pending -> Running -> Succeeded | Failed. Running may fall back to Pending while the trainer
 restarts from a checkpoint; Succeeded and Failed are terminal, with one exit: a job Failed for an invalid
 spec before anything ran (condition Failed, reason InvalidSpec) is reopened as Pending by a new spec.
+Any phase becomes Terminating once the MilesJob's deletion is requested (it ends there: the object goes).
 
 Progress (`status.step`, `status.lastCheckpoint`) comes from trainer pod 0, first source that answers:
   1. its annotations `mileslite.dev/step` and `mileslite.dev/last-checkpoint` (anything may set them:
@@ -24,13 +25,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from launcher.spec import GROUP
 
 PENDING, RUNNING, SUCCEEDED, FAILED = "Pending", "Running", "Succeeded", "Failed"
-PHASES = (PENDING, RUNNING, SUCCEEDED, FAILED)
-TERMINAL = (SUCCEEDED, FAILED)
+TERMINATING = "Terminating"
+PHASES = (PENDING, RUNNING, SUCCEEDED, FAILED, TERMINATING)
+TERMINAL = (SUCCEEDED, FAILED, TERMINATING)
 ALLOWED: dict[str, frozenset[str]] = {
     PENDING: frozenset(PHASES),
     RUNNING: frozenset(PHASES),
-    SUCCEEDED: frozenset({SUCCEEDED}),
-    FAILED: frozenset({FAILED}),
+    SUCCEEDED: frozenset({SUCCEEDED, TERMINATING}),
+    FAILED: frozenset({FAILED, TERMINATING}),
+    TERMINATING: frozenset({TERMINATING}),
 }
 STEP_ANNOTATION = f"{GROUP}/step"
 CHECKPOINT_ANNOTATION = f"{GROUP}/last-checkpoint"
@@ -44,8 +47,16 @@ COMPLETE = "Complete"
 FAILED_CONDITION = "Failed"
 # Engines being added or removed after an edit of spec.rollout.engines.
 SCALING = "Scaling"
-# The trainer is being restarted from its newest checkpoint (it failed, or an edit needs it).
+# The trainer is being restarted from its newest checkpoint (it failed, its Job vanished, or an edit needs it);
+# the reason says which.
 RESTARTING = "Restarting"
+RESTART_TRAINER_FAILED = "TrainerFailed"
+RESTART_TRAINER_GONE = "TrainerJobDeleted"
+RESTART_SPEC_CHANGED = "SpecChanged"
+# Every engine pod has a node, or (False, reason Unschedulable) the ones that cannot get one.
+ENGINES_SCHEDULED = "EnginesScheduled"
+# The MilesJob's deletion was requested (phase Terminating).
+TERMINATING_CONDITION = "Terminating"
 # The newest spec is not applied (invalid, refused by the API server, or an edit that would lose progress).
 INVALID_SPEC = "InvalidSpec"
 # Trainer pod 0's progress could be read (False with the reason when its metrics answer is unreadable).
@@ -91,13 +102,17 @@ class Observation:
     # The trainer failed and its restart budget is spent.
     trainer_exhausted: bool = False
     trainer_restarting: bool = False
-    # Why the trainer Job was replaced in this pass: TrainerFailed or SpecChanged (None: not replaced now).
+    # Why the trainer Job was replaced in this pass: TrainerFailed, TrainerJobDeleted or SpecChanged (None: not
+    # replaced now).
     restart_reason: str | None = None
     engines_desired: int = 0
     engines_ready: int = 0
     engines_alive: int = 0
     # Engines died and their replacement budget is spent.
     engines_exhausted: bool = False
+    # Engine pods the scheduler cannot place (PodScheduled False, reason Unschedulable), and its message.
+    engines_unschedulable: tuple[str, ...] = ()
+    unschedulable_message: str = ""
 
 
 def decide_phase(obs: Observation) -> tuple[str, str, str]:
@@ -111,7 +126,9 @@ def decide_phase(obs: Observation) -> tuple[str, str, str]:
     if obs.engines_exhausted and obs.engines_alive == 0:
         return FAILED, "EngineRestartsExhausted", "no engine left; spec.faultTolerance.maxEngineRestarts is spent"
     if obs.trainer_restarting:
-        return PENDING, "TrainerRestarting", "the trainer failed; restarting from the newest checkpoint"
+        why = {RESTART_SPEC_CHANGED: "an applied edit replaces the trainer",
+               RESTART_TRAINER_GONE: "the trainer Job was deleted"}.get(obs.restart_reason or "", "the trainer failed")
+        return PENDING, "TrainerRestarting", f"{why}; restarting from the newest checkpoint"
     if obs.trainer_active >= obs.trainer_replicas:
         return RUNNING, "TrainerRunning", f"{obs.engines_ready}/{obs.engines_desired} engines ready"
     return PENDING, "Starting", f"trainer {obs.trainer_active}/{obs.trainer_replicas} pods active, " \

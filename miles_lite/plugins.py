@@ -2,7 +2,8 @@
 
 A plug-in is imported once, at start-up, and its signature checked against what the call site will
 pass, so a typo or a wrong signature fails before any work with the field's name, not minutes later
-inside a rollout.
+inside a rollout. Blocking plug-in calls run in a `PluginPool` (worker threads or processes, a time limit per
+call), so an event loop that awaits them never stalls behind one.
 """
 
 from __future__ import annotations
@@ -118,3 +119,96 @@ def load_sync_fn(path: str, field: str, positional: int) -> Callable[..., Any]:
     if inspect.iscoroutinefunction(fn):
         raise PluginError(f"{field}={path!r} must be a plain function, not `async def`")
     return fn
+
+
+# ------------------------------------------------------------------ running plug-in calls off the event loop
+
+PLUGIN_POOLS = ("threads", "processes")
+
+
+class PluginTimeout(TimeoutError):
+    """A plug-in call that did not return within its time limit (the call is abandoned, see `PluginPool`)."""
+
+    def __init__(self, what: str, timeout_s: float) -> None:
+        super().__init__(f"{what} did not return within {timeout_s:g}s")
+        self.what = what
+        self.timeout_s = timeout_s
+
+
+class PluginPool:
+    """Runs blocking plug-in calls (tool environments' replies and resets, reward functions) in a pool of worker
+    threads, or of processes (`kind="processes"`: the function and its arguments must pickle, and state a call
+    changes stays in the worker), each call bounded by `timeout_s`. An event loop awaits `acall` and keeps
+    serving everything else meanwhile; other threads block on `call`.
+
+    A call past its limit raises `PluginTimeout`; Python cannot stop a thread, so a timed-out thread call runs
+    on unobserved until it returns (its worker is busy meanwhile), while a timed-out process call gets its
+    worker process terminated and the pool renewed.
+    """
+
+    def __init__(self, workers: int = 8, kind: str = "threads", timeout_s: float | None = 60.0) -> None:
+        if kind not in PLUGIN_POOLS:
+            raise ValueError(f"plug-in pool kind {kind!r} is not one of {PLUGIN_POOLS}")
+        if workers < 1:
+            raise ValueError(f"plug-in pool workers must be >= 1, got {workers}")
+        if timeout_s is not None and timeout_s <= 0:
+            raise ValueError(f"plug-in call timeout must be > 0 seconds, got {timeout_s}")
+        self.workers, self.kind, self.timeout_s = workers, kind, timeout_s
+        self._executor: Any = None
+
+    def _pool(self) -> Any:
+        from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+
+        if self._executor is None:
+            if self.kind == "processes":
+                import multiprocessing
+
+                # spawn: a forked copy of a process running threads (the rollout loop, Ray) can deadlock.
+                self._executor = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+            else:
+                self._executor = ThreadPoolExecutor(self.workers, thread_name_prefix="miles-plugin")
+        return self._executor
+
+    def _timed_out(self, what: str, limit: float) -> PluginTimeout:
+        if self.kind == "processes" and self._executor is not None:
+            stuck, self._executor = self._executor, None
+            for process in list(getattr(stuck, "_processes", {}).values()):
+                process.terminate()
+            stuck.shutdown(wait=False, cancel_futures=True)
+        return PluginTimeout(what, limit)
+
+    def call(self, what: str, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None,
+             timeout_s: float | None = None) -> Any:
+        """`fn(*args, **kwargs)` in the pool, blocking this thread (never an event loop's) until it returns, at most
+        `timeout_s` (default: the pool's) seconds."""
+        from concurrent.futures import TimeoutError as FutureTimeout
+        from functools import partial
+
+        limit = timeout_s or self.timeout_s
+        future = self._pool().submit(partial(fn, *args, **(kwargs or {})))
+        try:
+            return future.result(limit)
+        except FutureTimeout:
+            raise self._timed_out(what, limit or 0.0) from None
+
+    async def acall(self, what: str, fn: Callable[..., Any], args: Sequence[Any] = (),
+                    kwargs: dict[str, Any] | None = None, timeout_s: float | None = None) -> Any:
+        """`fn(*args, **kwargs)` in the pool, awaited: the event loop runs on while it works."""
+        import asyncio
+        from functools import partial
+
+        limit = timeout_s or self.timeout_s
+        future = asyncio.get_running_loop().run_in_executor(self._pool(), partial(fn, *args, **(kwargs or {})))
+        try:
+            return await asyncio.wait_for(future, limit)
+        except TimeoutError:
+            raise self._timed_out(what, limit or 0.0) from None
+
+    def close(self) -> None:
+        """Stop the workers (idempotent); running thread calls finish on their own, processes are ended."""
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            if self.kind == "processes":
+                for process in list(getattr(executor, "_processes", {}).values()):
+                    process.terminate()
+            executor.shutdown(wait=False, cancel_futures=True)

@@ -86,6 +86,8 @@ class Sample:
     routed_experts: Any = None
     # What reward plug-ins logged for this completion with `log_extra(column, values)`: column -> value.
     extra: dict[str, Any] = field(default_factory=dict)
+    # What the agent plug-in returned for this sample (`rollout.agent`): its `reward` and any other fields.
+    agent: dict[str, Any] | None = None
 
     @property
     def reward(self) -> float:

@@ -3,11 +3,18 @@
 #
 #   scripts/gpu_checks.sh OUT_DIR [PART...]      # every part, or the named ones
 #
-# Parts: versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora,
+# Parts: versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs lora
+# combinations (optimizer CPU offload with a resume, LoRA with FP8, the hand-off with FP8),
 # and, not in the default list, the colocated hand-off ones (colocated-0.5b resident-0.5b colocated-7b lora-7b) and
 # the RL step against the bare megatron-core step at the recipe's shape, with RoPE fused (the default on THD
 # rows) and unfused (speed-recipe speed-recipe-unfused).
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
+# `sitting` is the preset of one GPU sitting (about 20 minutes of device time with staging): the figures of the
+# GRPO step's speed first (generation against raw SGLang, the recipe test, the RL step against the bare one in
+# bf16 and FP8 with profiler traces, the 0.5B and 7B hand-offs, the 7B LoRA step with merged and adapter pushes,
+# the guard at 7B width), then the SGLang checks (agents, auth, MoE, contract); every part bounded by its own
+# time, OUT_DIR/summary.md rewritten after each (scripts/gpu_summary.py), so a sitting cut short still brings
+# back what it measured. SITTING_PARTS overrides its list.
 # Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
 # apart (then MILES_TEST_TRANSPORT=ipc_handles if its torch is another build). Each part writes
@@ -26,7 +33,15 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs lora)
+[ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs lora
+                                 combinations)
+if [ "${parts[*]}" = sitting ]; then
+  export SITTING=1
+  export GUARD_7B_CONFIGS=${GUARD_7B_CONFIGS:-bf16,fp8-delayed}
+  # shellcheck disable=SC2206
+  parts=(${SITTING_PARTS:-versions rollout recipe speed-recipe colocated-0.5b trainer-offload colocated-7b
+         lora-7b-merged guard-7b agent lora-7b rollout-default auth moe contract})
+fi
 failed=0
 # The GRPO parts' engines see SGLang installed apart, and push as the other GPU checks do.
 grpo=(-u benchmarks/grpo_steps.py --transport "${MILES_TEST_TRANSPORT:-ipc_handles}")
@@ -37,16 +52,28 @@ part() {
   shift
   echo "== $name: $*"
   local start=$SECONDS rc=0
-  # PART_TIMEOUT_S bounds each part (a hung engine must not eat the time left for the parts after it).
-  if timeout --kill-after=10 "${PART_TIMEOUT_S:-3600}" "$@" >"$out/$name.log" 2>&1; then
+  # PART_TIMEOUT_S bounds each part (a hung engine must not eat the time left for the parts after it); a
+  # sitting gives each part its own bound (the sitting_limit table below).
+  if timeout --kill-after=10 "$(part_limit "$name")" "$@" >"$out/$name.log" 2>&1; then
     echo "   ok ($((SECONDS - start)) s)"
   else
     echo "   FAILED ($((SECONDS - start)) s): $out/$name.log"
     failed=$((failed + 1))
     rc=1
   fi
+  printf '%s\t%s\t%s\n' "$name" "$([ $rc = 0 ] && echo ok || echo failed)" "$((SECONDS - start))" >>"$out/parts.tsv"
+  "$py" scripts/gpu_summary.py "$out" >/dev/null 2>&1 || true
   tail -n 4 "$out/$name.log" | sed 's/^/   /'
   return $rc
+}
+
+# Seconds each part of a sitting may take (default PART_TIMEOUT_S, else 3600).
+declare -A sitting_limit=([versions]=60 [rollout]=330 [rollout-default]=150 [recipe]=420 [speed-recipe]=360
+                          [colocated-0.5b]=330 [colocated-7b]=330 [lora-7b-merged]=330 [lora-7b]=330
+                          [guard-7b]=240 [trainer-offload]=120 [agents]=300 [auth]=240 [moe]=300 [contract]=300)
+part_limit() {
+  if [ -n "${SITTING:-}" ] && [ -n "${sitting_limit[$1]:-}" ]; then echo "${sitting_limit[$1]}"
+  else echo "${PART_TIMEOUT_S:-3600}"; fi
 }
 
 # A GRPO part: its run (engines' logs among its files) under a temporary directory of its own; whatever the
@@ -99,7 +126,7 @@ from pathlib import Path
 path = Path(sys.argv[1])
 result = json.loads(path.read_text())
 rows = [json.loads(x) for x in (Path(result["run_dir"]) / "metrics.jsonl").read_text().splitlines()]
-result["push"] = [{"step": m["step"] + 1, "bytes": m["sync/bytes"], "seconds": m["sync/seconds"],
+result["push"] = [{"step": m["step"], "bytes": m["sync/bytes"], "seconds": m["sync/seconds"],
                    "probe_logp_diff_mean": m.get("sync/probe_logp_diff_mean")} for m in rows if "sync/bytes" in m]
 path.write_text(json.dumps(result, indent=1))
 print("LoRA push bytes:", [p["bytes"] for p in result["push"]], "seconds:", [round(p["seconds"], 3) for p in result["push"]])
@@ -134,32 +161,52 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     auth) part auth "$py" -m pytest -q -s --basetemp "$out/tmp-auth" tests/gpu/test_sglang_auth_gpu.py ;;
     moe) part moe "$py" -m pytest -q -s --basetemp "$out/tmp-moe" tests/gpu/test_sglang_moe_gpu.py ;;
     multiturn) part multiturn "$py" -m pytest -q -s --basetemp "$out/tmp-multiturn" tests/integration/test_multi_turn_engines.py ;;
+    # Agent sessions through the gateway on stock SGLang (`miles-lite train rollout=sglang rollout.agent=...`).
+    agent) part agent "$py" -m pytest -q -s --basetemp "$out/tmp-agent" tests/gpu/test_agent_sglang_gpu.py ;;
     trainer) part trainer "$py" -m pytest -q -s --basetemp "$out/tmp-trainer" tests/gpu/test_trainer_gpu.py ;;
+    trainer-offload) part trainer-offload "$py" -m pytest -q -s --basetemp "$out/tmp-trainer-offload" \
+                       tests/gpu/test_trainer_gpu.py -k offload ;;
     recipe) part recipe "$py" -m pytest -q -s --basetemp "$out/tmp-recipe" tests/gpu/test_gsm8k_recipe_gpu.py ;;
+    combinations) part combinations "$py" -m pytest -q -s -rs --basetemp "$out/tmp-combinations" \
+                    tests/gpu/test_option_combinations_gpu.py ;;
     guard-0.5b) part guard-0.5b "$py" benchmarks/train_step.py --guard --configs bf16,fp8-delayed --steps 20 \
                   --warmup 2 --out "$out/guard-0.5b.json" ;;
     guard-7b) part guard-7b "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 \
-                --configs bf16,fp8-delayed,fp8-tensorwise --steps 20 --warmup 2 --out "$out/guard-7b.json" ;;
+                --configs "${GUARD_7B_CONFIGS:-bf16,fp8-delayed,fp8-tensorwise}" --steps 20 --warmup 2 \
+                --out "$out/guard-7b.json" ;;
     prefill-graphs) part prefill-graphs "$py" -c "$PREFILL_GRAPHS" ;;
     # 512 sequences of 480 tokens (224 of prompt): about 34 sequences in each 16384-token micro-batch.
-    speed-recipe) part speed-recipe "$py" benchmarks/train_step.py --bare --configs bf16 --batch 512 --seq 480 \
-                    --prompt-tokens 224 --steps 20 --warmup 2 --out "$out/speed-recipe.json" ;;
+    speed-recipe) part speed-recipe "$py" benchmarks/train_step.py --bare --configs bf16,fp8-delayed --batch 512 \
+                    --seq 480 --prompt-tokens 224 --steps 20 --warmup 2 --profile "$out/profile" \
+                    --out "$out/speed-recipe.json" ;;
     speed-recipe-unfused) part speed-recipe-unfused "$py" benchmarks/train_step.py --bare --configs bf16 \
                             --batch 512 --seq 480 --prompt-tokens 224 --steps 20 --warmup 2 \
                             --transformer apply_rope_fusion=false --out "$out/speed-recipe-unfused.json" ;;
+    # Generation: the rollout manager against raw SGLang on the same prompts, the engine launched as a run launches
+    # it (decode graphs sized to the batch), 20 interleaved rounds at 256 and 512 requests; then SGLang's own
+    # graph size, 5 rounds at 512 (what sizing the graphs changes).
+    rollout) part rollout "$py" -u benchmarks/rollout_throughput.py --variants shipped --requests 256,512 \
+               --repeats 20 --out "$out/rollout.json" ;;
+    rollout-default) part rollout-default "$py" -u benchmarks/rollout_throughput.py --variants sglang-default \
+                       --requests 512 --repeats 5 --out "$out/rollout-default.json" ;;
     # GRPO steps of the GSM8K shape, trainer and SGLang on one GPU: handing the GPU over, then both resident.
-    colocated-0.5b) grpo_part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 8 --skip 2 \
+    colocated-0.5b) grpo_part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 22 --skip 2 \
                       --out "$out/colocated-0.5b.json" ;;
     resident-0.5b) grpo_part resident-0.5b "$py" "${grpo[@]}" --memory resident --steps 8 --skip 2 \
                      --out "$out/resident-0.5b.json" ;;
     colocated-7b) grpo_part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
                     --steps 3 --skip 1 --out "$out/colocated-7b.json" ;;
     lora) lora_parts ;;
+    # The 7B LoRA step pushing the adapters merged into the base (engines serve at base speed).
+    lora-7b-merged) grpo_part lora-7b-merged "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 \
+                      --skip 1 --out "$out/lora-7b-merged.json" trainer.lora.rank=16 trainer.lora.alpha=32 \
+                      weight_sync.lora=merged ;;
     # Whether a colocated LoRA GRPO step of the whole Qwen2.5-7B fits, its time and memory.
     lora-7b) grpo_part lora-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 --skip 1 \
                --out "$out/lora-7b.json" trainer.lora.rank=16 trainer.lora.alpha=32 ;;
-    *) echo "unknown part $p (versions unit engine contract auth moe multiturn trainer recipe guard-0.5b guard-7b prefill-graphs" \
-            "lora colocated-0.5b resident-0.5b colocated-7b lora-7b speed-recipe speed-recipe-unfused)"
+    *) echo "unknown part $p (versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs" \
+            "lora combinations colocated-0.5b resident-0.5b colocated-7b lora-7b lora-7b-merged speed-recipe" \
+            "speed-recipe-unfused rollout rollout-default trainer-offload; or the preset: sitting)"
        failed=$((failed + 1)) ;;
   esac
 done

@@ -38,6 +38,12 @@
 #   MILES_RAY_READY_TIMEOUT  seconds for each role's Ray nodes to register (default 300)
 #   MILES_RAY_TMP          Ray temp root on each node (default /tmp/miles-ray-$SLURM_JOB_ID)
 #   MILES_SLURM_REQUEUE_ON_SIGNAL  1 (default) requeue after a USR1 stop; 0 never
+#   MILES_SLURM_REQUEUE_ON_FAILURE 1 (default) requeue when the driver dies by a signal (SIGKILL, the OOM
+#                          killer) or exits 5 (its Ray cluster lost a node), up to MILES_SLURM_MAX_REQUEUES
+#                          attempts (default 3); each attempt resumes from the newest checkpoint
+#   MILES_SLURM_WATCH_S    period of each Ray step's watchdog (default 10 s): a step ends once slurmctld says
+#                          the job ended, or its Ray head is gone for MILES_RAY_HEAD_LOST_S (default 30 s),
+#                          also on a node whose slurmd is lost (docs/slurm.md)
 #   MILES_SLURM_RAY_STOP   1 (default) also run `ray stop` on every node at exit; 0 when the nodes
 #                          may run other Ray instances of the same user (ray stop is host-wide)
 #   MILES_API_KEY_FILE     the run's API key (a 0600 file); default: a fresh key per job attempt in the
@@ -246,9 +252,23 @@ else
 fi
 
 cleanup
+requeue_why=""
 if [ "$STOP_SIGNAL" = USR1 ] && [ "$driver_rc" -eq 0 ] && [ "${MILES_SLURM_REQUEUE_ON_SIGNAL:-1}" = 1 ]; then
+  requeue_why="stopped by SIGUSR1"
+elif [ -z "$STOP_SIGNAL" ] && { [ "$driver_rc" -gt 128 ] || [ "$driver_rc" -eq 5 ]; } &&
+     [ "${MILES_SLURM_REQUEUE_ON_FAILURE:-1}" = 1 ]; then
+  # The driver died without a goodbye (killed by signal $((driver_rc - 128)): the OOM killer, SIGKILL), or its
+  # Ray cluster lost a node (exit 5): the work up to the newest checkpoint is kept, so the job tries again.
+  if [ "$attempt" -lt "${MILES_SLURM_MAX_REQUEUES:-3}" ]; then
+    requeue_why="the driver exited with code $driver_rc"
+  else
+    log "not requeueing: attempt $attempt reached MILES_SLURM_MAX_REQUEUES=${MILES_SLURM_MAX_REQUEUES:-3}"
+  fi
+fi
+if [ -n "$requeue_why" ]; then
   STATE=REQUEUED
-  log "requeueing job $SLURM_JOB_ID: the next attempt resumes from the newest checkpoint in $RUN_DIR/checkpoints"
+  log "requeueing job $SLURM_JOB_ID ($requeue_why): the next attempt resumes from the newest checkpoint in" \
+    "$RUN_DIR/checkpoints"
   # Slurm ends this script right away when the requeue is accepted.
   scontrol requeue "$SLURM_JOB_ID" || log "requeue refused (submit with --requeue); resubmit with experiment.run_name=$run_name to resume"
 fi

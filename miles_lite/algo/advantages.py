@@ -219,3 +219,48 @@ def expand_to_tokens(advantages: Tensor, mask: Tensor) -> Tensor:
             f"{tuple(advantages.shape)} and mask {tuple(mask.shape)}"
         )
     return advantages.unsqueeze(1) * mask.to(advantages.dtype)
+
+
+def ragged_advantages(groups: list[list[float]], estimator: AdvantageEstimator | str, *, std_normalize: bool = True,
+                      eps: float = 1e-6, zero_signal_atol: float = 1e-8) -> tuple[list[float], list[bool]]:
+    """:func:`compute_advantages` for groups of different sizes (an agent whose sample was dropped leaves its
+    group short): the same estimators, exactly. Returns the flat advantages (groups in order) and each group's
+    zero-signal flag. Group estimators compute per group; a group of one sample has no spread (zero-signal,
+    advantage 0); `reinforce_pp` whitens over every completion; `reinforce_pp_baseline` whitens the centred
+    rewards of the groups with signal over all of them. Empty groups contribute nothing.
+    """
+    est = _parse_estimator(estimator)
+    flat: list[float] = []
+    zero: list[bool] = []
+    centered: list[float] = []
+    for rewards in groups:
+        if not rewards:
+            zero.append(True)
+            continue
+        r = torch.tensor(rewards, dtype=torch.float64)
+        no_signal = len(rewards) < 2 or float(r.max() - r.min()) <= zero_signal_atol
+        zero.append(no_signal)
+        if est is AdvantageEstimator.REINFORCE_PP:
+            continue
+        if no_signal or est is AdvantageEstimator.REINFORCE_PP_BASELINE:
+            c = (r - r.mean()) if not no_signal else torch.zeros_like(r)
+            centered.extend(c.tolist())
+            if est is not AdvantageEstimator.REINFORCE_PP_BASELINE:
+                flat.extend([0.0] * len(rewards))
+            continue
+        flat.extend(compute_advantages(r, len(rewards), est, std_normalize=std_normalize, eps=eps,
+                                       zero_signal_atol=zero_signal_atol).advantages.tolist())
+    if est is AdvantageEstimator.REINFORCE_PP:
+        every = torch.tensor([x for g in groups for x in g], dtype=torch.float64)
+        if every.numel():
+            c = every - every.mean()
+            flat = (c / (c.square().mean().sqrt() + eps)).tolist()
+    elif est is AdvantageEstimator.REINFORCE_PP_BASELINE:
+        active = torch.tensor([not z for g, z in zip(groups, zero, strict=True) for _ in g], dtype=torch.float64)
+        c = torch.tensor(centered, dtype=torch.float64)
+        if c.numel():
+            count = active.sum().clamp_min(1.0)
+            mean = (c * active).sum() / count
+            var = (((c - mean) ** 2) * active).sum() / count
+            flat = torch.where(active.bool(), (c - mean) / (var.sqrt() + eps), torch.zeros_like(c)).tolist()
+    return flat, zero

@@ -13,13 +13,15 @@ for gradient accumulation or data parallelism (global token counts) is the train
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from miles_lite.algo.choices import parse_choice
+from miles_lite.algo.device_stats import DeviceStats, read_stats
 
 # exp(20) ~ 4.9e8: far beyond any clip range, yet finite in float32/bfloat16, so a garbage logprob
 # can never turn a ratio into inf (and inf * 0 into NaN).
@@ -154,7 +156,13 @@ def _check_clip_args(clip_low: float, clip_high: float, dual_clip_c: float | Non
         raise ValueError(f"dual_clip_c must be > 1 (typically 3), or None to disable; got {dual_clip_c}")
 
 
-def policy_loss(
+def policy_loss(*args: Any, **kwargs: Any) -> tuple[Tensor, PolicyLossStats]:
+    """:func:`policy_loss_terms` (same arguments) with its statistics read as :class:`PolicyLossStats` (floats)."""
+    loss, terms = policy_loss_terms(*args, **kwargs)
+    return loss, PolicyLossStats(**read_stats(terms))
+
+
+def policy_loss_terms(
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
@@ -167,7 +175,7 @@ def policy_loss(
     is_weights: Tensor | None = None,
     agg_mode: AggMode | str = AggMode.TOKEN_MEAN,
     agg_constant: float | None = None,
-) -> tuple[Tensor, PolicyLossStats]:
+) -> tuple[Tensor, DeviceStats]:
     """Clipped surrogate policy loss (PPO / GRPO / DAPO / GSPO).
 
     Per token, with ratio ``r`` and advantage ``A``::
@@ -200,8 +208,9 @@ def policy_loss(
         agg_mode / agg_constant: reduction, see :func:`aggregate`.
 
     Returns:
-        ``(loss, stats)``: 0-d loss (advantage units) and :class:`PolicyLossStats`. Log-ratios are
-        clamped to ``[-20, 20]`` before ``exp`` so the loss stays finite.
+        ``(loss, stats)``: 0-d loss (advantage units) and the fields of :class:`PolicyLossStats` as 0-d tensors
+        (read them with ``device_stats.read_stats``). Log-ratios are clamped to ``[-20, 20]`` before ``exp`` so
+        the loss stays finite.
     """
     kind = parse_choice(RatioType, ratio_type, "ratio_type")
     _check_token_shapes(mask, logp=logp, old_logp=old_logp, advantages=advantages, is_weights=is_weights)
@@ -246,8 +255,8 @@ def policy_loss(
         has, zero = keep.any(), torch.zeros((), dtype=r.dtype, device=r.device)  # empty mask: report 0
         r_max = torch.where(has, torch.where(keep, r, -math.inf).amax(), zero)
         r_min = torch.where(has, torch.where(keep, r, math.inf).amin(), zero)
-        values = torch.stack([*means, r_max, r_min]).tolist()  # one host sync for all stats
-    return loss, PolicyLossStats(*values)
+    names = [f.name for f in fields(PolicyLossStats)]
+    return loss, dict(zip(names, [*means, r_max, r_min], strict=True))
 
 
 def kl_penalty(
@@ -309,7 +318,13 @@ def sft_loss(
     return aggregate(-logp, mask, agg_mode, agg_constant)
 
 
-def distillation_loss(
+def distillation_loss(*args: Any, **kwargs: Any) -> tuple[Tensor, float]:
+    """:func:`distillation_terms` (same arguments) with the reverse KL read as a float."""
+    loss, reverse_kl = distillation_terms(*args, **kwargs)
+    return loss, float(reverse_kl)
+
+
+def distillation_terms(
     logp: Tensor,
     teacher_logp: Tensor,
     mask: Tensor,
@@ -317,7 +332,7 @@ def distillation_loss(
     agg_constant: float | None = None,
     *,
     sampler_logp: Tensor | None = None,
-) -> tuple[Tensor, float]:
+) -> tuple[Tensor, Tensor]:
     """On-policy distillation with a per-token reverse-KL reward.
 
     The student sampled the tokens; each token gets the reward ``adv_t = teacher_logp_t -
@@ -336,13 +351,13 @@ def distillation_loss(
             later updates within the step); otherwise it uses the detached ``logp``.
 
     Returns:
-        ``(loss, reverse_kl)``: 0-d loss and the token-mean reverse-KL estimate (nats per token).
+        ``(loss, reverse_kl)``: 0-d loss and the token-mean reverse-KL estimate (nats per token, a 0-d tensor).
     """
     _check_token_shapes(mask, logp=logp, teacher_logp=teacher_logp, sampler_logp=sampler_logp)
     student = logp if sampler_logp is None else sampler_logp
     adv = (_zero_outside(teacher_logp, mask) - _zero_outside(student, mask)).detach()
     loss = aggregate(-(adv * _zero_outside(logp, mask)), mask, agg_mode, agg_constant)
-    return loss, float(aggregate(-adv, mask).item())
+    return loss, aggregate(-adv, mask).detach()
 
 
 @dataclass(frozen=True)
@@ -381,7 +396,13 @@ class LossConfig:
             )
 
 
-def total_loss(
+def total_loss(*args: Any, **kwargs: Any) -> tuple[Tensor, dict[str, float]]:
+    """:func:`total_loss_terms` (same arguments) with its statistics read as floats (one host sync)."""
+    loss, stats = total_loss_terms(*args, **kwargs)
+    return loss, read_stats(stats)
+
+
+def total_loss_terms(
     logp: Tensor,
     old_logp: Tensor,
     advantages: Tensor,
@@ -392,14 +413,14 @@ def total_loss(
     entropy: Tensor | None = None,
     teacher_logp: Tensor | None = None,
     is_weights: Tensor | None = None,
-) -> tuple[Tensor, dict[str, float]]:
+) -> tuple[Tensor, DeviceStats]:
     """``policy + kl_coef * kl - entropy_coef * entropy + distill_coef * distill`` for one micro-batch.
 
     All inputs are ``[B, T]`` (see :func:`policy_loss`). The distillation reward uses ``old_logp`` as
     the sampling-time student log-probs.
 
     Returns:
-        ``(loss, stats)``: 0-d loss and float stats keyed ``loss/*``, ``policy/*``, ``distill/*``.
+        ``(loss, stats)``: 0-d loss and 0-d tensor stats keyed ``loss/*``, ``policy/*``, ``distill/*``.
 
     Raises:
         ValueError: a term has a non-zero weight but its input is missing.
@@ -415,25 +436,25 @@ def total_loss(
 
     mode, const = config.agg_mode, config.agg_constant
     ratio_type = RatioType.GSPO if config.policy_loss is PolicyLossType.GSPO else RatioType.TOKEN
-    pg, pg_stats = policy_loss(
+    pg, pg_stats = policy_loss_terms(
         logp, old_logp, advantages, mask, clip_low=config.clip_low, clip_high=config.clip_high,
         dual_clip_c=config.dual_clip_c, ratio_type=ratio_type, is_weights=is_weights,
         agg_mode=mode, agg_constant=const,
     )
     terms: dict[str, Tensor] = {"loss/policy": pg}
-    stats = pg_stats.as_dict()
+    stats: DeviceStats = {f"policy/{k}": v for k, v in pg_stats.items()}
     if config.kl_coef != 0 and ref_logp is not None:
         kl = aggregate(kl_penalty(logp, ref_logp, config.kl_estimator, mask=mask), mask, mode, const)
         terms["loss/kl"] = config.kl_coef * kl
     if config.entropy_coef != 0 and entropy is not None:
         terms["loss/entropy"] = entropy_bonus(entropy, mask, config.entropy_coef, mode, const)
     if config.distill_coef != 0 and teacher_logp is not None:
-        distill, stats["distill/reverse_kl"] = distillation_loss(
+        distill, stats["distill/reverse_kl"] = distillation_terms(
             logp, teacher_logp, mask, mode, const, sampler_logp=old_logp
         )
         terms["loss/distill"] = config.distill_coef * distill
 
     loss = torch.stack(list(terms.values())).sum()
-    values = torch.stack([loss.detach(), *(t.detach() for t in terms.values())]).tolist()
-    stats.update(zip(["loss/total", *terms], values, strict=True))
+    stats["loss/total"] = loss.detach()
+    stats.update({name: t.detach() for name, t in terms.items()})
     return loss, stats

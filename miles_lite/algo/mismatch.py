@@ -18,11 +18,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from miles_lite.algo.choices import parse_choice
+from miles_lite.algo.device_stats import DeviceStats, read_stats
 
 # Cap on a log-weight before exp: exp(20) ~ 4.9e8 is far beyond any threshold, and a sequence
 # product over thousands of tokens would otherwise overflow to inf even in float32.
@@ -85,7 +87,12 @@ def _mean_max_min(values: Tensor, keep: Tensor) -> list[Tensor]:
 
 
 def logp_diff_stats(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> dict[str, float]:
-    """Summary of ``train_logp - rollout_logp`` over masked tokens (nats per token).
+    """:func:`logp_diff_terms` read as floats (one host sync)."""
+    return read_stats(logp_diff_terms(train_logp, rollout_logp, mask))
+
+
+def logp_diff_terms(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> DeviceStats:
+    """Summary of ``train_logp - rollout_logp`` over masked tokens (nats per token), as 0-d tensors.
 
     Returns:
         ``logp_diff_mean`` (signed: > 0 means the trainer finds the tokens more likely than the
@@ -98,12 +105,18 @@ def logp_diff_stats(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> d
     signed_mean = _mean_max_min(diff, keep)[0]
     abs_mean, abs_max, _ = _mean_max_min(diff.abs(), keep)
     k3 = _mean_max_min(torch.expm1(d) - d, keep)[0]
-    values = torch.stack([signed_mean, abs_mean, abs_max, k3]).tolist()  # one host sync
     names = ["logp_diff_mean", "logp_abs_diff_mean", "logp_abs_diff_max", "kl_k3"]
-    return dict(zip(names, values, strict=True))
+    return dict(zip(names, [signed_mean, abs_mean, abs_max, k3], strict=True))
 
 
-def importance_weights(
+def importance_weights(*args: Any, **kwargs: Any) -> ISResult:
+    """:func:`importance_terms` (same arguments) as an :class:`ISResult` (statistics read as floats, one host
+    sync)."""
+    weights, stats = importance_terms(*args, **kwargs)
+    return ISResult(weights=weights, stats=read_stats(stats))
+
+
+def importance_terms(
     train_logp: Tensor,
     rollout_logp: Tensor,
     mask: Tensor,
@@ -112,7 +125,7 @@ def importance_weights(
     *,
     upper: float = 2.0,
     lower: float | None = None,
-) -> ISResult:
+) -> tuple[Tensor, DeviceStats]:
     """Importance weights correcting rollout-engine data towards the trainer's distribution.
 
     With ``d_t = train_logp_t - rollout_logp_t`` on masked tokens, the raw ratio is:
@@ -142,8 +155,8 @@ def importance_weights(
         lower: mask-mode lower threshold in ``(0, 1]``; default ``1 / upper``.
 
     Returns:
-        :class:`ISResult`. With identical log-probs every masked weight is exactly 1 and nothing is
-        clipped or masked.
+        ``(weights, stats)``: the applied weights ``[B, T]`` and the statistics of :class:`ISResult` as 0-d
+        tensors. With identical log-probs every masked weight is exactly 1 and nothing is clipped or masked.
     """
     lvl = parse_choice(ISLevel, level, "level")
     md = parse_choice(ISMode, mode, "mode")
@@ -175,20 +188,31 @@ def importance_weights(
         clipped = torch.zeros_like(keep)
         applied = torch.where(rejected, zeros, raw)
 
-    values = torch.stack(
-        [
-            *_mean_max_min(raw, keep),
-            _mean_max_min(applied, keep)[0],
-            _mean_max_min(rejected.to(raw.dtype), keep)[0],
-            _mean_max_min(clipped.to(raw.dtype), keep)[0],
-        ]
-    ).tolist()  # one host sync
+    values = [
+        *_mean_max_min(raw, keep),
+        _mean_max_min(applied, keep)[0],
+        _mean_max_min(rejected.to(raw.dtype), keep)[0],
+        _mean_max_min(clipped.to(raw.dtype), keep)[0],
+    ]
     names = ["raw_ratio_mean", "raw_ratio_max", "raw_ratio_min", "applied_mean", "masked_fraction",
              "clipped_fraction"]
-    return ISResult(weights=applied, stats=dict(zip(names, values, strict=True)))
+    return applied, dict(zip(names, values, strict=True))
 
 
-def mismatch_metrics(
+def mismatch_metrics(*args: Any, **kwargs: Any) -> dict[str, float]:
+    """The statistics of :func:`mismatch_terms` (same arguments) read as floats (one host sync): the log-prob gap
+    and IS statistics in one dict, keyed for logging.
+
+    Keys (with the default prefix): ``mismatch/logp_diff_mean``, ``mismatch/logp_abs_diff_mean``,
+    ``mismatch/logp_abs_diff_max``, ``mismatch/kl_k3``, ``mismatch/is_raw_mean``,
+    ``mismatch/is_raw_max``, ``mismatch/is_raw_min``, ``mismatch/is_applied_mean``,
+    ``mismatch/masked_fraction``, ``mismatch/clipped_fraction``. See :func:`logp_diff_stats` and
+    :func:`importance_weights` for the arguments and units.
+    """
+    return read_stats(mismatch_terms(*args, **kwargs)[1])
+
+
+def mismatch_terms(
     train_logp: Tensor,
     rollout_logp: Tensor,
     mask: Tensor,
@@ -198,18 +222,12 @@ def mismatch_metrics(
     upper: float = 2.0,
     lower: float | None = None,
     prefix: str = "mismatch/",
-) -> dict[str, float]:
-    """Log-prob gap and IS statistics in one dict, keyed for logging.
-
-    Keys (with the default prefix): ``mismatch/logp_diff_mean``, ``mismatch/logp_abs_diff_mean``,
-    ``mismatch/logp_abs_diff_max``, ``mismatch/kl_k3``, ``mismatch/is_raw_mean``,
-    ``mismatch/is_raw_max``, ``mismatch/is_raw_min``, ``mismatch/is_applied_mean``,
-    ``mismatch/masked_fraction``, ``mismatch/clipped_fraction``. See :func:`logp_diff_stats` and
-    :func:`importance_weights` for the arguments and units.
-    """
-    out = {f"{prefix}{k}": v for k, v in logp_diff_stats(train_logp, rollout_logp, mask).items()}
-    stats = importance_weights(train_logp, rollout_logp, mask, level, mode, upper=upper, lower=lower).stats
+) -> tuple[Tensor, DeviceStats]:
+    """The importance weights of :func:`importance_terms` and the statistics of :func:`mismatch_metrics` (0-d
+    tensors), computed once: a trainer corrects with the weights and logs the statistics of the same ratios."""
+    out = {f"{prefix}{k}": v for k, v in logp_diff_terms(train_logp, rollout_logp, mask).items()}
+    weights, stats = importance_terms(train_logp, rollout_logp, mask, level, mode, upper=upper, lower=lower)
     renames = {"raw_ratio_mean": "is_raw_mean", "raw_ratio_max": "is_raw_max", "raw_ratio_min": "is_raw_min",
                "applied_mean": "is_applied_mean"}
     out.update({f"{prefix}{renames.get(k, k)}": v for k, v in stats.items()})
-    return out
+    return weights, out

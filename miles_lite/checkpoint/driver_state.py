@@ -39,7 +39,7 @@ class DriverState:
 
     Attributes:
         step: optimizer steps completed (the next step to run).
-        weight_version: version of the weights last pushed to the engines.
+        weight_version: version of the weights last pushed to the engines (the RL steps they had taken).
         data: `PromptSource.state_dict()` (data cursor and epoch order).
         rng: `capture_driver_rng()` of the driver process.
         presample_keep: dataset indices the presample filter kept (None: no filter applied).

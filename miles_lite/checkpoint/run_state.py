@@ -14,12 +14,12 @@ from miles_lite.checkpoint.driver_state import DriverState
 from miles_lite.checkpoint.host_buffers import HostBuffers
 from miles_lite.checkpoint.resume import CheckpointReader
 from miles_lite.checkpoint.trainer_state import checkpoint_payload, hf_assets, restore_actor, snapshot_sizes
-from miles_lite.config.schema import MilesConfig
+from miles_lite.config.schema import CheckpointConfig, ModelConfig
 
 
-def tokenizer_dir(cfg: MilesConfig) -> Path | None:
+def tokenizer_dir(model: ModelConfig) -> Path | None:
     """Where the run's tokenizer files are: `model.tokenizer_path`, else `model.hf_path`, else None."""
-    for candidate in (cfg.model.tokenizer_path, cfg.model.hf_path):
+    for candidate in (model.tokenizer_path, model.hf_path):
         if candidate and Path(candidate).is_dir():
             return Path(candidate)
     return None
@@ -31,12 +31,15 @@ class RankCheckpointer:
     The `AsyncCheckpointer` is made on the first save (every rank saves together) and held for the run.
 
     Args:
-        cfg: the run's config (`checkpoint.*`, `model.*` for the assets).
+        checkpoint: `checkpoint.*` of the run.
+        model: `model.*` of the run (where the HF assets stored with rank 0's checkpoint come from).
         timeout_s: how long a rank waits for the others while flushing.
     """
 
-    def __init__(self, cfg: MilesConfig, timeout_s: float = 1800.0, buffers: HostBuffers | None = None) -> None:
-        self.cfg = cfg
+    def __init__(self, checkpoint: CheckpointConfig, model: ModelConfig, timeout_s: float = 1800.0,
+                 buffers: HostBuffers | None = None) -> None:
+        self.checkpoint = checkpoint
+        self.model = model
         self.timeout_s = timeout_s
         self.buffers = buffers
         self.saver: AsyncCheckpointer | None = None
@@ -45,7 +48,7 @@ class RankCheckpointer:
         """At trainer start-up, when the run saves asynchronously every `checkpoint.interval` steps:
         start allocating the snapshots' host buffers on a background thread, so that the first save
         blocks training only for its copies (allocating ~7 GB of pinned memory takes seconds)."""
-        ckpt = self.cfg.checkpoint
+        ckpt = self.checkpoint
         if self.buffers is None and ckpt.async_save and ckpt.interval > 0:
             self.buffers = HostBuffers()
             self.buffers.reserve(snapshot_sizes(actor))
@@ -53,10 +56,10 @@ class RankCheckpointer:
     def save(self, actor: Any, step: int, driver: DriverState | None = None) -> SaveStats:
         """Snapshot `actor` (and `driver` on rank 0) as checkpoint `step`; returns once training may go on."""
         if self.saver is None:
-            self.saver = AsyncCheckpointer.from_config(self.cfg.checkpoint, timeout_s=self.timeout_s,
+            self.saver = AsyncCheckpointer.from_config(self.checkpoint, timeout_s=self.timeout_s,
                                                        buffers=self.buffers)
         rank0 = self.saver.rank == 0
-        assets = hf_assets(actor.hf_config, tokenizer_dir(self.cfg)) if rank0 else None
+        assets = hf_assets(actor.hf_config, tokenizer_dir(self.model)) if rank0 else None
         meta = driver.manifest_meta() if rank0 and driver is not None else None
         payload = checkpoint_payload(actor, driver.to_tree() if rank0 and driver is not None else None,
                                      assets=assets, meta=meta)

@@ -3,9 +3,10 @@
     miles-lite train [--cfg job|all] [--config-dir DIR] [OVERRIDE ...]   RL training (Hydra overrides)
     miles-lite presample ...                                             pass@k and the filtered data set
     miles-lite engine ...                                                serve the CPU reference engine
-    miles-lite eval MODEL_OR_CKPT DATA                                   evaluation (DATA: a file, synthetic, or sets)
+    miles-lite eval MODEL_OR_CKPT [DATA]                                 evaluation of a run, checkpoint or model
     miles-lite convert --to-hf CKPT OUT | --from-hf HF_DIR OUT           checkpoint conversion
     miles-lite report RUN_DIR                                            HTML report of a run
+    miles-lite check-template [--template FAMILY|hf] [--tokenizer DIR]   chat template append-only check
 
 Each subcommand's implementation lives beside the code it drives and exposes
 `add_arguments(parser)` and `run(args) -> int`; this module only wires them.
@@ -23,9 +24,11 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "train": ("miles_lite.cli.train", "run RL training; arguments are Hydra overrides (trainer.tp=2 ...)"),
     "presample": ("miles_lite.cli.presample", "k samples per question: pass@k and a filtered data set"),
     "engine": ("miles_lite.cli.engine", "serve the CPU reference engine (SGLang's HTTP API)"),
-    "eval": ("miles_lite.cli.eval", "greedy evaluation of a model or checkpoint on a data set"),
+    "eval": ("miles_lite.cli.eval", "evaluate a run, a checkpoint or a model with the run's own task configuration"),
     "convert": ("miles_lite.cli.convert", "convert checkpoints to and from HF safetensors"),
     "report": ("miles_lite.observability.report", "write a self-contained HTML report of a run directory"),
+    "check-template": ("miles_lite.cli.check_template",
+                       "check that a chat template is append-only on a tokenizer (agent sessions rely on it)"),
 }
 
 
@@ -72,7 +75,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         startup_heap.pause()
     parser = build_parser(command if command in SUBCOMMANDS else None)
     args = parser.parse_args(args_list)
-    code = int(args._module.run(args) or 0)
+    try:
+        code = int(args._module.run(args) or 0)
+    except KeyboardInterrupt:  # Ctrl-C outside a training run's own handling (start-up, eval, report, ...)
+        print(f"miles-lite {args.command}: interrupted", file=sys.stderr)
+        code = 130
     if argv is None:
         from miles_lite.net.process_exit import before_interpreter_exit
 

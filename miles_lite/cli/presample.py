@@ -24,6 +24,7 @@ from typing import Any
 
 from miles_lite.config.compose import load_config
 from miles_lite.config.schema import MilesConfig
+from miles_lite.config.views import EngineFleetConfig
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.problems import read_problems
@@ -50,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="base sampling seed (each sample gets its own)")
     parser.add_argument("--chunk", type=int, default=64, help="questions sent per batch of groups")
     parser.add_argument("--log-dir", help="engine server logs (default: <out dir>/presample_logs)")
-    parser.add_argument("--config-dir", help="configuration directory (default: the package's conf/)")
+    parser.add_argument("--config-dir", help="a directory of your own configuration files, searched before the "
+                        "package's conf/")
     parser.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="Hydra overrides, e.g. rollout.top_p=0.9")
 
 
@@ -80,9 +82,9 @@ def _config(args: argparse.Namespace) -> MilesConfig:
 
 def _presample(cfg: MilesConfig, problems: list[MathProblem], tokenizer: Any, log_dir: str, seed: int,
                chunk: int) -> PresampleReport:
-    rollout = build_rollout(cfg, tokenizer, log_dir, seed=seed)
+    rollout = build_rollout(EngineFleetConfig.of(cfg), tokenizer, log_dir, seed=seed)
     try:
-        encoder = PromptEncoder(tokenizer, cfg.data.prompt_template, chat_template=cfg.data.chat_template)
+        encoder = PromptEncoder(tokenizer, cfg.data.prompt_template, raw_prompts=not cfg.data.chat_template)
 
         def progress(done: int, total: int) -> None:
             print(f"presampled {done:,}/{total:,} questions", file=sys.stderr, flush=True)
@@ -100,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the presampling job; returns the process exit code (2 for bad arguments)."""
     try:
         cfg = _config(args)
-        problems = read_problems(args.data, args.n, cfg)
+        problems = read_problems(args.data, args.n, cfg.data.synthetic)
     except ValueError as exc:
         print(f"miles-lite presample: error: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """The rollout role on Ray: its gang (placement group) and one engine actor per bundle.
 
-`RolloutGang.reserve(cfg, ...)` reserves the rollout gang, all bundles or none (one bundle per engine,
+`RolloutGang.reserve(fleet_cfg, ...)` reserves the rollout gang, all bundles or none (one bundle per engine,
 each asking `cluster.cpus_per_engine` CPUs, `engine_gpus * engine_tp` GPUs and one unit of
 `cluster.rollout_resource`), or, when colocated, reuses the trainer's placement group. `launch(slot,
 incarnation)` is the fleet's launcher: it places an `EngineServer` actor in bundle `slot` (a
@@ -20,17 +20,15 @@ import dataclasses
 import enum
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
 
 from miles_lite.cluster.engine_actor import EngineLocation, EngineServer
 from miles_lite.cluster.gang import GangSpec, reserve, rollout_gang
-from miles_lite.config.colocation import engine_rollout
-from miles_lite.config.schema import MilesConfig
-from miles_lite.config.validate import model_dims
+from miles_lite.config.views import EngineFleetConfig
 from miles_lite.engines.fleet_launch import populate
+from miles_lite.formats.files import append_line
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.engine_state import EngineHandle
 from miles_lite.rollout.fleet import EngineFleet
@@ -77,8 +75,8 @@ class GangEngine(HttpEngine):
 class RolloutGang:
     """The rollout engines' placement group and the engine actors placed in it."""
 
-    def __init__(self, cfg: MilesConfig, log_dir: str, placement_group: Any, bundles: tuple[dict[str, float], ...],
-                 owns_group: bool) -> None:
+    def __init__(self, cfg: EngineFleetConfig, log_dir: str, placement_group: Any,
+                 bundles: tuple[dict[str, float], ...], owns_group: bool) -> None:
         self.cfg = cfg
         # The run's key (`start_gang_fleet` sets it): each engine actor gets it as a call argument, never argv.
         self.api_key: str | None = None
@@ -91,10 +89,10 @@ class RolloutGang:
         self.locations: list[EngineLocation] = []
 
     @classmethod
-    def reserve(cls, cfg: MilesConfig, log_dir: str, trainer_group: Any = None,
+    def reserve(cls, cfg: EngineFleetConfig, log_dir: str, trainer_group: Any = None,
                 trainer_bundles: tuple[dict[str, float], ...] = ()) -> RolloutGang:
         """Reserve the rollout gang (or share the trainer's when colocated); raises `GangSchedulingError`."""
-        spec = rollout_gang(cfg)
+        spec = rollout_gang(cfg.rollout, cfg.cluster)
         if spec is None:
             if trainer_group is None:
                 raise ValueError("cluster.placement=colocated places engines in the trainer's gang: start the "
@@ -125,10 +123,10 @@ class RolloutGang:
 
         if self.state is not GangState.RESERVED:
             raise RuntimeError(f"the rollout gang is {self.state.value}; no engine can be launched")
-        rollout = engine_rollout(self.cfg)
+        rollout = self.cfg.rollout
         env = {str(k): str(v) for k, v in rollout.engine_env.items()}
         actor = ray.remote(EngineServer).options(**self._actor_options(slot)).remote(
-            rollout, str(self.cfg.model.hf_path), self.log_dir, slot, incarnation, env, self.owns_group, self.api_key)
+            rollout, str(self.cfg.model_path), self.log_dir, slot, incarnation, env, self.owns_group, self.api_key)
         self.actors[slot] = actor
         # Placement (a bundle whose node died waits for room) plus the server's own start-up.
         timeout = self.cfg.cluster.placement_timeout_s + rollout.startup_timeout_s
@@ -145,7 +143,7 @@ class RolloutGang:
             raise
         self._record(location)
         client = GangEngine(location, actor, rollout.request_timeout_s, self.api_key,
-                            vocab_size=model_dims(self.cfg).vocab_size)
+                            vocab_size=self.cfg.vocab_size)
 
         async def stop() -> None:
             await self.stop(slot, actor)
@@ -156,9 +154,8 @@ class RolloutGang:
         self.locations.append(location)
         logger.info("%s", location.describe())
         print(f"miles-lite: rollout gang: {location.describe()}", flush=True)
-        os.makedirs(self.log_dir, exist_ok=True)
-        with open(Path(self.log_dir) / "engines.jsonl", "a") as f:
-            f.write(json.dumps({**dataclasses.asdict(location), "time": time.time()}) + "\n")
+        record = {**dataclasses.asdict(location), "time": time.time()}
+        append_line(Path(self.log_dir) / "engines.jsonl", json.dumps(record))
 
     async def stop(self, slot: int, actor: Any, grace_s: float = 10.0) -> None:
         """Stop the server through its actor, then end the actor (its bundle is free for a replacement)."""

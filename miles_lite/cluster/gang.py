@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from miles_lite.config.schema import MilesConfig
+from miles_lite.config.schema import ClusterConfig, RolloutConfig, TrainerConfig
 
 
 class GangSchedulingError(RuntimeError):
@@ -49,25 +49,25 @@ def _bundle(cpus: float, gpus: float, resource: str | None) -> dict[str, float]:
     return bundle
 
 
-def trainer_gang(cfg: MilesConfig) -> GangSpec:
+def trainer_gang(trainer: TrainerConfig, cluster: ClusterConfig) -> GangSpec:
     """One bundle per trainer rank (tp * dp * pp ranks), packed to keep TP groups on a node."""
-    world = cfg.trainer.world_size
-    gpus = cfg.cluster.trainer_gpus_per_rank
-    resource = cfg.cluster.trainer_resource
-    if cfg.cluster.placement == "colocated":
+    world = trainer.world_size
+    gpus = cluster.trainer_gpus_per_rank
+    resource = cluster.trainer_resource
+    if cluster.placement == "colocated":
         # Engines share these bundles: each bundle also carries one engine's CPU share.
-        cpus = 1.0 + cfg.cluster.cpus_per_engine
+        cpus = 1.0 + cluster.cpus_per_engine
         return GangSpec("trainer", tuple(_bundle(cpus, gpus, resource) for _ in range(world)), "PACK")
     return GangSpec("trainer", tuple(_bundle(1.0, gpus, resource) for _ in range(world)), "PACK")
 
 
-def rollout_gang(cfg: MilesConfig) -> GangSpec | None:
+def rollout_gang(rollout: RolloutConfig, cluster: ClusterConfig) -> GangSpec | None:
     """One bundle per engine holding all of its TP GPUs; None when colocated (engines use the trainer's)."""
-    if cfg.cluster.placement == "colocated":
+    if cluster.placement == "colocated":
         return None
-    gpus = cfg.cluster.engine_gpus * cfg.rollout.engine_tp
-    bundles = tuple(_bundle(cfg.cluster.cpus_per_engine, gpus, cfg.cluster.rollout_resource)
-                    for _ in range(cfg.rollout.engines))
+    gpus = cluster.engine_gpus * rollout.engine_tp
+    bundles = tuple(_bundle(cluster.cpus_per_engine, gpus, cluster.rollout_resource)
+                    for _ in range(rollout.engines))
     return GangSpec("rollout", bundles, "PACK")
 
 

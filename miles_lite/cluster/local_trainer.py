@@ -10,7 +10,7 @@ import torch
 from miles_lite.checkpoint.async_ckpt import SaveStats
 from miles_lite.checkpoint.driver_state import DriverState
 from miles_lite.cluster.rank import TrainerRank
-from miles_lite.config.schema import MilesConfig
+from miles_lite.config.views import TrainerRoleConfig
 from miles_lite.net.ports import LOCAL_HOST, free_port, node_address, url_host
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.types import TrainBatch
@@ -19,12 +19,12 @@ from miles_lite.types import TrainBatch
 class LocalTrainer:
     """A `TrainerRole` of world size 1: one `TrainerRank` in this process."""
 
-    def __init__(self, cfg: MilesConfig) -> None:
+    def __init__(self, cfg: TrainerRoleConfig) -> None:
         self.cfg = cfg
         self.rank = TrainerRank()
         # A world of one: the process group never leaves this process.
         self.rank.setup(cfg, rank=0, world_size=1, init_method=f"tcp://{LOCAL_HOST}:{free_port(LOCAL_HOST)}",
-                        total_steps=max(cfg.experiment.steps, 1))
+                        total_steps=cfg.actor.steps)
 
     def layouts(self) -> list[ParamLayout]:
         return self.rank.layouts()
@@ -39,7 +39,7 @@ class LocalTrainer:
     def weight_group_endpoint(self) -> tuple[str, int]:
         """The weight-update group's rendezvous (this process is its rank 0): `cluster.advertise_address`, else
         the route toward external engines (`rollout.engine_urls`), else loopback for engines on this machine."""
-        peers = [url_host(u) for u in self.cfg.rollout.engine_urls]
+        peers = [url_host(u) for u in self.cfg.engine_urls]
         return node_address(self.cfg.cluster.advertise_address, peers, fallback=LOCAL_HOST), free_port("")
 
     def join_weight_group(self, master_address: str, master_port: int, world_size: int, group_name: str,

@@ -14,7 +14,7 @@ import torch
 
 from miles_lite.checkpoint.driver_state import DriverState
 from miles_lite.checkpoint.run_state import RankCheckpointer
-from miles_lite.config.schema import MilesConfig
+from miles_lite.config.views import TrainerRoleConfig
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.types import TrainBatch
 
@@ -68,13 +68,14 @@ class TrainerRank:
         self.checkpointer: RankCheckpointer | None = None
         self.sender: Any = None
 
-    def setup(self, cfg: MilesConfig, rank: int, world_size: int, init_method: str, total_steps: int) -> RankCoords:
+    def setup(self, cfg: TrainerRoleConfig, rank: int, world_size: int, init_method: str,
+              total_steps: int) -> RankCoords:
         """Join the trainer's process group and build this rank's model shard and optimizer."""
         from miles_lite.trainer.actor import TrainerActor
 
-        self.actor = TrainerActor(cfg, rank=rank, world_size=world_size, init_method=init_method,
+        self.actor = TrainerActor(cfg.actor, rank=rank, world_size=world_size, init_method=init_method,
                                   total_steps=total_steps)
-        self.checkpointer = RankCheckpointer(cfg)
+        self.checkpointer = RankCheckpointer(cfg.checkpoint, cfg.actor.model)
         self.checkpointer.prepare(self.actor)
         par = self.actor.par
         return RankCoords(par.rank, par.tp_rank, par.dp_rank, par.ep_rank)

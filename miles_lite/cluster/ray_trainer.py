@@ -28,7 +28,8 @@ from miles_lite.checkpoint.async_ckpt import SaveStats
 from miles_lite.checkpoint.driver_state import DriverState
 from miles_lite.cluster.gang import reserve, trainer_gang
 from miles_lite.cluster.rank import RankCoords, TrainerRank, expert_senders, weight_senders
-from miles_lite.config.schema import MilesConfig
+from miles_lite.config.schema import ClusterConfig
+from miles_lite.config.views import TrainerRoleConfig
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.types import TrainBatch
 
@@ -69,7 +70,7 @@ class RayTrainerRank(TrainerRank):
         return node_address(advertise), free_port("")
 
 
-def _init_ray(cfg: MilesConfig, cpus: float) -> bool:
+def _init_ray(cluster: ClusterConfig, cpus: float) -> bool:
     """Connect to `cluster.ray_address`, or start a local instance sized for the gang; True if this call did.
 
     A Ray session already open in this process (a test, an embedding application) is reused.
@@ -84,8 +85,8 @@ def _init_ray(cfg: MilesConfig, cpus: float) -> bool:
     # ray.init installs its own handler for SIGTERM (it logs and aborts the driver) over the process's:
     # the graceful stop (finish the step, checkpoint, exit 0) keeps the handlers it installed.
     handlers = _python_stop_handlers()
-    if cfg.cluster.ray_address:
-        ray.init(address=cfg.cluster.ray_address, log_to_driver=False)
+    if cluster.ray_address:
+        ray.init(address=cluster.ray_address, log_to_driver=False)
     else:
         # "local": a Ray of this run's own, never a cluster some earlier `ray start` left recorded on the
         # machine (with num_cpus given, joining that one fails, or it is stale and the call hangs).
@@ -107,10 +108,10 @@ def _python_stop_handlers() -> dict[signal.Signals, Any]:
 class RayTrainerGroup:
     """A `TrainerRole` of `tp * dp` ranks as Ray actors (every call goes to all ranks; rank 0 answers)."""
 
-    def __init__(self, cfg: MilesConfig) -> None:
+    def __init__(self, cfg: TrainerRoleConfig) -> None:
         self.cfg = cfg
         self.state = GroupState.NEW
-        self.world_size = cfg.trainer.world_size
+        self.world_size = cfg.actor.trainer.world_size
         self.actors: list[Any] = []
         self.coords: list[RankCoords] = []
         self.placement_group: Any = None
@@ -120,7 +121,7 @@ class RayTrainerGroup:
     # ---- lifecycle ------------------------------------------------------------------------------
 
     @classmethod
-    def start(cls, cfg: MilesConfig) -> RayTrainerGroup:
+    def start(cls, cfg: TrainerRoleConfig) -> RayTrainerGroup:
         """Reserve the trainer gang and build every rank; raises (and releases everything) on failure.
 
         Raises `GangSchedulingError` when the gang cannot be placed within `cluster.placement_timeout_s`,
@@ -139,8 +140,8 @@ class RayTrainerGroup:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.state = GroupState.STARTING
-        spec = trainer_gang(self.cfg)
-        self.owns_ray = _init_ray(self.cfg, spec.total().get("CPU", 1.0))
+        spec = trainer_gang(self.cfg.actor.trainer, self.cfg.cluster)
+        self.owns_ray = _init_ray(self.cfg.cluster, spec.total().get("CPU", 1.0))
         self.placement_group = reserve(spec, self.cfg.cluster.placement_timeout_s)
         remote_cls = ray.remote(RayTrainerRank)
         for rank, bundle in enumerate(spec.bundles):
@@ -151,7 +152,7 @@ class RayTrainerGroup:
                 max_restarts=0, scheduling_strategy=strategy).remote())
         timeout = self.cfg.cluster.trainer_start_timeout_s
         init_method = self._collect({0: self.actors[0].rendezvous.remote()}, "rendezvous", timeout)[0]
-        total_steps = max(self.cfg.experiment.steps, 1)
+        total_steps = self.cfg.actor.steps
         refs = {rank: actor.setup.remote(self.cfg, rank, self.world_size, init_method, total_steps)
                 for rank, actor in enumerate(self.actors)}
         self.coords = self._collect(refs, "setup", timeout)
@@ -253,18 +254,18 @@ class RayTrainerGroup:
     def _sender_ranks(self) -> list[int]:
         """Global rank of every weight sender (index = sender: TP ranks of DP rank 0, then expert holders)."""
         self._require_ready()
-        return weight_senders(self.coords, self.cfg.trainer.tp)
+        return weight_senders(self.coords, self.cfg.actor.trainer.tp)
 
     def expert_senders(self) -> dict[int, int]:
         """Global routed expert -> the sender holding it (empty for a dense model)."""
         experts = {layout.expert for layout in self.layouts() if layout.expert is not None}
         if not experts:
             return {}
-        return expert_senders(self.coords, self._sender_ranks(), self.cfg.trainer.ep, len(experts))
+        return expert_senders(self.coords, self._sender_ranks(), self.cfg.actor.trainer.ep, len(experts))
 
     def weight_shards(self) -> list[dict[str, torch.Tensor]]:
         """`{megatron name: local tensor}` per weight sender (index = sender; beyond the TP ranks, experts only)."""
-        tp = self.cfg.trainer.tp
+        tp = self.cfg.actor.trainer.tp
         refs = {i: self.actors[rank].weight_shards.remote(True, i >= tp) for i, rank in enumerate(self._sender_ranks())}
         return self._collect(refs, "weight_shards")
 

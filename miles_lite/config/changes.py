@@ -6,7 +6,8 @@ Kinds of change, by field:
 - `refused`: the checkpoint's weights cannot take it: the model's architecture, shape, vocabulary and
   tokenizer (`model.*`).
 - `data`: the training data's source and identity (`data.source`, `data.train_path`, `data.synthetic.*`
-  but its `eval_size`). These are judged by the data's identity (`miles_lite.data.identity`), not field
+  but its `eval_size`, and the key mapping of records: `data.prompt_key` and the other `data.*_key`). These
+  are judged by the data's identity (`miles_lite.data.identity`), not field
   by field: a file moved with the same content is the same data.
 - `spent`: settings of what ran once, before the first RL step (the warm-up, the presample filter) or
   that the checkpoint carries over (`data.shuffle_seed`: the saved prompt order continues). They take
@@ -30,7 +31,8 @@ from omegaconf import OmegaConf
 from miles_lite.config.schema import MilesConfig
 
 REFUSED_FIELDS = ("model.",)
-DATA_FIELDS = ("data.source", "data.train_path", "data.synthetic.")
+DATA_FIELDS = ("data.source", "data.train_path", "data.synthetic.", "data.prompt_key", "data.messages_key",
+               "data.label_key", "data.metadata_key", "data.source_key", "data.response_key")
 DATA_EXCEPTIONS = ("data.synthetic.eval_size",)
 SPENT_FIELDS = ("experiment.warmup*", "data.presample.", "data.shuffle_seed")
 IGNORED_FIELDS = ("experiment.output_dir", "experiment.run_name", "checkpoint.resume", "checkpoint.allow_data_change")

@@ -13,6 +13,7 @@ A push loads the new version before unloading the one in service, so two adapter
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -79,3 +80,14 @@ def lora_serving_problems(cfg: MilesConfig) -> list[str]:
             problems.append(f"{field}.max_loaded_loras={loaded!r}: a push loads the new adapter before unloading "
                             "the one in service, so the engine holds two; drop it or set it >= 2")
     return problems
+
+
+def with_lora_serving(cfg: MilesConfig) -> MilesConfig:
+    """`cfg` with the engines' LoRA flags added to `rollout.sglang_args` / `rollout.reference_args` (unchanged
+    when the run pushes full or merged weights). Flags the user set explicitly, in either spelling, are kept."""
+    if not serves_adapters(cfg):
+        return cfg
+    sglang = merged_lora_args(cfg, "sglang", cfg.rollout.sglang_args)
+    reference = merged_lora_args(cfg, "reference", cfg.rollout.reference_args)
+    rollout = dataclasses.replace(cfg.rollout, sglang_args=sglang, reference_args=reference)
+    return dataclasses.replace(cfg, rollout=rollout)

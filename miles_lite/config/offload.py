@@ -12,7 +12,7 @@ class OffloadConfig:
 
     # The model's parameters (after the weight push and its verification, which read them on the device).
     params: bool = True
-    # Megatron DDP's contiguous gradient buffers.
+    # Megatron DDP's contiguous gradient buffers: freed, not copied (every step starts by zeroing them).
     grads: bool = True
     # The optimizer: fp32 main parameters (bf16 training), Adam moments, the divergence guard's snapshot.
     optimizer: bool = True

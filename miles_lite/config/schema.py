@@ -219,6 +219,33 @@ class RolloutConfig:
     # rollout pods of a Kubernetes MilesJob; when set, no engines are launched and `engines` must equal their count.
     engine_urls: list[str] = field(default_factory=list)
     engine_urls_file: str | None = None  # engine URLs, one a line, followed while running (engine_list.py)
+    # Blocking plug-in calls (tool environments' replies and resets, reward functions) run off the rollout event
+    # loop in a pool of `plugin_workers` threads, or processes (picklable, stateless plug-ins); an environment
+    # call past `plugin_timeout_s` fails the run as a plug-in failure.
+    plugin_pool: str = one_of("threads", "processes")
+    plugin_workers: int = bounded(8, ge=1)
+    plugin_timeout_s: float = bounded(60.0, gt=0)
+    # Agent plug-in "package.module:fn": async fn(base_url, api_key, record, sampling) -> dict | None drives any
+    # number of chat-completion turns through the run's session gateway (rollout/gateway/); its session becomes
+    # the sample. None: the manager samples the turns itself.
+    agent: str | None = None
+    # Optional hook "package.module:fn", fn(base_url, api_key, record, reason), called when an agent is stopped
+    # (timeout, weight-update interruption, the run ending) to end work it started outside (a sandbox).
+    agent_abort: str | None = None
+    max_concurrent_agents: int = bounded(64, ge=1)
+    # Seconds one agent run may take; past it the agent is stopped, counted and its sample dropped.
+    agent_timeout_s: float = bounded(600.0, gt=0)
+    # The chat template the gateway renders sessions with: auto (the family of model.arch), qwen2.5, qwen3,
+    # llama3 (written in the project, append-only), or hf (the checkpoint's own, checked append-only at start).
+    chat_template: str = "auto"
+    # Template options every session starts with, e.g. {enable_thinking: false} (qwen3), {date_string: ...} (llama3).
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # A request whose history diverges from its session's: refuse (HTTP 400) | branch (continue from the longest
+    # stored prefix; the abandoned branch is not trained on).
+    session_divergence: str = one_of("refuse", "branch")
+    # Where the gateway listens: loopback for local runs; 0 picks a free port.
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = bounded(0, ge=0, le=65535)
 
 
 @dataclass
@@ -277,8 +304,10 @@ class WeightSyncConfig:
     verify: bool = True
     probe_sequences: int = bounded(2, ge=0)
     probe_tokens: int = bounded(32, ge=1)
-    # A push whose probe per-token |logp diff| (mean) exceeds this raises.
-    max_probe_logp_diff: float = bounded(1e-3, gt=0)
+    # A push whose probe per-token |logp diff| (mean) exceeds this raises. None: chosen by precision, engines and
+    # architecture (1e-3 fp32 throughout; bf16 against reference engines 1e-2, against SGLang 0.1; twice that for
+    # mixture-of-experts models): see config/weight_sync_choice.py `probe_bound`.
+    max_probe_logp_diff: float | None = bounded(None, gt=0)
     # shard: every engine rank receives its own slices from the trainer ranks, through the weight-loader
     # plugin; full: SGLang's own broadcast of full HF tensors from one process.
     mode: str = one_of("shard", "full")
@@ -385,7 +414,10 @@ class ExperimentConfig:
     # Teacher for on-policy distillation (HF directory); None: trained tiny teacher.
     teacher_path: str | None = None
     eval_every: int = bounded(0, ge=0)
-    eval_size: int = bounded(64, ge=0)
+    # Held-out problems / records evaluated before and after RL (and every `eval_every` steps): None (null) every
+    # one of data.eval_path (GSM8K without one: the last 64 training problems, taken out of training); 0 none;
+    # N the first N of data.eval_path (the cut is reported). Synthetic data holds out data.synthetic.eval_size.
+    eval_size: int | None = bounded(None, ge=0)
     seed: int = 0
 
 

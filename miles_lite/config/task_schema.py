@@ -15,7 +15,9 @@ class PresampleConfig:
 
     enabled: bool = True
     k: int = bounded(8, ge=1)
-    # strict = exact_check (answer and format); lenient = the last number in the text is right.
+    # Math problems: strict = exact_check (answer and format); lenient = the last number in the text is right.
+    # Records: strict = the total reward reaches the most the reward set gives (full marks); lenient = the total
+    # is above zero (some reward earned).
     scoring: str = one_of("lenient", "strict")
     drop_all_wrong: bool = True
     drop_all_right: bool = True
@@ -48,13 +50,22 @@ class EvalSetConfig:
     # A records file, several (a list) or a glob, read like data.train_path.
     path: Any = None
     k: int = bounded(1, ge=1)
-    temperature: float = bounded(0.0, ge=0)
-    top_p: float = bounded(1.0, gt=0, le=1)
+    # None: greedy (0) for k = 1, rollout.temperature for k > 1 (k greedy samples would be one answer k times,
+    # so an explicit 0 with k > 1 is refused).
+    temperature: float | None = bounded(None, ge=0)
+    # None: rollout.top_p.
+    top_p: float | None = bounded(None, gt=0, le=1)
     # None: rollout.max_new_tokens.
     max_new_tokens: int | None = bounded(None, ge=1)
     threshold: float | None = None
     # Evaluate the first N prompts only (0: all).
     size: int = bounded(0, ge=0)
+
+    def sampling_temperature(self, run_temperature: float) -> float:
+        """The temperature the set samples at: its own, else greedy for k = 1 and the run's for k > 1."""
+        if self.temperature is not None:
+            return self.temperature
+        return 0.0 if self.k == 1 else run_temperature
 
 
 @dataclass
@@ -131,5 +142,8 @@ class RewardsConfig:
     # The `exact_match` reward compares this regex's match (its first group, if any) in the completion with
     # the label; None: the whole completion.
     answer_pattern: str | None = None
+    # Seconds one reward function may take over one batch (it runs in a worker, off the rollout loop); past
+    # it the run fails naming the reward. The remote reward model has its own `remote.timeout_s`.
+    timeout_s: float = bounded(600.0, gt=0)
     remote: RemoteRewardConfig = field(default_factory=RemoteRewardConfig)
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from miles_lite.config.engine_flags import flag_value
+from miles_lite.config.resume_path import resume_problem
 from miles_lite.config.schema import MilesConfig, choices, ranges
 
 
@@ -210,7 +211,7 @@ def _check_rewards(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append("rewards.remote: timeout_s must be > 0, retries and backoff_s >= 0")
     try:
         build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom, remote_reward_spec(cfg),
-                         cfg.rewards.by_source, cfg.rewards.answer_pattern)
+                         cfg.rewards.by_source, cfg.rewards.answer_pattern, agent=cfg.rollout.agent is not None)
     except ValueError as err:  # PluginError is a ValueError and names its field
         problems.append(str(err))
 
@@ -240,6 +241,7 @@ def _check_rollout(cfg: MilesConfig, problems: list[str]) -> None:
     if rollout.group_filter and not rollout.dynamic_sampling:
         problems.append(f"rollout.group_filter={rollout.group_filter!r} filters dynamic sampling's groups; set "
                         "rollout.dynamic_sampling=true")
+    _check_agent(cfg, problems)
     try:
         if rollout.group_filter:
             load_sync_fn(rollout.group_filter, "rollout.group_filter", positional=1)
@@ -249,6 +251,58 @@ def _check_rollout(cfg: MilesConfig, problems: list[str]) -> None:
             load_async_fn(rollout.generate_fn, "rollout.generate_fn", positional=3)
     except ValueError as err:  # PluginError names the field
         problems.append(str(err))
+
+
+def _check_agent(cfg: MilesConfig, problems: list[str]) -> None:
+    """The agent plug-in, its chat template and the plug-in pool (see rollout/agent.py)."""
+    from miles_lite.formats.chat import CHAT_TEMPLATE_CHOICES, unknown_family_message
+    from miles_lite.plugins import environment_from_plugin
+
+    rollout = cfg.rollout
+    if rollout.chat_template not in CHAT_TEMPLATE_CHOICES:
+        problems.append(unknown_family_message(rollout.chat_template))
+    if rollout.agent and (rollout.environment or rollout.generate_fn):
+        problems.append("rollout.agent runs its own turns through the session gateway: unset rollout.environment and "
+                        "rollout.generate_fn")
+    if rollout.agent_abort and not rollout.agent:
+        problems.append(f"rollout.agent_abort={rollout.agent_abort!r} is a hook of rollout.agent, which is not set")
+    if rollout.plugin_pool == "processes" and rollout.environment and rollout.environment != "calculator":
+        import pickle
+
+        try:
+            env = environment_from_plugin(rollout.environment, "rollout.environment")
+            if callable(getattr(env, "reset", None)):
+                problems.append("rollout.plugin_pool=processes runs each environment call in a worker process, where "
+                                "the per-trajectory state of rollout.environment's reset() would be lost: use "
+                                "rollout.plugin_pool=threads")
+            else:
+                pickle.dumps(env)
+        except ValueError:
+            pass  # reported by the plug-in checks
+        except Exception as exc:  # pickle raises several kinds
+            problems.append(f"rollout.plugin_pool=processes: rollout.environment cannot be sent to a worker process "
+                            f"({type(exc).__name__}: {exc}); use rollout.plugin_pool=threads")
+    if not rollout.agent:
+        return
+    from miles_lite.plugins import check_signature, load_plugin
+
+    try:
+        for path, field in ((rollout.agent, "rollout.agent"), (rollout.agent_abort, "rollout.agent_abort")):
+            if path:  # fn(base_url, api_key, record, sampling); the hook fn(base_url, api_key, record, reason)
+                check_signature(load_plugin(path, field), field, positional=4)
+    except ValueError as err:  # PluginError names the field
+        problems.append(str(err))
+    if rollout.chat_template == "hf" and cfg.model.hf_path:
+        from transformers import AutoTokenizer
+
+        from miles_lite.formats.chat import resolve_chat_template
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model.tokenizer_path or cfg.model.hf_path)
+        try:
+            resolve_chat_template("hf", tokenizer, cfg.model.arch, tiny=False,
+                                  tokenize=lambda t: list(tokenizer(t, add_special_tokens=False)["input_ids"]))
+        except ValueError as err:
+            problems.append(str(err))
 
 
 def remote_reward_spec(cfg: MilesConfig):
@@ -291,6 +345,19 @@ def _check_records(cfg: MilesConfig, problems: list[str]) -> None:
                         "calls, which records do not have; use experiment.warmup=none with records")
 
 
+def eval_set_problems(cfg: MilesConfig) -> list[str]:
+    """Evaluation sets whose k samples could not differ (k > 1 at temperature 0), each naming the fix."""
+    problems: list[str] = []
+    for name, s in cfg.data.eval_sets.items():
+        if s.k > 1 and s.sampling_temperature(cfg.rollout.temperature) == 0:
+            given = (f"data.eval_sets.{name}.temperature=0" if s.temperature is not None else
+                     "rollout.temperature=0 (the temperature of a k > 1 set without its own)")
+            problems.append(f"data.eval_sets.{name}.k={s.k} with {given} samples one greedy answer {s.k} times, "
+                            f"so avg@{s.k} and pass@{s.k} would equal greedy accuracy; give the set a temperature "
+                            f"above 0 (data.eval_sets.{name}.temperature) or set its k to 1")
+    return problems
+
+
 def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
     if cfg.data.source == "gsm8k":
         for dotted in ("data.train_path", "data.eval_path"):
@@ -311,9 +378,8 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append("trainer.precision=fp8 needs TransformerEngine on a GPU; use fp32 or bf16 on CPU")
     if cfg.trainer.layer_spec == "te" and cfg.trainer.device == "cpu":
         problems.append("trainer.layer_spec=te needs a GPU; use trainer.layer_spec=local on CPU")
-    resume = cfg.checkpoint.resume
-    if resume not in ("auto", "none") and not os.path.isdir(resume):
-        problems.append(f"checkpoint.resume={resume!r} is neither auto, none nor a checkpoint directory")
+    if (resume_error := resume_problem(cfg.checkpoint)) is not None:
+        problems.append(resume_error)
     if cfg.rollout.async_steps >= 1 and cfg.rollout.max_staleness < 1:
         # Generation that overlaps training is always at least one version behind when it is trained on.
         problems.append(
@@ -336,9 +402,10 @@ def _check_paths_and_devices(cfg: MilesConfig, problems: list[str]) -> None:
         problems.append(f"trainer.use_distributed_optimizer=true with {what} is not supported; set "
                         "trainer.use_distributed_optimizer=false")
     from miles_lite.config.colocation import handoff_problems
+    from miles_lite.config.engine_launch import routing_problems
     from miles_lite.config.weight_sync_choice import weight_sync_problems
 
-    problems += weight_sync_problems(cfg) + handoff_problems(cfg)
+    problems += weight_sync_problems(cfg) + handoff_problems(cfg) + routing_problems(cfg)
 
 
 def _check_lora(cfg: MilesConfig, problems: list[str]) -> None:
@@ -375,6 +442,7 @@ def validate(cfg: MilesConfig) -> ModelDims | None:
     _check_rewards(cfg, problems)
     _check_rollout(cfg, problems)
     _check_paths_and_devices(cfg, problems)
+    problems += eval_set_problems(cfg)
     if cfg.cluster.api_key_file:
         from miles_lite.net.api_key import ApiKeyError, read_key_file
 

@@ -98,3 +98,65 @@ def weight_sync_problems(cfg: MilesConfig) -> list[str]:
         if obstacle:
             problems.append(f"weight_sync.backend=nccl: {obstacle}; use weight_sync.backend=gloo (or auto)")
     return problems
+
+
+# `weight_sync.max_probe_logp_diff` unset: the bound that fits the run (see `probe_bound`).
+PROBE_BOUND_FP32 = 1e-3
+PROBE_BOUND_BF16_REFERENCE = 1e-2
+PROBE_BOUND_BF16_SGLANG = 0.1
+PROBE_BOUND_MOE_FACTOR = 2.0
+FP32_DTYPES = frozenset({"float32", "float", "fp32"})
+
+
+def moe_model(cfg: MilesConfig) -> bool:
+    """Whether the model routes tokens to experts (`model.shape.num_experts`, or config.json's)."""
+    if not cfg.model.hf_path:
+        return cfg.model.arch == "qwen3_moe" and cfg.model.shape.num_experts > 0
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(cfg.model.hf_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    return any(isinstance(text.get(k), int) and text[k] > 0 for k in ("num_experts", "num_local_experts"))
+
+
+def engines_in_fp32(cfg: MilesConfig) -> bool:
+    """Whether the engines compute in fp32: reference engines unless `rollout.reference_args.dtype` says
+    otherwise; SGLang only with `rollout.sglang_args.dtype=float32` (it serves in the checkpoint's dtype)."""
+    if cfg.rollout.backend == "reference":
+        return str(flag_value(cfg.rollout.reference_args, "dtype", "float32")) in FP32_DTYPES
+    return str(flag_value(cfg.rollout.sglang_args, "dtype", "auto")) in FP32_DTYPES
+
+
+def probe_bound(cfg: MilesConfig) -> tuple[float, str]:
+    """The per-token |logp diff| mean a verified push may show, and why: `weight_sync.max_probe_logp_diff` when
+    set, else by precision, engines and architecture. Measured gaps of correct pushes (docs/benchmarks.md):
+
+    - fp32 trainer and fp32 engines: the same arithmetic up to summation order (0.0000 on a GPU): 1e-3;
+    - bf16 on one side (a bf16 or FP8 trainer scores the probe in bf16) against fp32 reference engines: 0.0006-0.0012
+      on tiny dense models: 1e-2;
+    - bf16 against SGLang's bf16 kernels: 0.010 on a trained 0.5B model, 0.078 on a random one: 0.1;
+    - a mixture-of-experts model twice that: a bf16 router breaks near ties the other way now and then, and a
+      token sent to another expert costs far more than rounding (0.0010-0.0014 on tiny Qwen3-MoE against 0.0006-0.0012
+      dense).
+
+    A push that loads the wrong weights differs by tenths of a nat or more (two random models of hidden size 256:
+    0.7 nats per token); an engine that kept its old weights is named by the probe's unchanged scores instead."""
+    given = cfg.weight_sync.max_probe_logp_diff
+    if given is not None:
+        return float(given), ""
+    fp32 = cfg.trainer.precision == "fp32" and engines_in_fp32(cfg)
+    moe = moe_model(cfg)
+    if fp32:
+        bound, what = PROBE_BOUND_FP32, "an fp32 trainer and fp32 engines"
+    elif cfg.rollout.backend == "sglang":
+        bound, what = PROBE_BOUND_BF16_SGLANG, "bf16 against SGLang engines"
+    else:
+        bound, what = PROBE_BOUND_BF16_REFERENCE, "bf16 against fp32 reference engines"
+    if moe and not fp32:
+        bound *= PROBE_BOUND_MOE_FACTOR
+    model = "a mixture-of-experts model" if moe else "a dense model"
+    return bound, f" (chosen for {what}, {model}; set weight_sync.max_probe_logp_diff to override)"

@@ -11,18 +11,17 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from miles_lite.data.errors import DatasetError
+from miles_lite.data.jsonl import json_lines, read_text
 from miles_lite.formats.answer import numbers_equal, parse_final_answer, parse_number
+from miles_lite.formats.files import write_atomic
 
 SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet")
 _ANNOTATION_RE = re.compile(r"<<([^<>]*)>>")
-
-
-class DatasetError(ValueError):
-    """A dataset file is missing, unreadable, or holds a malformed record."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +41,8 @@ class MathProblem:
     solution: str
     answer: float
     steps: tuple[float, ...] = ()
+    # "<file>: line N" (or row, item): where the problem came from, for error messages; "" when generated.
+    where: str = field(default="", compare=False)
 
     # The attributes of a record (`data.records.Record`): a math problem is a record whose prompt is the
     # question, whose label is the final number, and whose columns are GSM8K's `question` and `answer`.
@@ -118,43 +119,41 @@ def _record_to_problem(record: Any, where: str) -> MathProblem:
             f"{where}: expected a JSON object with 'question' and 'answer' fields, "
             f"got {type(record).__name__}"
         )
-    for field in ("question", "answer"):
-        value = record.get(field)
-        if field not in record:
+    for name in ("question", "answer"):
+        value = record.get(name)
+        if name not in record:
             raise DatasetError(
-                f"{where}: missing field {field!r}; each record needs 'question' and 'answer' "
+                f"{where}: missing field {name!r}; each record needs 'question' and 'answer' "
                 f"(found fields: {sorted(record)})"
             )
         if not isinstance(value, str) or not value.strip():
-            raise DatasetError(f"{where}: field {field!r} must be a non-empty string, got {value!r}")
+            raise DatasetError(f"{where}: field {name!r} must be a non-empty string, got {value!r}")
     try:
-        return MathProblem.from_record(record["question"], record["answer"], where=f"{where}: field 'answer'")
+        problem = MathProblem.from_record(record["question"], record["answer"], where=f"{where}: field 'answer'")
     except ValueError as exc:
         raise DatasetError(str(exc)) from None
+    return replace(problem, where=where)
+
+
+def _is_json_array(path: Path) -> bool:
+    """Whether a `.json` file holds one JSON array (its first non-blank byte is `[`) rather than JSON lines."""
+    with path.open("rb") as f:
+        head = f.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
 
 
 def _iter_json_records(path: Path) -> Iterator[tuple[str, Any]]:
-    text = path.read_text(encoding="utf-8")
-    if path.suffix.lower() == ".json" and text.lstrip().startswith("["):
+    if path.suffix.lower() == ".json" and _is_json_array(path):
         # A .json file may also be a single JSON array of records.
         try:
-            records = json.loads(text)
+            records = json.loads(read_text(path))
         except json.JSONDecodeError as exc:
             raise DatasetError(f"{path}: invalid JSON array: {exc}") from None
         for index, record in enumerate(records):
             yield f"{path}: item {index} (0-based)", record
         return
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}: line {lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(
-                f"{where}: invalid JSON ({exc.msg}); expected one JSON object per line"
-            ) from None
-        yield where, record
+    for lineno, record in json_lines(path):
+        yield f"{path}: line {lineno}", record
 
 
 def _iter_parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -228,9 +227,9 @@ def save_gsm8k(problems: Iterable[MathProblem], path: str | Path) -> Path:
         import pyarrow.parquet as pq
 
         schema = pa.schema([("question", pa.string()), ("answer", pa.string())])
-        pq.write_table(pa.Table.from_pylist(records, schema=schema), path)
+        buffer = pa.BufferOutputStream()
+        pq.write_table(pa.Table.from_pylist(records, schema=schema), buffer)
+        write_atomic(path, buffer.getvalue().to_pybytes())  # an interrupted save leaves no half a file
     else:
-        with path.open("w", encoding="utf-8") as handle:
-            for record in records:
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        write_atomic(path, "".join(json.dumps(record, ensure_ascii=False) + "\n" for record in records))
     return path

@@ -50,14 +50,18 @@ def _gsm8k(data: DataConfig) -> dict[str, Any]:
 
 
 def records_identity(spec: Any, keys: RecordKeys) -> dict[str, Any]:
-    """Records by content (every file `spec` names, in reading order) and the key mapping that reads them.
-    One file keeps the identity of a single file, so checkpoints of earlier runs still match."""
+    """Records by content (every file `spec` names, in reading order) and the key mapping that reads them (named
+    in `what`, so that a message about a changed mapping shows which key changed). One file keeps the identity
+    of a single file, so checkpoints of earlier runs still match."""
     files = [f for path in record_paths(spec) for f in data_files(path)]
+    mapping = ", ".join(f"data.{name}={value}" for name, value in keys.as_dict().items() if value is not None)
     if len(files) == 1:
-        return file_identity(files[0], extra={"keys": keys.as_dict()})
+        identity = file_identity(files[0], extra={"keys": keys.as_dict()})
+        return {**identity, "what": f"{identity['what']} read with {mapping}"}
     each = [file_identity(f) for f in files]
     size = sum(e["key"]["bytes"] for e in each)
-    return {"what": f"{len(files)} files from {files[0].parent} ({size} bytes; first {files[0].name})",
+    return {"what": f"{len(files)} files from {files[0].parent} ({size} bytes; first {files[0].name}) read with "
+                    f"{mapping}",
             "path": [e["path"] for e in each], "key": {"files": [e["key"] for e in each], "keys": keys.as_dict()}}
 
 

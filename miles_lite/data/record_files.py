@@ -10,8 +10,7 @@ A path (`data.train_path`, `data.eval_path`, an evaluation set's `path`) is a fi
   lists the `.arrow` files).
 
 Each row comes with where it is, for messages: `<file>: line N` for JSON (1-based, as editors count),
-`<file>: row N (0-based)` for Parquet and Arrow. Files are read as bytes and split at `\\n` only, so a JSON
-string holding U+2028 or U+0085 stays one line.
+`<file>: row N (0-based)` for Parquet and Arrow. JSON Lines are read as bytes, a line at a time (`data.jsonl`).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.data.gsm8k import DatasetError
+from miles_lite.data.jsonl import json_lines, read_text
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".arrow")
 _GLOB_CHARS = ("*", "?", "[")
@@ -88,28 +88,6 @@ def data_files(path: Path) -> list[Path]:
     return files
 
 
-def _decoded(raw: bytes, where: str) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise DatasetError(f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
-                           "save the file as UTF-8") from None
-
-
-def _json_lines(path: Path, data: bytes) -> Iterator[tuple[str, Any]]:
-    for lineno, raw in enumerate(data.split(b"\n"), start=1):
-        where = f"{path}: line {lineno}"
-        line = _decoded(raw, where)
-        if lineno == 1:
-            line = line.removeprefix("\ufeff")
-        if not line.strip():
-            continue
-        try:
-            yield where, json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DatasetError(f"{where}: invalid JSON ({exc.msg}); expected one JSON object per line") from None
-
-
 def _json_array(path: Path, text: str, start: int) -> Iterator[tuple[str, Any]]:
     decoder = json.JSONDecoder()
     i = start + 1
@@ -134,21 +112,33 @@ def _json_array(path: Path, text: str, start: int) -> Iterator[tuple[str, Any]]:
 
 
 def _json(path: Path) -> Iterator[tuple[str, Any]]:
-    data = path.read_bytes()
-    head = data.lstrip()[:1]
-    if path.suffix.lower() == ".json" and head == b"[":
-        text = _decoded(data, f"{path}").removeprefix("\ufeff")
-        yield from _json_array(path, text, text.index("["))
-        return
-    if path.suffix.lower() == ".json" and head == b"{" and b"\n" in data.strip():
-        try:
-            whole = json.loads(data)
-        except ValueError:  # JSON Lines (or broken: the line reader says where)
-            whole = None
-        if isinstance(whole, dict):
-            raise DatasetError(f"{path}: holds one JSON object written over several lines; a records file holds "
-                               "one record per line (JSON Lines, as Dataset.to_json writes) or one JSON array")
-    yield from _json_lines(path, data)
+    if path.suffix.lower() == ".json":
+        head = _first_bytes(path).lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
+        if head == b"[":
+            text = read_text(path)
+            yield from _json_array(path, text, text.index("["))
+            return
+        if head == b"{":
+            text = read_text(path)
+            if "\n" in text.strip():
+                try:
+                    whole = json.loads(text)
+                except ValueError:  # JSON Lines (or broken: the line reader says where)
+                    whole = None
+                if isinstance(whole, dict):
+                    raise DatasetError(f"{path}: holds one JSON object written over several lines; a records file "
+                                       "holds one record per line (JSON Lines, as Dataset.to_json writes) or one JSON "
+                                       "array")
+    for lineno, row in json_lines(path):
+        yield f"{path}: line {lineno}", row
+
+
+def _first_bytes(path: Path, n: int = 64) -> bytes:
+    try:
+        with path.open("rb") as f:
+            return f.read(n)
+    except OSError as exc:
+        raise DatasetError(f"{path}: cannot read the file ({exc.strerror or exc})") from None
 
 
 def _table_rows(path: Path, table: Any) -> Iterator[tuple[str, Any]]:

@@ -8,7 +8,8 @@ a list of typed text parts (`[{"type": "text", "text": ...}]`, joined). Its labe
 JSON value and is handed to the rewards unchanged, as is every other column; a record may have none
 (label-less data), unless a reward needs it (`run.task_check`). Optional columns: metadata
 (`data.metadata_key`), the data source (`data.source_key`, default `data_source` when a record has it) and a
-reference response (`data.response_key`, the SFT warm-up's target).
+reference response (`data.response_key`, the SFT warm-up's target: a string, or for chat records a list of
+the messages that follow the prompt, e.g. assistant tool calls and tool results of an agent's trajectory).
 
 Math problems (`gsm8k.MathProblem`) offer the same attributes (`prompt`, `messages`, `label`, `source`,
 `columns`, `response`), so the loop handles both alike.
@@ -68,7 +69,8 @@ class Record:
     label: Any
     columns: Mapping[str, Any] = field(default_factory=dict)
     source: str | None = None
-    response: str | None = None
+    # The reference response: text, or the messages after the prompt (assistant turns, tool results).
+    response: str | tuple[Mapping[str, Any], ...] | None = None
     # "<file>: line N": where the record came from, for error messages.
     where: str = ""
     prompt_value: Any = None
@@ -135,6 +137,23 @@ def _prompt_string(record: dict[str, Any], key: str, where: str) -> str:
     return _string(record, key, where, "data.prompt_key")
 
 
+def _conversation(value: list[Any], where: str, key: str) -> tuple[dict[str, Any], ...]:
+    """A reference response given as messages (data.response_key of a chat record): assistant turns (content,
+    tool_calls, reasoning_content) and tool results, ending with an assistant turn."""
+    from miles_lite.formats.chat.messages import MessageError, normalize
+
+    for i, m in enumerate(value):
+        try:
+            if normalize(m, i).role not in ("assistant", "tool"):
+                raise MessageError(f"messages[{i}] has role {m.get('role')!r}; a response holds assistant turns and "
+                                   "tool results")
+        except MessageError as exc:
+            raise DatasetError(f"{where}: key {key!r} (data.response_key): {exc}") from None
+    if not value or value[-1].get("role") != "assistant":
+        raise DatasetError(f"{where}: key {key!r} (data.response_key) must end with an assistant message")
+    return tuple(dict(m) for m in value)
+
+
 def _string(record: dict[str, Any], key: str, where: str, field_name: str) -> str:
     value = record[key]
     if not isinstance(value, str):
@@ -168,7 +187,11 @@ def parse_record(record: Any, keys: RecordKeys, where: str) -> Record:
     source = None
     if source_key is not None:
         source = _string(record, source_key, where, "data.source_key" if keys.source_key else DEFAULT_SOURCE_COLUMN)
-    response = _string(record, keys.response_key, where, "data.response_key") if keys.response_key else None
+    response: Any = None
+    if keys.response_key and messages is not None and isinstance(record.get(keys.response_key), list):
+        response = _conversation(record[keys.response_key], where, keys.response_key)
+    elif keys.response_key:
+        response = _string(record, keys.response_key, where, "data.response_key")
     if keys.metadata_key is not None and not isinstance(record[keys.metadata_key], dict):
         raise DatasetError(f"{where}: key {keys.metadata_key!r} (data.metadata_key) must be an object (a dict), "
                            f"got {type(record[keys.metadata_key]).__name__}")

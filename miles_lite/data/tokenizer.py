@@ -41,14 +41,15 @@ _BYTE_ALPHABET = 256
 _MIN_VOCAB = _BYTE_ALPHABET + len(CONTROL_TOKENS) + len(ANSWER_TAGS) + 1
 
 
-def _training_corpus(seed: int, extra_tags: tuple[str, ...] = ()) -> list[str]:
-    """Texts the model will see: questions, reference solutions, tagged targets and prompts."""
+def _training_corpus(seed: int, extra_tags: tuple[str, ...] = (), extra_texts: tuple[str, ...] = ()) -> list[str]:
+    """Texts the model will see: questions, reference solutions, tagged targets and prompts (and `extra_texts`,
+    e.g. conversations in an agent run's chat template)."""
     spec = ArithmeticSpec(min_steps=1, max_steps=4, ops=SUPPORTED_OPS, seed=seed)
     texts = []
     for problem in generate_problems(_CORPUS_PROBLEMS, spec):
         texts += [problem.question, problem.solution, format_solution(problem),
                   render_plain_prompt(problem.question)]
-    texts += [f"system\n{SYSTEM_PROMPT}", "user\n", "assistant\n"]
+    texts += [f"system\n{SYSTEM_PROMPT}", "user\n", "assistant\n", *extra_texts]
     # Tags and control tokens are single added tokens and never reach the BPE model, so they
     # are cut out here to keep merges from being spent on their pieces.
     for token in (*ANSWER_TAGS, *extra_tags, *CONTROL_TOKENS):
@@ -57,7 +58,7 @@ def _training_corpus(seed: int, extra_tags: tuple[str, ...] = ()) -> list[str]:
 
 
 def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0,
-                    extra_tags: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
+                    extra_tags: tuple[str, ...] = (), extra_texts: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer and save it with ``save_pretrained`` into ``out_dir``.
 
     Args:
@@ -67,6 +68,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0,
             control tokens and the four answer tags; the regular corpus may saturate below it.
         seed: seed of the synthetic training corpus.
         extra_tags: more tags to hold as single added tokens (e.g. a tool's call and result tags).
+        extra_texts: more training text (its merges make e.g. a chat template's tool-call syntax a few tokens).
 
     Returns:
         The tokenizer as loaded back from ``out_dir``: eos ``<|im_end|>``, pad
@@ -92,7 +94,7 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tokenizer.train_from_iterator(_training_corpus(seed, tuple(extra_tags)), trainer)
+    tokenizer.train_from_iterator(_training_corpus(seed, tuple(extra_tags), tuple(extra_texts)), trainer)
     tokenizer.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in tags])
 
     wrapped = PreTrainedTokenizerFast(
@@ -110,16 +112,20 @@ def build_tokenizer(out_dir: str | Path, vocab_size: int = 512, seed: int = 0,
     return PreTrainedTokenizerFast.from_pretrained(out_dir)
 
 
-def tokenizer_cache_key(vocab_size: int = 512, seed: int = 0, extra_tags: tuple[str, ...] = ()) -> str:
+def tokenizer_cache_key(vocab_size: int = 512, seed: int = 0, extra_tags: tuple[str, ...] = (),
+                        extra_texts: tuple[str, ...] = ()) -> str:
     """Directory name under which :func:`load_or_build_tokenizer` caches a build."""
     key = f"bpe-v{_RECIPE_VERSION}-vocab{vocab_size}-seed{seed}"
     if extra_tags:
         key += "-tags" + hashlib.sha256("\0".join(extra_tags).encode()).hexdigest()[:12]
+    if extra_texts:
+        key += "-texts" + hashlib.sha256("\0".join(extra_texts).encode()).hexdigest()[:12]
     return key
 
 
 def load_or_build_tokenizer(
-    cache_dir: str | Path, vocab_size: int = 512, seed: int = 0, extra_tags: tuple[str, ...] = ()
+    cache_dir: str | Path, vocab_size: int = 512, seed: int = 0, extra_tags: tuple[str, ...] = (),
+    extra_texts: tuple[str, ...] = (),
 ) -> PreTrainedTokenizerFast:
     """Load the tokenizer for these arguments from ``cache_dir``, building it on first use.
 
@@ -130,12 +136,13 @@ def load_or_build_tokenizer(
     from transformers import PreTrainedTokenizerFast
 
     cache_dir = Path(cache_dir)
-    target = cache_dir / tokenizer_cache_key(vocab_size, seed, tuple(extra_tags))
+    target = cache_dir / tokenizer_cache_key(vocab_size, seed, tuple(extra_tags), tuple(extra_texts))
     if not (target / "tokenizer.json").is_file():
         cache_dir.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
         try:
-            build_tokenizer(staging, vocab_size=vocab_size, seed=seed, extra_tags=tuple(extra_tags))
+            build_tokenizer(staging, vocab_size=vocab_size, seed=seed, extra_tags=tuple(extra_tags),
+                            extra_texts=tuple(extra_texts))
             # mkdtemp makes the directory private; a shared cache must stay readable.
             staging.chmod(0o755)
             try:

@@ -6,19 +6,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from miles_lite.config.colocation import engine_rollout
-from miles_lite.config.schema import FaultToleranceConfig, MilesConfig, RolloutConfig
-from miles_lite.config.validate import model_dims
+from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+from miles_lite.config.views import EngineFleetConfig
 from miles_lite.data.encoding import PromptEncoder
-from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted
+from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted, read_engine_list
 from miles_lite.engines.launcher import EngineLauncher
+from miles_lite.formats.chat import resolve_chat_template
 from miles_lite.net.api_key import ApiKey
-from miles_lite.plugins import load_sync_fn
+from miles_lite.plugins import PluginPool, load_sync_fn
+from miles_lite.rollout.agent_slots import AgentSlots, start_agent_slots, stop_agent_slots
 from miles_lite.rollout.environment import load_environment
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle, Launcher
 from miles_lite.rollout.generate_plugin import load_generate_fn
@@ -160,9 +162,13 @@ async def attach_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, urls: l
 async def follow_engine_list(fleet_urls: list[str], rollout: RolloutConfig, ft: FaultToleranceConfig,
                              path: str, *, vocab_size: int | None = None,
                              api_key: str | None = None) -> tuple[EngineFleet, EngineListFollower]:
-    """Attach the engines of `rollout.engine_urls`, then follow the list in `path` (the fleet grows and shrinks
-    with it; see engine_list.py). Call on the fleet's loop."""
+    """Attach the engines the list in `path` names (else those of `rollout.engine_urls`), then follow the list (the
+    fleet grows and shrinks with it; see engine_list.py). Call on the fleet's loop."""
     follower: EngineListFollower | None = None
+    listed = read_engine_list(path)
+    if listed:
+        # The list as it stands now: the operator leaves out engines it cannot schedule, which would never answer.
+        fleet_urls[:] = listed
 
     def wanted(url: str) -> bool:
         return follower is None or follower.still_listed(url)
@@ -188,10 +194,16 @@ class Rollout:
     manager: SyncRolloutManager
     own_key: ApiKey | None = None
     follower: EngineListFollower | None = None
+    # The agent plug-in's gateway and runner (`rollout.agent`), or None.
+    agents: AgentSlots | None = None
 
     def close(self) -> None:
-        """Stop the engines (those this job started), then the loop; the loop stops even if the fleet fails to."""
+        """Stop the gateway, the engines (those this job started), then the loop; the loop stops even if the fleet
+        fails to."""
         try:
+            if self.agents is not None:
+                agents, self.agents = self.agents, None
+                self.loop.run(stop_agent_slots(agents))
             if self.follower is not None:
                 self.loop.run(self.follower.stop())
             self.loop.run(self.fleet.close())
@@ -203,24 +215,40 @@ class Rollout:
                     self.own_key.close()
 
 
-def _routing_layout(cfg: MilesConfig) -> RoutingLayout | None:
+def _routing_layout(model_path: str | None) -> RoutingLayout | None:
     """The MoE routing layout of the served model when samples carry routing (always for MoE models: the
     trainer reports `moe/router_agreement` with replay on or off)."""
-    config = Path(str(cfg.model.hf_path)) / "config.json"
-    if not cfg.model.hf_path or not config.is_file():
+    config = Path(str(model_path)) / "config.json"
+    if not model_path or not config.is_file():
         return None
     return RoutingLayout.of_config(json.loads(config.read_text()))
 
 
-def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int | None = None,
+def chat_template_of(cfg: EngineFleetConfig, tokenizer: Any) -> Any:
+    """The run's chat template (`rollout.chat_template`), checked append-only on `tokenizer` (a failing `hf`
+    template raises ValueError; a failing project family is used, with a warning logged)."""
+    template, warning = resolve_chat_template(
+        cfg.rollout.chat_template, tokenizer, cfg.model_arch, tiny=cfg.tiny_model,
+        tokenize=lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    if warning:
+        logging.getLogger(__name__).warning("%s", warning)
+    return template
+
+
+def build_rollout(cfg: EngineFleetConfig, tokenizer: Any, log_dir: str, *, seed: int | None = None,
                   start: Callable[[], Awaitable[EngineFleet]] | None = None,
-                  api_key: ApiKey | None = None, prestarted: PrestartPool | None = None) -> Rollout:
+                  api_key: ApiKey | None = None, plugins: PluginPool | None = None,
+                  chat_template: Any = None, prestarted: PrestartPool | None = None) -> Rollout:
     """Start (or, with `rollout.engine_urls`, attach) the fleet of `model.hf_path` on a new event-loop thread,
     with a manager decoding and stopping with `tokenizer`; `seed` seeds the manager's sampling seeds.
     `start`: the coroutine that starts the fleet instead (the engines of a Ray rollout gang).
     `api_key`: the run's key; None: `ApiKey.for_run(cluster.api_key_file)`, owned by the returned Rollout.
+    `plugins`: the pool blocking plug-in calls run in (default: the manager's own threads). With `rollout.agent`
+    the session gateway starts too, rendering with `chat_template` (default: `chat_template_of`).
     `prestarted`: engine processes started ahead (`engines.reference.prestart.prestart_engines`) for the launched
     engines."""
+    if cfg.rollout.agent and chat_template is None:
+        chat_template = chat_template_of(cfg, tokenizer)
     own_key = ApiKey.for_run(cfg.cluster.api_key_file) if api_key is None else None
     key = api_key if api_key is not None else own_key
     loop = EventLoopThread().start()
@@ -233,13 +261,13 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
             # Engines started elsewhere whose set may change while this job runs (operator-managed pods).
             fleet, follower = loop.run(follow_engine_list([u.rstrip("/") for u in rollout.engine_urls], rollout, ft,
                                                           rollout.engine_urls_file,
-                                                          vocab_size=model_dims(cfg).vocab_size, api_key=key.value))
+                                                          vocab_size=cfg.vocab_size, api_key=key.value))
         elif rollout.engine_urls:
             # Engines started elsewhere (e.g. operator-managed pods): attach, do not launch.
             fleet = loop.run(attach_fleet(rollout, ft, list(rollout.engine_urls),
-                                          vocab_size=model_dims(cfg).vocab_size, api_key=key.value))
+                                          vocab_size=cfg.vocab_size, api_key=key.value))
         else:
-            fleet = loop.run(start_fleet(engine_rollout(cfg), ft, str(cfg.model.hf_path), log_dir, api_key=key,
+            fleet = loop.run(start_fleet(rollout, ft, str(cfg.model_path), log_dir, api_key=key,
                                          prestarted=prestarted))
     except BaseException:
         loop.stop()
@@ -254,5 +282,14 @@ def build_rollout(cfg: MilesConfig, tokenizer: Any, log_dir: str, *, seed: int |
     group_filter = load_sync_fn(rollout.group_filter, "rollout.group_filter", 1) if rollout.group_filter else None
     manager = RolloutManager(fleet, rollout, ft, decode=encoder.decode, stop_token_ids=encoder.stop_token_ids,
                              seed=seed, encode=encoder.encode, environment=environment, generate_fn=generate_fn,
-                             group_filter=group_filter, routing=_routing_layout(cfg))
-    return Rollout(loop, fleet, SyncRolloutManager(manager, loop), own_key, follower)
+                             group_filter=group_filter, routing=_routing_layout(cfg.model_path), plugins=plugins)
+    built = Rollout(loop, fleet, SyncRolloutManager(manager, loop), own_key, follower)
+    if rollout.agent:
+        try:
+            built.agents = loop.run(start_agent_slots(
+                manager, rollout, chat_template, encoder.encode, lambda ids: tokenizer.decode(ids), key.value,
+                cfg.model_name))
+        except BaseException:
+            built.close()
+            raise
+    return built

@@ -75,7 +75,8 @@ def evaluate(manager: SyncRolloutManager, problems: Sequence[MathProblem], rende
     specs = []
     for i, p in enumerate(problems):
         text = render(p.question)
-        specs.append(PromptSpec(i, tuple(encode(text)), text, p.question, p.answer, p.steps))
+        # The problem rides along as the record (an agent plug-in reads it).
+        specs.append(PromptSpec(i, tuple(encode(text)), text, p.question, p.answer, p.steps, record=p))
     groups: list[Group] = manager.generate_groups(specs, 1, greedy)
     by_index = {g.prompt_index: g.samples[0] for g in groups}
     if len(by_index) != len(problems):

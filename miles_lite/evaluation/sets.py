@@ -34,6 +34,8 @@ class SetResult:
     reward_mean: float
     avg_at_k: float
     pass_at: dict[int, float] = field(default_factory=dict)
+    # What the set's size left out of its file (`EvalSet.cut`); None: the whole file.
+    cut: str | None = None
 
     def stats(self) -> dict[str, float]:
         """The `eval/<set>/<measure>` entries of metrics.jsonl, Prometheus and the summary."""
@@ -42,7 +44,8 @@ class SetResult:
                 **{f"{prefix}pass@{j}": v for j, v in self.pass_at.items()}}
 
     def table(self, title: str) -> str:
-        lines = [f"{title}: set {self.name!r} ({self.n} prompts, k={self.k})",
+        cut = f"; {self.cut}" if self.cut else ""
+        lines = [f"{title}: set {self.name!r} ({self.n} prompts, k={self.k}{cut})",
                  f"  {'mean reward':<20}{self.reward_mean:8.3f}",
                  f"  {f'avg@{self.k}':<20}{self.avg_at_k * 100:7.1f}%"]
         lines += [f"  {f'pass@{j}':<20}{v * 100:7.1f}%" for j, v in self.pass_at.items()]
@@ -58,9 +61,11 @@ def pass_points(k: int) -> list[int]:
 
 
 def set_sampling(base: SamplingParams, eval_set: EvalSet) -> SamplingParams:
-    """The run's sampling with the set's temperature, top-p and token budget."""
+    """The run's sampling (`base`) with the set's temperature (unset: greedy for k = 1, the run's for k > 1),
+    top-p and token budget (unset: the run's)."""
     cfg = eval_set.cfg
-    return replace(base, temperature=cfg.temperature, top_p=cfg.top_p, top_k=-1,
+    return replace(base, temperature=cfg.sampling_temperature(base.temperature),
+                   top_p=cfg.top_p if cfg.top_p is not None else base.top_p, top_k=-1,
                    max_new_tokens=cfg.max_new_tokens or base.max_new_tokens)
 
 
@@ -85,6 +90,7 @@ def evaluate_set(manager: Any, eval_set: EvalSet, encoder: Any, sampling: Sampli
     if len(groups) != len(specs):
         raise RuntimeError(f"evaluation set {eval_set.name!r} got {len(groups)} groups for {len(specs)} prompts")
     score_groups(reward_set, groups, context)
-    result = summarise_set(eval_set.name, groups, eval_set.cfg.k, reward_set, eval_set.cfg.threshold)
+    result = replace(summarise_set(eval_set.name, groups, eval_set.cfg.k, reward_set, eval_set.cfg.threshold),
+                     cut=eval_set.cut)
     assert all(math.isfinite(v) for v in result.stats().values())
     return result

@@ -21,6 +21,12 @@ stats key                               metric (and how the value is applied)
 ``rollout/mixed_version_samples``       ``miles_lite_mixed_version_samples_total`` (inc; tokens of two versions)
 ``rollout/staleness_mean``              ``miles_lite_staleness_versions{stat="mean"}`` (set, versions behind)
 ``rollout/staleness_max``               ``miles_lite_staleness_versions{stat="max"}`` (set)
+``rollout/agents_failed``               ``miles_lite_agents_dropped_total{reason="failed"}`` (inc; agent slots dropped)
+``rollout/agent_timeouts``              ``miles_lite_agents_dropped_total{reason="timeout"}`` (inc)
+``rollout/tito_mismatch``               ``miles_lite_session_tito_mismatch_total`` (inc; turns whose stored ids a fresh
+                                        tokenisation would change)
+``rollout/session_engine_moves``        ``miles_lite_session_engine_moves_total`` (inc; sessions moved to other engines)
+``rollout/session_diverged``            ``miles_lite_session_diverged_requests_total`` (inc; requests refused, HTTP 400)
 ``reward/mean``                         ``miles_lite_reward_mean`` (set)
 ``reward/std``                          ``miles_lite_reward_std`` (set)
 ``reward/values/<name>``                ``miles_lite_reward_value{reward=<name>}`` (observe each; list) and
@@ -108,6 +114,11 @@ _SCALAR_KEYS: dict[str, _Scalar] = {
     "rollout/mixed_version_samples": _Scalar("mixed_version_samples", add=True),
     "rollout/staleness_mean": _Scalar("staleness", (("stat", "mean"),)),
     "rollout/staleness_max": _Scalar("staleness", (("stat", "max"),)),
+    "rollout/agents_failed": _Scalar("agents_dropped", (("reason", "failed"),), add=True),
+    "rollout/agent_timeouts": _Scalar("agents_dropped", (("reason", "timeout"),), add=True),
+    "rollout/tito_mismatch": _Scalar("tito_mismatch", add=True),
+    "rollout/session_engine_moves": _Scalar("session_engine_moves", add=True),
+    "rollout/session_diverged": _Scalar("session_diverged", add=True),
     "reward/mean": _Scalar("reward_mean"),
     "reward/std": _Scalar("reward_std"),
     "reward/exact_accuracy": _Scalar("exact_accuracy"),
@@ -211,6 +222,12 @@ class MetricsRegistry:
         self.mixed_version_samples = counter("mixed_version_samples",
                                              "Completions whose tokens came from two weight versions")
         self.staleness = gauge("staleness_versions", "Versions a step's samples lag the trainer by", "stat")
+        self.agents_dropped = counter("agents_dropped", "Agent slots dropped: the agent failed or timed out", "reason")
+        self.tito_mismatch = counter("session_tito_mismatch",
+                                     "Agent-session turns whose stored ids a fresh tokenisation would change")
+        self.session_engine_moves = counter("session_engine_moves", "Agent sessions moved to another engine")
+        self.session_diverged = counter("session_diverged_requests",
+                                        "Agent-session requests refused for a history diverging from the session's")
         self.reward_mean = gauge("reward_mean", "Mean total reward of the last step's completions")
         self.reward_std = gauge("reward_std", "Standard deviation of the last step's total rewards")
         self.reward_value = Histogram(
@@ -354,6 +371,10 @@ class MetricsRegistry:
     def checkpoint_blocked(self, seconds: float) -> None:
         """The host snapshot of a checkpoint held training for `seconds`."""
         self.ckpt_blocked.labels(self.run, self.role).set(seconds)
+
+    def checkpoint_step(self, step: int) -> None:
+        """The newest committed checkpoint of the run is of `step` (a background save committed, or a resume)."""
+        self.ckpt_step.labels(self.run, self.role).set(step)
 
     def checkpoint_committed(self, flush_seconds: float, nbytes: int, step: int | None = None) -> None:
         """A checkpoint's background flush finished and was committed (`nbytes` on disk, of `step`)."""

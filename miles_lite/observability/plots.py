@@ -42,12 +42,41 @@ def _png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def reward_plot(records: Sequence[Record]) -> bytes | None:
-    """Mean total reward (± std band) and exact accuracy per step (rollouts, and held-out evaluations when run)."""
+def _eval_points(records: Sequence[Record], evaluations: Sequence[Record], key: str) -> tuple[list[int], list[float]]:
+    """(steps done, value) of an evaluation measure: in a step's record it was measured when the step began
+    (after `step - 1` steps); an evaluation's own record (before / after RL) carries the steps done."""
+    points = [(s - 1, v) for s, v in zip(*_series(records, key), strict=True)]
+    points += list(zip(*_series(evaluations, key), strict=True))
+    points.sort()
+    return [p[0] for p in points], [p[1] for p in points]
+
+
+def accuracy_lines(records: Sequence[Record], evaluations: Sequence[Record] = ()
+                   ) -> tuple[str, list[tuple[str, list[int], list[float]]]]:
+    """The accuracy panel's title and its lines (label, steps, values): the math rewards' exact accuracy of the
+    rollouts and the held-out evaluations; for other reward sets the share of rollouts at the reward's maximum,
+    overall and per data source, and each evaluation set's avg@k."""
+    lines: list[tuple[str, list[int], list[float]]] = []
+    if any("reward/exact_accuracy" in r for r in records) or not any("reward/accuracy" in r for r in records):
+        lines.append(("rollouts", *_series(records, "reward/exact_accuracy")))
+        lines.append(("held-out (greedy)", *_eval_points(records, evaluations, "eval/exact")))
+        return "Exact accuracy", [line for line in lines if line[1]]
+    lines.append(("rollouts", *_series(records, "reward/accuracy")))
+    keys = {k for r in records for k in r}
+    for key in sorted(k for k in keys if k.startswith("reward/accuracy/")):
+        lines.append((f"rollouts: {key.rsplit('/', 1)[1]}", *_series(records, key)))
+    sets = sorted({k for r in [*records, *evaluations] for k in r if k.startswith("eval/") and "/avg@" in k})
+    for key in sets:
+        lines.append((f"{key[len('eval/'):]}", *_eval_points(records, evaluations, key)))
+    return "Accuracy (reward at its maximum)", [line for line in lines if line[1]]
+
+
+def reward_plot(records: Sequence[Record], evaluations: Sequence[Record] = ()) -> bytes | None:
+    """Mean total reward (± std band) per step, and the task's accuracy (`accuracy_lines`): rollouts, and the
+    evaluations when run (`evaluations`: the records of the evaluations before and after RL)."""
     steps, mean = _series(records, "reward/mean")
-    acc_steps, acc = _series(records, "reward/exact_accuracy")
-    eval_steps, eval_acc = _series(records, "eval/exact")
-    if not steps and not acc_steps and not eval_steps:
+    title, lines = accuracy_lines(records, evaluations)
+    if not steps and not lines:
         return None
     fig = Figure(figsize=(9, 3.4))
     ax_r, ax_a = fig.subplots(1, 2)
@@ -60,13 +89,12 @@ def reward_plot(records: Sequence[Record]) -> bytes | None:
             ax_r.fill_between(steps, lo, hi, color="tab:blue", alpha=0.2, label="± std")
         ax_r.legend(loc="best")
     ax_r.set(title="Total reward", xlabel="step", ylabel="reward")
-    if acc_steps:
-        ax_a.plot(acc_steps, acc, color="tab:green", marker=".", label="rollouts")
-    if eval_steps:
-        ax_a.plot(eval_steps, eval_acc, color="tab:purple", marker="o", label="held-out (greedy)")
-    if acc_steps or eval_steps:
-        ax_a.legend(loc="best")
-    ax_a.set(title="Exact accuracy", xlabel="step", ylabel="share of completions", ylim=(-0.02, 1.02))
+    for i, (label, xs, ys) in enumerate(lines):
+        evaluation = not label.startswith("rollouts")
+        ax_a.plot(xs, ys, marker="o" if evaluation else ".", linestyle=_STYLES[i % len(_STYLES)], label=label)
+    if lines:
+        ax_a.legend(loc="best", fontsize="small")
+    ax_a.set(title=title, xlabel="step", ylabel="share", ylim=(-0.02, 1.02))
     for ax in (ax_r, ax_a):
         ax.grid(alpha=0.3)
     return _png(fig)

@@ -5,7 +5,9 @@ The summary line reads the same stats keys as ``metrics.publish_step`` (see the 
     step 12/200 | reward 2.41 | exact 0.38 | zero-signal 0.25 | logp diff 0.0031 |
     IS raw 1.002 / applied 0.998 / masked 0.004 | sync 0.84s | 1520 tok/s
 
-Missing keys print as ``-`` rather than a made-up zero.
+The task's accuracy is `exact` (the math rewards' exact answer and format) or, with any other reward set,
+`accuracy` (the share of samples whose reward reached its maximum) with each data source's in brackets
+(`accuracy 0.62 (reverse 0.70, sort 0.55)`). Missing keys print as ``-`` rather than a made-up zero.
 """
 
 from __future__ import annotations
@@ -39,12 +41,21 @@ def _fmt(stats: Mapping[str, object], key: str, fmt: str) -> str:
     return fmt.format(value)
 
 
+def _accuracy(stats: Mapping[str, object], exact: str) -> str:
+    """`exact X` (math rewards), else `accuracy X (source Y, ...)` (reward at its maximum), else `exact -`."""
+    if "reward/exact_accuracy" in stats or "reward/accuracy" not in stats:
+        return f"exact {exact}"
+    prefix = "reward/accuracy/"
+    sources = [f"{k[len(prefix):]} {_fmt(stats, k, '{:.2f}')}" for k in sorted(stats) if k.startswith(prefix)]
+    return f"accuracy {_fmt(stats, 'reward/accuracy', '{:.2f}')}" + (f" ({', '.join(sources)})" if sources else "")
+
+
 def format_summary(step: int, total_steps: int, stats: Mapping[str, object]) -> str:
     """The one-line summary of `step` (plain text, no markup)."""
     parts = [f"step {step}/{total_steps}"]
     values = {label: _fmt(stats, key, fmt) for label, key, fmt in _FIELDS}
     parts.append(f"reward {values['reward']}")
-    parts.append(f"exact {values['exact']}")
+    parts.append(_accuracy(stats, values["exact"]))
     parts.append(f"zero-signal {values['zero-signal']}")
     parts.append(f"logp diff {values['logp diff']}")
     parts.append(f"IS raw {values['IS raw']} / applied {values['applied']} / masked {values['masked']}")

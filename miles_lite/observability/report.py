@@ -19,6 +19,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from miles_lite.formats.files import write_atomic
 from miles_lite.observability import plots
 from miles_lite.observability.rollout_table import read_rollouts
 from miles_lite.observability.sinks import EVAL_PHASE, read_metrics_file
@@ -28,6 +29,7 @@ REPORT_FILE = "report.html"
 _SUMMARY = (
     ("reward/mean", "reward mean", "{:.3f}"),
     ("reward/exact_accuracy", "exact accuracy", "{:.3f}"),
+    ("reward/accuracy", "accuracy (reward at its maximum)", "{:.3f}"),
     ("eval/exact", "held-out exact (greedy)", "{:.3f}"),
     ("algo/zero_signal_share", "zero-signal share", "{:.3f}"),
     ("mismatch/logp_abs_diff_mean", "|logp diff| mean (nats)", "{:.5f}"),
@@ -60,11 +62,24 @@ def _fmt(value: Any, fmt: str) -> str:
     return "-"
 
 
+def _summary_rows(records: Sequence[dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """`_SUMMARY`, with the task's accuracy per data source and the mean reward per source where recorded."""
+    keys = {k for r in records for k in r}
+    rows = list(_SUMMARY)
+    at = next(i for i, row in enumerate(rows) if row[0] == "reward/accuracy") + 1
+    for prefix, label in (("reward/accuracy/", "accuracy"), ("reward/mean/", "reward mean")):
+        for key in sorted(k for k in keys if k.startswith(prefix)):
+            rows.insert(at, (key, f"{label}: {key[len(prefix):]}", "{:.3f}"))
+            at += 1
+    # One accuracy per task: the math rewards' exact share, or the reward at its maximum.
+    return [row for row in rows if row[0] in keys or row[0] not in ("reward/exact_accuracy", "reward/accuracy")]
+
+
 def _summary_table(records: Sequence[dict[str, Any]]) -> str:
     first, last = records[0], records[-1]
     rows = "".join(
         f"<tr><td>{html.escape(label)}</td><td>{_fmt(first.get(key), fmt)}</td><td>{_fmt(last.get(key), fmt)}</td></tr>"
-        for key, label, fmt in _SUMMARY)
+        for key, label, fmt in _summary_rows(records))
     return (f"<table><tr><th>metric</th><th>step {first['step']}</th><th>step {last['step']}</th></tr>"
             f"{rows}</table>")
 
@@ -72,7 +87,8 @@ def _summary_table(records: Sequence[dict[str, Any]]) -> str:
 def _eval_sets_table(run_dir: Path, records: Sequence[dict[str, Any]]) -> str:
     """Every evaluation set's measures: before RL, at each step that evaluated, after RL."""
     rows = [(r[EVAL_PHASE], r) for r in read_metrics_file(run_dir, evaluations=True)]
-    rows += [(f"after {r['step']} RL steps", r) for r in records if any(_is_set_key(k) for k in r)]
+    # A step's record holds the evaluation it began with: on the weights of the steps before it.
+    rows += [(f"after {r['step'] - 1} RL steps", r) for r in records if any(_is_set_key(k) for k in r)]
     rows.sort(key=lambda row: row[1]["step"] + (0.5 if row[0] == "after RL" else 0))
     keys = sorted({k for _, r in rows for k in r if _is_set_key(k)})
     if not keys:
@@ -133,7 +149,8 @@ def render_report(run_dir: str | os.PathLike[str], top_k: int = 5) -> str:
         f"<p class='sub'>{len(records)} steps (step {records[0]['step']} to {records[-1]['step']}), "
         f"{table.num_rows} completions in the rollout table</p>",
         "<h2>Summary</h2>", _summary_table(records), _eval_sets_table(run_dir, records),
-        "<h2>Reward and accuracy</h2>", _img(plots.reward_plot(records), "reward and accuracy"),
+        "<h2>Reward and accuracy</h2>",
+        _img(plots.reward_plot(records, read_metrics_file(run_dir, evaluations=True)), "reward and accuracy"),
         "<h2>Train / rollout mismatch</h2>", _img(plots.mismatch_plot(records), "mismatch"),
         "<h2>Zero-signal groups</h2>", _img(plots.zero_signal_plot(records), "zero-signal share"),
         "<h2>Step time</h2>", _img(plots.phase_plot(records), "step time by phase"),
@@ -153,7 +170,7 @@ def write_report(run_dir: str | os.PathLike[str], out: str | os.PathLike[str] | 
                  top_k: int = 5) -> Path:
     """Render and write the report; returns its path (default ``RUN_DIR/report.html``)."""
     path = Path(out) if out is not None else Path(run_dir) / REPORT_FILE
-    path.write_text(render_report(run_dir, top_k), encoding="utf-8")
+    write_atomic(path, render_report(run_dir, top_k))
     return path
 
 

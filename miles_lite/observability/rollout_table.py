@@ -20,6 +20,7 @@ from typing import Protocol
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from miles_lite.formats.files import temporary_name
 from miles_lite.types import Group
 
 ROLLOUT_DIR = "rollouts"
@@ -45,6 +46,8 @@ SCHEMA = pa.schema([
     # What reward plug-ins logged for the completion with `log_extra(column, values)`: column -> the value (a
     # string as it is, any other value as JSON).
     pa.field("extra", pa.map_(pa.string(), pa.string())),
+    # What the agent plug-in returned for the sample (`rollout.agent`), as JSON; null without an agent.
+    pa.field("agent", pa.string()),
 ])
 
 
@@ -70,6 +73,7 @@ class RolloutRow:
     label: str | None = None
     source: str | None = None
     extra: dict[str, str | None] = field(default_factory=dict)
+    agent: str | None = None
 
 
 def _text(value: object) -> str | None:
@@ -109,6 +113,7 @@ def rows_from_groups(step: int, groups: Sequence[Group]) -> list[RolloutRow]:
                 label=label_text(group),
                 source=group.source,
                 extra={column: _text(value) for column, value in sample.extra.items()},
+                agent=None if sample.agent is None else json.dumps(sample.agent, ensure_ascii=False, default=str),
             ))
     return rows
 
@@ -153,9 +158,13 @@ class RolloutTableWriter:
         if wrong:
             raise ValueError(f"rollout rows carry step(s) {sorted(wrong)} but are written as step {step}")
         path = self.path_for(step)
-        tmp = path.with_suffix(".parquet.tmp")
-        pq.write_table(_to_table(rows), tmp, compression="zstd")
-        os.replace(tmp, path)
+        tmp = temporary_name(path)
+        try:
+            pq.write_table(_to_table(rows), tmp, compression="zstd")
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         return path
 
     def write_groups(self, step: int, groups: Sequence[Group]) -> Path | None:

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from miles_lite.formats.files import LineLog
+
 if TYPE_CHECKING:  # the config package pulls in Hydra; runtime code needs only the fields
     from miles_lite.config.schema import ObservabilityConfig
 
@@ -49,20 +51,19 @@ def scalar_stats(stats: Mapping[str, object]) -> dict[str, float | int | str | N
 
 
 class MetricsFileSink:
-    """Appends one JSON line per step to ``<run_dir>/metrics.jsonl`` (flushed each step)."""
+    """Appends one JSON line per step to ``<run_dir>/metrics.jsonl``, each in one write (`LineLog`: an
+    interruption never leaves half a line)."""
 
     def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.path = Path(run_dir) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = self.path.open("a", encoding="utf-8")
+        self._log = LineLog(self.path)
 
     def log(self, step: int, stats: Mapping[str, object]) -> None:
         record: dict[str, Any] = {"step": step, "time": time.time(), **scalar_stats(stats)}
-        self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        self._file.flush()
+        self._log.append(json.dumps(record, allow_nan=False))
 
     def close(self) -> None:
-        self._file.close()
+        self._log.close()
 
 
 # Marks a metrics.jsonl record of an evaluation outside any step (before or after RL): its value is the title.

@@ -24,6 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from miles_lite.plugins import PluginTimeout
 from miles_lite.rewards.context import RewardContext
 
 STYLES = ("math", "columns", "batch")
@@ -123,6 +124,17 @@ def _prompt_as_written(record: Any) -> Any:
     return [dict(m) for m in record.messages] if record.messages is not None else record.prompt
 
 
+def with_sample_fields(batch: RewardBatch, fields: Sequence[Mapping[str, Any] | None]) -> RewardBatch:
+    """`batch` with per-completion fields (what each sample's agent returned) as columns by their own names;
+    they shadow record columns of the same name (None where a completion has no such field)."""
+    names = dict.fromkeys(name for f in fields if f for name in f)
+    if not names:
+        return batch
+    for name in names:
+        batch.columns[name] = [f.get(name) if f else None for f in fields]
+    return batch
+
+
 def reward_style(fn: Any) -> str:
     """`math` for a function naming `answers`, `questions` and `steps`; else `columns`."""
     try:
@@ -149,30 +161,49 @@ def columns_problem(fn: Any, columns: Iterable[str]) -> str | None:
     return None
 
 
-def _await(awaitable: Any) -> Any:
+def _await(awaitable: Any, timeout_s: float | None = None) -> Any:
     async def wait() -> Any:
-        return await awaitable
+        return await asyncio.wait_for(awaitable, timeout_s)
 
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(wait())
-    # Called from inside an event loop (dynamic sampling scores on the rollout loop): a loop of its own.
+    # Called from inside an event loop by a caller of its own (the rollout manager scores in a worker thread):
+    # a loop of its own in a thread, so that this one is not re-entered.
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="async-reward") as pool:
         return pool.submit(asyncio.run, wait()).result()
 
 
-def call_style(fn: Any, style: str, batch: RewardBatch) -> Any:
-    """Call `fn` in its convention and await the result if it is awaitable."""
+def _call(fn: Any, style: str, batch: RewardBatch) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The positional and keyword arguments of `fn` in convention `style`."""
     if style == "math":
-        out = fn(batch.completions, answers=batch.answers, questions=batch.questions, steps=batch.steps)
-    elif style == "columns":
-        out = fn(**batch.keywords())
-    elif style == "batch":
-        out = fn(batch)
+        return (batch.completions,), {"answers": batch.answers, "questions": batch.questions, "steps": batch.steps}
+    if style == "columns":
+        return (), batch.keywords()
+    if style == "batch":
+        return (batch,), {}
+    raise ValueError(f"unknown reward calling convention {style!r}; one of {STYLES}")
+
+
+def call_style(fn: Any, style: str, batch: RewardBatch, timeout_s: float | None = None, pool: Any = None,
+               name: str = "reward") -> Any:
+    """Call `fn` in its convention and await the result if it is awaitable.
+
+    With a `pool` (`plugins.PluginPool`) a synchronous function runs in the pool's workers (threads or processes)
+    and both kinds are bounded by `timeout_s` (PluginTimeout past it); without, it is called here."""
+    args, kwargs = _call(fn, style, batch)
+    what = f"reward {name!r}"
+    if pool is None or inspect.iscoroutinefunction(fn):
+        out = fn(*args, **kwargs)
     else:
-        raise ValueError(f"unknown reward calling convention {style!r}; one of {STYLES}")
-    return _await(out) if inspect.isawaitable(out) else out
+        out = pool.call(what, fn, args, kwargs, timeout_s)
+    if not inspect.isawaitable(out):
+        return out
+    try:
+        return _await(out, timeout_s if pool is not None else None)
+    except TimeoutError:
+        raise PluginTimeout(what, timeout_s or 0.0) from None
 
 
 def checked_values(name: str, values: object, n: int) -> list[float]:

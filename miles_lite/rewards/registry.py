@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol
 
 from miles_lite.plugins import PluginFailed
 from miles_lite.rewards import math as math_rewards
 from miles_lite.rewards import records as record_rewards
-from miles_lite.rewards.batch import RewardBatch, batch_from_records, call_style, checked_values
+from miles_lite.rewards.batch import RewardBatch, batch_from_records, call_style, checked_values, with_sample_fields
 from miles_lite.rewards.context import RewardContext
 from miles_lite.types import Group
 
@@ -59,22 +59,36 @@ RECORD_REWARD_NAMES: tuple[str, ...] = ("exact_match", "math_answer")
 @dataclass(frozen=True)
 class RegisteredReward:
     """A registry entry: the reward function, the largest raw value it can return (None: not declared, see
-    `rewards.success`), its calling convention (`rewards.batch.STYLES`) and, for `rewards.by_source`, the one
-    data source it scores (None: all)."""
+    `rewards.success`), its calling convention (`rewards.batch.STYLES`), for `rewards.by_source` the one data
+    source it scores (None: all), and whether it compares the completion with a numeric label
+    (`numeric_labels`: the math convention always does)."""
 
     fn: RewardFn
     max_value: float | None = 1.0
     style: str = "math"
     source: str | None = None
+    numeric_labels: bool = False
+    # Plug-ins run in a `plugins.PluginPool` (off the caller's thread, processes where configured), each call at
+    # most `timeout_s`; None: called in place (the built-in rewards).
+    pool: Any = field(default=None, compare=False)
+    timeout_s: float | None = None
+
+    @property
+    def needs_numbers(self) -> bool:
+        """Whether a record whose label is not a number can never score with this reward."""
+        return self.style == "math" or self.numeric_labels
+
+    def _call(self, name: str, batch: RewardBatch) -> Any:
+        return call_style(self.fn, self.style, batch, self.timeout_s, self.pool, name)
 
     def values(self, name: str, batch: RewardBatch) -> list[float]:
         """One raw value per completion of `batch`, NaN where it does not apply (other sources, None)."""
         if self.source is None:
-            return checked_values(name, call_style(self.fn, self.style, batch), len(batch))
+            return checked_values(name, self._call(name, batch), len(batch))
         rows = [i for i, source in enumerate(batch.sources) if source == self.source]
         out = [math.nan] * len(batch)
         if rows:
-            for i, value in zip(rows, checked_values(name, call_style(self.fn, self.style, batch.subset(rows)),
+            for i, value in zip(rows, checked_values(name, self._call(name, batch.subset(rows)),
                                                      len(rows)), strict=True):
                 out[i] = value
         return out
@@ -87,7 +101,7 @@ _BUILTIN_MAX = MappingProxyType({"tag_check": 4 * math_rewards.TAG_CREDIT})
 REWARD_REGISTRY: dict[str, RegisteredReward] = {
     **{name: RegisteredReward(getattr(math_rewards, name), _BUILTIN_MAX.get(name, 1.0)) for name in REWARD_NAMES},
     "exact_match": RegisteredReward(record_rewards.ExactMatch(), style="batch"),
-    "math_answer": RegisteredReward(record_rewards.math_answer, style="batch"),
+    "math_answer": RegisteredReward(record_rewards.math_answer, style="batch", numeric_labels=True),
 }
 BUILTIN_NAMES = (*REWARD_NAMES, *RECORD_REWARD_NAMES)
 
@@ -135,6 +149,13 @@ class RewardSet:
         if name in self.weights:
             raise ValueError(f"reward set {self.name!r} already has a reward named {name!r}")
         return RewardSet(self.name, {**self.weights, name: weight}, {**self.functions, name: reward})
+
+    def run_in(self, pool: Any, timeout_s: float | None) -> RewardSet:
+        """A copy whose plug-in reward functions (the math and TRL conventions; not the built-in rewards, nor
+        the remote reward model, which bounds its own requests) run in `pool` with `timeout_s` per call."""
+        functions = {name: replace(self.reward(name), pool=pool, timeout_s=timeout_s) for name in self.names
+                     if name not in BUILTIN_NAMES and self.reward(name).style != "batch"}
+        return RewardSet(self.name, self.weights, {**self.functions, **functions})
 
     def reward(self, name: str) -> RegisteredReward:
         """The reward scored under ``name``: the set's own, else the registry's."""
@@ -318,6 +339,7 @@ def score_groups(reward_set: RewardSet | str, groups: Sequence[Group],
         batch = RewardBatch(completions, [g.answer for g, _ in samples], [g.question for g, _ in samples],
                             [tuple(g.steps) for g, _ in samples], completion_ids=[s.response_ids for _, s in samples],
                             context=context)
+    batch = with_sample_fields(batch, [s.agent for _, s in samples])
     for row, ((_, sample), values) in enumerate(zip(samples, score_batch(reward_set, batch), strict=True)):
         sample.rewards = values
         logged = {column: rows[row] for column, rows in context.extras.items() if row in rows}

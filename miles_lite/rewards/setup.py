@@ -3,11 +3,13 @@ called with their arguments: `rewards.specs`), plug-ins by data source, a remote
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping
 from typing import Any
 
 from miles_lite.plugins import PluginError, check_signature, load_plugin
+from miles_lite.rewards.agent import AGENT_REWARD, agent_reward
 from miles_lite.rewards.batch import MATH_KEYWORDS, reward_style
 from miles_lite.rewards.records import ExactMatch
 from miles_lite.rewards.registry import RegisteredReward, RewardSet, get_reward_set
@@ -116,12 +118,13 @@ def load_custom_reward(path: str | PluginSpec, field: str = "rewards.custom"
 
 def build_reward_set(set_name: str, weights: Mapping[str, float], custom: Any = None,
                      remote: RemoteRewardSpec | None = None, by_source: Mapping[str, str] | None = None,
-                     answer_pattern: str | None = None) -> RewardSet:
+                     answer_pattern: str | None = None, agent: bool = False) -> RewardSet:
     """The set named ``set_name`` (nothing for ``none``; or a plug-in set of ``custom``), plus the plug-in
     reward functions of ``custom`` (one entry or a list: `rewards.specs`), one function per data source
     (``by_source``: scored under the source's name, None for records of other sources) and the remote reward
     model, then ``weights`` applied on top (they may name any of them). ``answer_pattern`` configures the
-    `exact_match` reward.
+    `exact_match` reward. ``agent`` (`rollout.agent` is set) adds the reward `agent`: what each sample's agent
+    returned as `reward`.
 
     Raises:
         PluginError / ValueError: naming the field at fault.
@@ -145,16 +148,19 @@ def build_reward_set(set_name: str, weights: Mapping[str, float], custom: Any = 
             _add(weights_of, functions, *obj, 1.0, f"{spec.field}={spec.shown!r}", fix)
     for source, path in (by_source or {}).items():
         fn_name, reward = load_reward_fn(path, f"rewards.by_source.{source}")
-        reward = RegisteredReward(reward.fn, reward.max_value, reward.style, source)
+        reward = dataclasses.replace(reward, source=source)
         _add(weights_of, functions, source, reward, 1.0, f"rewards.by_source.{source}", "rename the source")
     if remote is not None:
         if not remote.url.startswith(("http://", "https://")):
             raise ValueError(f"rewards.remote.url={remote.url!r} must be an http(s) URL")
         _add(weights_of, functions, remote.name, RegisteredReward(RemoteReward(remote), remote.max_score, "batch"),
              remote.weight, f"rewards.remote.name={remote.name!r}", "choose another name")
+    if agent:
+        _add(weights_of, functions, AGENT_REWARD, RegisteredReward(agent_reward, style="batch"), 1.0,
+             "rollout.agent", "rename the other reward")
     if not weights_of:
-        raise ValueError("rewards.set=none leaves no reward: add rewards.custom, rewards.by_source.<source> or "
-                         "rewards.remote.url, or pick a named set")
+        raise ValueError("rewards.set=none leaves no reward: add rewards.custom, rewards.by_source.<source>, "
+                         "rewards.remote.url or rollout.agent (its returned reward), or pick a named set")
     try:
         reward_set = RewardSet(name, weights_of, functions).with_weights(dict(weights))
     except ValueError as exc:

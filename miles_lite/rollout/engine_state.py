@@ -155,9 +155,11 @@ def engine_capacity(server_info: dict) -> int | None:
 
     SGLang reports each data-parallel scheduler's `effective_max_running_requests_per_dp` (sized from its
     KV-cache memory) in `internal_states`; otherwise the `max_running_requests` server argument counts
-    when set. With CUDA graphs on, decode batches above `cuda_graph_max_bs` (per scheduler; SGLang picks
-    256 on an H200 at TP < 4) run eagerly: measured on one H200, 512 requests in flight generated at
-    20k tokens/s where 256 ran at 45-55k, so the capacity is capped there.
+    when set. With CUDA graphs on, decode batches above the largest captured batch (per scheduler; SGLang picks
+    256 on an H200 at TP < 4 unless told otherwise) run eagerly: measured on one H200, 512 requests in flight
+    generated at 20k tokens/s where 256 ran at 45-55k, so the capacity is capped there. SGLang up to 0.5.10
+    reports that size as `cuda_graph_max_bs` (off: `disable_cuda_graph`); later releases as the decode phase of
+    their resolved `cuda_graph_config` (`max_bs`, off: `backend` "disabled").
     """
     states = server_info.get("internal_states") or []
     per_dp = [s.get("effective_max_running_requests_per_dp") for s in states if isinstance(s, dict)]
@@ -168,7 +170,20 @@ def engine_capacity(server_info: dict) -> int | None:
         if not (isinstance(top, int) and top > 0):
             return None
         running = [top]
-    graph_bs = server_info.get("cuda_graph_max_bs")
-    if isinstance(graph_bs, int) and graph_bs > 0 and server_info.get("disable_cuda_graph") is False:
+    graph_bs = decode_graph_batch(server_info)
+    if graph_bs is not None:
         running = [min(n, graph_bs) for n in running]
     return sum(running)
+
+
+def decode_graph_batch(server_info: dict) -> int | None:
+    """The largest decode batch an SGLang engine runs in a CUDA graph (per scheduler); None when its decode runs
+    without graphs or the engine does not say (the reference engine)."""
+    decode = (server_info.get("cuda_graph_config") or {}).get("decode")
+    if isinstance(decode, dict):  # SGLang after 0.5.10: the resolved per-phase config
+        graph_bs = decode.get("max_bs")
+        on = decode.get("backend") not in (None, "disabled") and not server_info.get("disable_cuda_graph")
+    else:
+        graph_bs = server_info.get("cuda_graph_max_bs")
+        on = server_info.get("disable_cuda_graph") is False
+    return graph_bs if on and isinstance(graph_bs, int) and graph_bs > 0 else None

@@ -281,10 +281,13 @@ class EngineFleet(FleetMemory, FleetMembership):
 
     # --------------------------------------------------------- request accounting
 
-    async def acquire(self, exclude: frozenset[str] = frozenset(), timeout_s: float = 60.0) -> EngineLease:
+    async def acquire(self, exclude: frozenset[str] = frozenset(), timeout_s: float = 60.0,
+                      prefer: str | None = None) -> EngineLease:
         """Reserve the healthy engine with the fewest outstanding requests.
 
-        Engines in `exclude` (ids) are used only when no other engine is healthy. Waits
+        Engines in `exclude` (ids) are used only when no other engine is healthy. `prefer` (an engine id: the one
+        holding a session's prefix cache) is taken whenever it is healthy and not excluded, waiting for its
+        capacity if it is busy; otherwise the choice is as without it. Waits
         for capacity or for an engine to become healthy; raises `FleetExhausted` after `timeout_s`
         or as soon as no engine can recover.
         """
@@ -292,7 +295,7 @@ class EngineFleet(FleetMemory, FleetMembership):
         deadline = time.monotonic() + timeout_s
         async with cond:
             while True:
-                rec = self._pick(exclude)
+                rec = self._pick(exclude, prefer)
                 if rec is not None:
                     rec.inflight += 1
                     return EngineLease(rec, rec.incarnation)
@@ -317,8 +320,12 @@ class EngineFleet(FleetMemory, FleetMembership):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(cond.wait(), left)
 
-    def _pick(self, exclude: frozenset[str]) -> EngineRecord | None:
+    def _pick(self, exclude: frozenset[str], prefer: str | None = None) -> EngineRecord | None:
         healthy = [r for r in self.records if r.state is EngineState.HEALTHY]
+        sticky = next((r for r in healthy if r.engine_id == prefer and r.engine_id not in exclude), None)
+        if sticky is not None:
+            cap = self.max_inflight_per_engine or sticky.capacity
+            return sticky if cap is None or sticky.inflight < cap else None
         # An excluded engine (one this request already failed on) is used only when no other is healthy;
         # a busy other engine is worth waiting for.
         candidates = [r for r in healthy if r.engine_id not in exclude] or healthy

@@ -104,15 +104,23 @@ class HttpEngine:
 
     async def _request(self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float,
                        expect_json: bool = True) -> Any:
-        try:
-            async with self._get_session().request(
-                method, f"{self.url}{path}", json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s),
-            ) as resp:
-                text = await resp.text()
-                if resp.status != 200:
-                    raise EngineError(f"{self.engine_id} {path}: HTTP {resp.status}: {text[:500]}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise EngineError(f"{self.engine_id} {path}: {type(exc).__name__}: {exc}") from exc
+        for attempt in (1, 2):
+            try:
+                async with self._get_session().request(
+                    method, f"{self.url}{path}", json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s),
+                ) as resp:
+                    text = await resp.text()
+                    if resp.status != 200:
+                        raise EngineError(f"{self.engine_id} {path}: HTTP {resp.status}: {text[:500]}")
+                break
+            except aiohttp.ServerDisconnectedError as exc:
+                # A pooled connection the server closed while this request went out on it (seen on one H100 with
+                # 256 requests at once, the keep-alive limit notwithstanding): the server never took the request,
+                # so it goes once more, on a new connection. A server that is gone fails the second try too.
+                if attempt == 2:
+                    raise EngineError(f"{self.engine_id} {path}: {type(exc).__name__}: {exc}") from exc
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                raise EngineError(f"{self.engine_id} {path}: {type(exc).__name__}: {exc}") from exc
         if not expect_json:
             return text
         try:

@@ -27,7 +27,7 @@ from dataclasses import replace
 from typing import Any
 
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
-from miles_lite.plugins import PluginFailed
+from miles_lite.plugins import PluginFailed, PluginPool
 from miles_lite.rollout.environment import ToolEnvironment, start_trajectory
 from miles_lite.rollout.fleet import EngineFleet, EngineLease
 from miles_lite.rollout.generate_plugin import GenerateFn, GenerateResult, Interrupted, SlotClient
@@ -76,13 +76,16 @@ class RolloutManager:
         generate_fn: GenerateFn | None = None,
         group_filter: Callable[[Group], bool] | None = None,
         routing: RoutingLayout | None = None,
+        plugins: PluginPool | None = None,
     ) -> None:
         """`decode` turns response ids into text for rewards and the table (None: text stays "").
 
         `stop_token_ids` (e.g. the tokenizer's EOS) and `seed` go into the default sampling params.
         With a tool `environment` (multi-turn rollouts), `encode` tokenises its replies and `decode` reads
         the model's turns; see `miles_lite.rollout.environment`. With a MoE `routing` layout, requests ask for
-        the routed experts and samples carry them (`Sample.routed_experts`).
+        the routed experts and samples carry them (`Sample.routed_experts`). `plugins`: the pool the environment's
+        blocking calls run in (default: threads, `rollout.plugin_workers` / `plugin_timeout_s`), so a slow tool
+        delays its own trajectory only.
         """
         self.routing = routing
         if environment is not None and generate_fn is not None:
@@ -105,6 +108,9 @@ class RolloutManager:
         self.encode = encode
         self.environment = environment
         self.generate_fn = generate_fn
+        self.plugins = plugins or PluginPool(rollout_cfg.plugin_workers, "threads", rollout_cfg.plugin_timeout_s)
+        # The agent plug-in's slots (`rollout/agent_slots.py`), set by whoever starts the gateway; None: no agent.
+        self.agents: Any = None
         # Dynamic sampling keeps the groups this accepts (default: rewards that differ).
         self.group_filter = group_filter or (lambda group: not group.is_zero_signal)
         self._filter_is_plugin = group_filter is not None
@@ -157,6 +163,8 @@ class RolloutManager:
             raise ValueError("rollout.dynamic_sampling needs scorer= with more_prompts= (zero-signal groups are "
                              "found by their rewards)")
         self.state = ManagerState.RUNNING
+        if self.agents is not None:
+            self.agents.first_error = None
         self._idle = asyncio.Event()
         self._calls += 1
         stats = self.last_stats = RolloutStats()
@@ -184,9 +192,10 @@ class RolloutManager:
             return
         self.state = ManagerState.ABORTING
         self.last_stats.aborted = True
-        # Slots still waiting for an engine hold no request: stop them right away.
+        # Slots still waiting for an engine hold no request: stop them right away. Agents are stopped too (their
+        # slots run again from the start in the next call).
         for task, slot in list(self._tasks.items()):
-            if not slot.in_request:
+            if not slot.in_request or self.agents is not None:
                 task.cancel()
         deadline = time.monotonic() + timeout_s
         while not self._idle.is_set():
@@ -226,11 +235,13 @@ class RolloutManager:
         while True:
             stats.sampling_rounds += 1
             await self._run_slots(batch, stats)
+            self._check_agents(stats)
             done = [g for g in batch if g.complete]
             self._carry.extend(g for g in batch if not g.complete)
             groups = [self._to_group(g) for g in done]
             if scorer is not None and groups:
-                scorer(groups)
+                # Reward functions block (and may call services): in a worker thread, never on this loop.
+                await asyncio.to_thread(scorer, groups)
             seen += len(groups)
             if more_prompts is not None:
                 signal = [g for g in groups if self._keep(g)]
@@ -249,6 +260,13 @@ class RolloutManager:
             if not batch:
                 break
         return kept[:max(target, 0)] if more_prompts is not None else kept
+
+    def _check_agents(self, stats: RolloutStats) -> None:
+        """Every agent of the call failed: the agent plug-in is broken, and the run ends naming its first error."""
+        if (self.agents is not None and stats.agents_started and not stats.agents_succeeded
+                and self.state is ManagerState.RUNNING):
+            raise PluginFailed("rollout.agent", RuntimeError(f"all {stats.agents_started} agents of the rollout "
+                                                             f"failed; the first: {self.agents.first_error}"))
 
     def _keep(self, group: Group) -> bool:
         """The group filter's verdict; a plug-in filter that raises fails the rollout as `PluginFailed`."""
@@ -283,6 +301,9 @@ class RolloutManager:
     # -------------------------------------------------------------------- one slot
 
     async def _fill_slot(self, group: PendingGroup, slot: Slot, stats: RolloutStats) -> None:
+        if self.agents is not None:
+            await self.agents.fill(group, slot, stats)
+            return
         if self.generate_fn is not None:
             await self._fill_slot_with_plugin(group, slot, stats)
             return
@@ -345,9 +366,9 @@ class RolloutManager:
             # An abort that produced nothing leaves no trace (its version did not write any token).
             slot.append(replace(gen, engine_id=gen.engine_id or lease.engine_id))
         if gen.finish_reason != "abort":
-            slot.done = not self._environment_reply(spec, slot, sampling.max_new_tokens)
+            slot.done = not await self._environment_reply(spec, slot, sampling.max_new_tokens)
 
-    def _environment_reply(self, spec: PromptSpec, slot: Slot, budget: int) -> bool:
+    async def _environment_reply(self, spec: PromptSpec, slot: Slot, budget: int) -> bool:
         """After a finished model turn, append the environment's reply; True if the model goes on."""
         env = self.environment
         if env is None:
@@ -357,9 +378,11 @@ class RolloutManager:
             return False
         assert self.decode is not None and self.encode is not None
         try:
+            # The environment's code blocks (a tool, a sandbox): it runs in the plug-in pool with a time limit.
             if slot.env is None:
-                slot.env = start_trajectory(env, spec.record)
-            reply = slot.env.reply(self.decode(slot.response_ids[slot.turn_start:]), spec.question)
+                slot.env = await self.plugins.acall("rollout.environment reset()", start_trajectory, (env, spec.record))
+            reply = await self.plugins.acall("rollout.environment reply()", slot.env.reply,
+                                             (self.decode(slot.response_ids[slot.turn_start:]), spec.question))
             if reply is not None and not isinstance(reply, str):
                 raise TypeError(f"reply() returned {type(reply).__name__}, expected str or None")
         except Exception as exc:
@@ -419,8 +442,9 @@ class RolloutManager:
     def _routed(self, spec: PromptSpec, slot: Slot) -> Any:
         if self.routing is None or slot.routed is None or not slot.response_ids:
             return None
+        prompt = slot.prompt_ids if slot.prompt_ids is not None else spec.prompt_ids
         try:
-            return self.routing.sample_ids(slot.routed, len(spec.prompt_ids), len(slot.response_ids))
+            return self.routing.sample_ids(slot.routed, len(prompt), len(slot.response_ids))
         except ValueError as exc:
             raise RolloutError(f"prompt {spec.prompt_index} sample {slot.sample_index}: {exc}") from exc
 
@@ -428,9 +452,11 @@ class RolloutManager:
         spec = pending.spec
         samples = []
         for slot in pending.slots:
+            if slot.dropped:  # a failed agent: no sample (counted in the call's stats)
+                continue
             samples.append(Sample(
                 prompt_index=spec.prompt_index,
-                prompt_ids=list(spec.prompt_ids),
+                prompt_ids=list(slot.prompt_ids if slot.prompt_ids is not None else spec.prompt_ids),
                 response_ids=list(slot.response_ids),
                 rollout_logprobs=list(slot.logprobs),
                 response_text=self.decode(list(slot.response_ids)) if self.decode else "",
@@ -438,8 +464,9 @@ class RolloutManager:
                 engine_id=joined(slot.engines),
                 weight_version=joined(slot.versions),
                 loss_mask=list(slot.loss_mask) if 0 in slot.loss_mask else None,
-                turns=slot.turns if self.environment is not None else 1,
+                turns=slot.turns if self.environment is not None or self.agents is not None else 1,
                 routed_experts=self._routed(spec, slot),
+                agent=slot.agent,
             ))
         return Group(prompt_index=spec.prompt_index, prompt_text=spec.prompt_text, question=spec.question,
                      answer=spec.answer, steps=spec.steps, samples=samples, record=spec.record)

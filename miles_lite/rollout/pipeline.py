@@ -30,6 +30,7 @@ from typing import Any
 from miles_lite.rollout.manager import ManagerState, RolloutManager, RolloutStats, Scorer
 from miles_lite.rollout.manager import PromptSource as RefillSource
 from miles_lite.rollout.prompt_spec import PromptLike, PromptSpec, as_prompt_spec
+from miles_lite.rollout.slots import AGENT_COUNTERS
 from miles_lite.rollout.starvation import StarvationRelay
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.types import Group
@@ -80,6 +81,8 @@ def merge_stats(parts: Sequence[RolloutStats]) -> RolloutStats:
         out.refill_prompts += s.refill_prompts
         out.resumed_partials += s.resumed_partials
         out.aborted = out.aborted or s.aborted
+        for name in AGENT_COUNTERS:
+            setattr(out, name, getattr(out, name) + getattr(s, name))
     out.carried_groups = parts[-1].carried_groups if parts else 0
     return out
 

@@ -9,8 +9,14 @@ training: each question is sampled k times and scored two ways,
 
 then pass@1..k is estimated with the unbiased estimator of Chen et al. (2021) and the questions
 whose count under the chosen scoring is 0/k or k/k are dropped. A record (not a math problem) is scored
-by the run's reward set instead: a sample is right when its total reaches the most the set can give a
-record of its source (both counts are that one).
+by the run's reward set instead:
+
+- strict: the sample's total reward reaches the most the set can give a record of its source (full marks);
+- lenient: its total is above zero (it earned some reward: partial credit counts).
+
+With a reward that gives only 0 or its maximum (`exact_match`, `math_answer`) the two agree; with partial
+credit, lenient 0/k means no sample earned anything (a group of zeros) and strict k/k that every sample got
+full marks.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import Any
 from miles_lite.config.schema import PresampleConfig
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.formats.answer import answer_matches, find_numbers
+from miles_lite.formats.files import write_atomic
 from miles_lite.rewards import RewardSet, score_groups
 from miles_lite.rewards.context import RewardContext
 from miles_lite.rewards.math import score_exact
@@ -34,6 +41,8 @@ from miles_lite.rollout.prompt_spec import PromptSpec
 from miles_lite.types import Group, SamplingParams
 
 SCORINGS = ("strict", "lenient")
+# A total reward is a float sum of weighted rewards: "reaches" and "above zero" allow for its rounding.
+TOLERANCE = 1e-9
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -121,15 +130,17 @@ def summarise(results: Sequence[QuestionResult], k: int, cfg: PresampleConfig) -
 
 def count_correct(group: Group, problem: Any, reward_set: RewardSet | None = None,
                   context: RewardContext | None = None) -> QuestionResult:
-    """Score one group of k completions of `problem` strictly and leniently (a math problem), or by
-    `reward_set`: the reward set's best (`rewards.success`; any other record)."""
+    """Score one group of k completions of `problem` strictly and leniently: a math problem by its answer, any
+    other record by `reward_set` (strict: the reward set's best, `rewards.success`; lenient: a total above
+    zero). `context`: the trainer state reward plug-ins see."""
     texts = [s.response_text for s in group.samples]
     if not isinstance(problem, MathProblem):
         if reward_set is None:
             raise ValueError("presampling records needs the run's reward set")
         score_groups(reward_set, [group], context)
-        right = sum(right_flags(reward_set, [s.rewards for s in group.samples], [problem.source] * len(texts)))
-        return QuestionResult(group.prompt_index, problem.question, problem.answer, len(texts), right, right)
+        strict = sum(right_flags(reward_set, [s.rewards for s in group.samples], [problem.source] * len(texts)))
+        lenient = sum(s.reward > TOLERANCE for s in group.samples)
+        return QuestionResult(group.prompt_index, problem.question, problem.answer, len(texts), strict, lenient)
     return QuestionResult(
         index=group.prompt_index,
         question=problem.question,
@@ -190,5 +201,5 @@ def write_filtered(problems: Sequence[MathProblem], report: PresampleReport, pat
     from miles_lite.data.gsm8k import save_gsm8k
 
     out = save_gsm8k([problems[i] for i in report.kept_indices], path)
-    out.with_name(f"{out.stem}.presample.json").write_text(report.to_json() + "\n", encoding="utf-8")
+    write_atomic(out.with_name(f"{out.stem}.presample.json"), report.to_json() + "\n")
     return out

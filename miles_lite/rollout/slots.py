@@ -24,6 +24,10 @@ class RolloutError(RuntimeError):
     """A completion could not be produced within the retry budget."""
 
 
+AGENT_COUNTERS = ("agents_started", "agents_succeeded", "agents_failed", "agents_timed_out", "agent_turns",
+                  "tito_mismatch", "session_engine_moves", "session_diverged", "session_branches")
+
+
 @dataclass
 class RolloutStats:
     """What one `generate_groups` call did. Times in seconds, tokens counted as generated ids."""
@@ -40,6 +44,17 @@ class RolloutStats:
     resumed_partials: int = 0
     aborted: bool = False
     carried_groups: int = 0
+    # Agent slots (`rollout.agent`): agents run, returned a sample, raised, timed out; model turns of the
+    # samples; and their sessions' counts (see `rollout/gateway/session.py`).
+    agents_started: int = 0
+    agents_succeeded: int = 0
+    agents_failed: int = 0
+    agents_timed_out: int = 0
+    agent_turns: int = 0
+    tito_mismatch: int = 0
+    session_engine_moves: int = 0
+    session_diverged: int = 0
+    session_branches: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -63,6 +78,7 @@ class RolloutStats:
             "resumed_partials": float(self.resumed_partials),
             "aborted": float(self.aborted),
             "carried_groups": float(self.carried_groups),
+            **{name: float(getattr(self, name)) for name in AGENT_COUNTERS},
         }
 
 
@@ -90,6 +106,11 @@ class Slot:
     env: Any = None
     # The latest answer's routed expert ids (flat int32, MoE): they cover every position up to its last token.
     routed: Any = None
+    # Agent slots: the session's prompt ids (the agent wrote the prompt), what the agent returned, and whether
+    # the slot was dropped (the agent failed: no sample).
+    prompt_ids: list[int] | None = None
+    agent: dict[str, Any] | None = None
+    dropped: bool = False
 
     def append(self, gen: Generation) -> None:
         self.routed = gen.routed_experts

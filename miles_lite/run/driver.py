@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.checkpoint.driver_state import DriverState, restore_driver_rng
-from miles_lite.checkpoint.resume import resolve_resume, set_aside_newer
+from miles_lite.checkpoint.resume import newest_complete, resolve_resume, set_aside_newer
 from miles_lite.config import MilesConfig, to_yaml
 from miles_lite.config.changes import config_tree
 from miles_lite.config.weight_sync_choice import trainer_on_gpu
@@ -50,18 +50,22 @@ from miles_lite.run.dir_probe import OutputDirError, probe_run_dirs
 from miles_lite.run.failure import end_on_plugin_failure
 from miles_lite.run.handoff import Handoff
 from miles_lite.run.lock import RunLock
+from miles_lite.run.naming import choose_run, mark_finished, mark_unfinished, named
+from miles_lite.run.node_loss import NodeWatch, end_on_node_loss
 from miles_lite.run.outputs import RunIO, checkpoint_root, finished_summary
-from miles_lite.run.record import ResumePlan, plan_resume, record_start_config
+from miles_lite.run.prompt_check import check_prompts_fit
+from miles_lite.run.record import ResumePlan, ResumeRefused, plan_resume, record_start_config
 from miles_lite.run.reward_log import RewardLog
 from miles_lite.run.rl_batch import (
     build_train_batch,
     drop_stale,
+    require_scored,
     reward_stats,
     rl_distill_coef,
     rollout_stats,
     tool_stats,
 )
-from miles_lite.run.stop import StopRequest
+from miles_lite.run.stop import RunAborted, StopRequest
 from miles_lite.run.system import System
 from miles_lite.run.task_check import check_task
 from miles_lite.run.warmup import presample_filter, run_warmup
@@ -84,32 +88,46 @@ class RunSummary:
     config_changes: dict[str, Any] | None = None
     # The plug-in that ended the run: plugin, where, error, log, resume_from.
     plugin_failure: dict[str, Any] | None = None
+    # The Ray nodes whose loss ended the run: nodes, step, error, log, resume_from.
+    node_loss: dict[str, Any] | None = None
 
 
 def run_name(cfg: MilesConfig) -> str:
-    return cfg.experiment.run_name or f"{cfg.experiment.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    """The run's name: `experiment.run_name` once `train` has chosen it (`run.naming`)."""
+    return cfg.experiment.run_name or choose_run(cfg).name
 
 
 def train(cfg: MilesConfig, stop: StopRequest | None = None, prestarted: PrestartPool | None = None) -> RunSummary:
     """Run RL training end to end as configured; returns the run's summary.
 
     `stop`: an installed `StopRequest` (the CLI installs it before the heavy imports, so an early
-    pre-emption signal is not lost); None installs one here. `prestarted`: engine processes the CLI started
-    ahead for this run's engines (the caller closes the pool: what the run did not take ends then).
+    pre-emption signal is not lost); None installs one here. A second Ctrl-C raises `RunAborted` once the
+    roles are stopped. `prestarted`: engine processes the CLI started ahead for this run's engines (the caller
+    closes the pool: what the run did not take ends then).
     """
     start = time.perf_counter()
-    run_dir = Path(cfg.experiment.output_dir) / run_name(cfg)
+    choice = choose_run(cfg)  # an unfinished run of the same settings is continued (`run.naming`)
+    cfg = named(cfg, choice)
+    run_dir = Path(cfg.experiment.output_dir) / choice.name
     stop = stop or StopRequest().install()
     locks: list[RunLock] = []
     try:
-        train_problems, held_out = load_problems(cfg)  # a data error ends the run before it has a directory
-        eval_sets = load_eval_sets(cfg)
+        # A data error ends the run before it has a directory.
+        notes: list[str] = []
+        train_problems, held_out = load_problems(cfg.data, cfg.experiment.eval_size, notes)
+        eval_sets = load_eval_sets(cfg.data, cfg.experiment.eval_size)
         check_task(cfg, train_problems, eval_sets)
+        check_prompts_fit(cfg, train_problems, held_out, eval_sets)
+        notes += [f"evaluation set {s.name!r}: {s.cut} (its size, or experiment.eval_size for held_out)"
+                  for s in eval_sets if s.cut]
         done = finished_summary(cfg, run_dir)  # reads only: a finished run re-run writes nothing
         if done is not None:
+            mark_finished(choice)
             print(f"miles-lite: {run_dir} already finished {done['steps_done']} steps (experiment.steps="
                   f"{cfg.experiment.steps}); nothing to do. Raise experiment.steps to train further.", flush=True)
             return RunSummary(**{k: v for k, v in done.items() if k in RunSummary.__dataclass_fields__})
+        for note in [choice.note, *notes] if choice.note else notes:
+            print(f"miles-lite: {note}", flush=True)
         new_dir = not run_dir.exists()
         try:
             locks.append(RunLock(run_dir))
@@ -127,7 +145,14 @@ def train(cfg: MilesConfig, stop: StopRequest | None = None, prestarted: Prestar
                                  "writable directory") from None
         if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).resolve().is_relative_to(run_dir.resolve()):
             locks.append(RunLock(cfg.checkpoint.dir, "checkpoint.dir"))
-        return _train(cfg, run_dir, stop, train_problems, held_out, start, eval_sets, prestarted)
+        mark_unfinished(choice)
+        try:
+            summary = _train(cfg, run_dir, stop, train_problems, held_out, start, eval_sets, prestarted)
+        except KeyboardInterrupt:  # a second Ctrl-C; the roles were stopped on the way out
+            raise RunAborted(run_dir, newest_complete(checkpoint_root(cfg, run_dir))) from None
+        if summary.steps_done >= cfg.experiment.steps and summary.stopped_reason is None:
+            mark_finished(choice)
+        return summary
     finally:
         for lock in reversed(locks):
             lock.release()
@@ -139,7 +164,11 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
     # Recorded by every checkpoint; compared with what a resume asks for before any work.
     record = {"config": config_tree(cfg), "data": data_identity(cfg.data)}
     recorded_cfg, cfg = cfg, checkpoints_under(cfg, run_dir)
-    plan = plan_resume(recorded_cfg, resolve_resume(cfg.checkpoint, log=print))  # ResumeRefused: nothing touched
+    try:
+        chosen = resolve_resume(cfg.checkpoint, log=print)
+    except FileNotFoundError as err:  # a path holding no intact checkpoint
+        raise ResumeRefused(str(err)) from None
+    plan = plan_resume(recorded_cfg, chosen)  # ResumeRefused: nothing touched
     if plan.checkpoint is None and cfg.checkpoint.dir and Path(cfg.checkpoint.dir).is_dir():
         # A fresh start: earlier checkpoints of this run (resume=none, or none intact) belong to another
         # configuration; a later resume must not take them.
@@ -151,10 +180,16 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
     with System.start(cfg, run_dir, prestarted) as system, RunIO(system.cfg, run_dir, run_name(cfg), record) as io:
         summary = RunSummary(str(run_dir), 0, 0.0, config_changes=plan.as_json() if plan.checkpoint else None)
+        nodes = NodeWatch.capture(cfg.cluster) if cfg.cluster.mode == "ray" else None
         try:
             _run(system, io, data, plan, stop, train_problems, held_out, summary, start, eval_sets)
         except PluginFailed as failure:
             raise end_on_plugin_failure(system, io, summary, failure, start) from failure
+        except Exception as err:
+            lost = nodes.lost() if nodes is not None else []
+            if not lost:
+                raise
+            raise end_on_node_loss(system, io, summary, err, lost, start) from err
     return summary
 
 
@@ -167,9 +202,12 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
     system.report_fleet_events(io.log)
     handoff = Handoff(system)
     handoff.for_training()  # a resume loads the trainer's whole state; a fresh run's warm-up trains
-    first_step = continue_from(io.resume(system, plan.checkpoint), system, data, io, handoff, plan.data_changed)
+    driver = io.resume(system, plan.checkpoint)
+    first_step = continue_from(driver, system, data, io, handoff, plan.data_changed)
     summary.steps_done = first_step
     rewards = RewardLog(cfg, data)
+    if driver is not None:  # the evaluations before RL stay the run's baseline
+        summary.before = io.before = earlier_before(driver, io.run_dir)
     if (line := plan.line()) is not None:
         io.log(line)
     try:
@@ -190,10 +228,10 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
     rollouts = RolloutPipeline(system.rollout.manager, system.loop_thread, cfg.rollout.group_size,
                                relay=system.relay, **refill_hooks(system, data, rewards))
     try:
-        for step in range(first_step, cfg.experiment.steps):
+        for step in range(first_step + 1, cfg.experiment.steps + 1):
             rl_step(system, data, io, rollouts, step, held_out, eval_sets, handoff, rewards,
                     go_on=lambda: not stop.requested)
-            summary.steps_done = step + 1
+            summary.steps_done = step
             if stop.requested:
                 summary.stopped_by_signal = True
                 summary.stopped_reason = stop.name
@@ -211,8 +249,12 @@ def _run(system: System, io: RunIO, data: PromptSource, plan: ResumePlan, stop: 
             data.load_state_dict(untrained)
     handoff.for_training()  # the checkpoint reads the trainer's whole state
     io.save_checkpoint(system, data, summary.steps_done, final=True)
+    if summary.stopped_by_signal:
+        io.log(f"stopped by {stop.name} after step {summary.steps_done}/{cfg.experiment.steps}: the run continues "
+               f"from checkpoint step {summary.steps_done} when started again")
     if handoff.enabled and (held_out or eval_sets) and summary.stopped_reason is None:
-        io.report_sync(*handoff.push())  # the engines sleep since the checkpoint: wake them with the weights
+        # The engines sleep since the checkpoint: wake them with the same weights (the same version).
+        io.report_sync(*handoff.push(summary.steps_done))
     if held_out and summary.stopped_reason is None:
         try:
             summary.after = io.report_eval("after RL", eval_now(system, held_out))
@@ -239,11 +281,12 @@ def prepare_rl(system: System, data: PromptSource, train_problems: list, held_ou
         return False
     if not run_warmup(system, train_problems, io, lambda: stop.requested, data):
         return False
-    io.report_sync(*handoff.push())
+    io.report_sync(*handoff.push(0))  # the weights RL starts from: version 0
     if held_out and not stop.requested:  # experiment.eval_size=0 skips evaluation
         summary.before = io.report_eval("after warm-up", eval_now(system, held_out))
     if eval_sets and not stop.requested:
         summary.before.update(io.report_eval_sets("before RL", eval_sets_now(system, eval_sets, rewards), 0))
+    io.before = summary.before  # every checkpoint carries it: a resumed run still compares with it
     if stop.requested:
         return False
     presample_filter(system, data, train_problems, io, rewards.context("presample") if rewards else None)
@@ -269,9 +312,22 @@ def continue_from(driver: DriverState | None, system: System, data: PromptSource
     if not new_data:
         data.load_state_dict(driver.data)
     restore_driver_rng(driver.rng)
-    system.version = driver.weight_version
-    io.report_sync(*handoff.push())
+    # The restored weights have taken `driver.step` RL steps: the version they had when saved.
+    io.report_sync(*handoff.push(driver.step))
     return driver.step
+
+
+def earlier_before(driver: DriverState, run_dir: Path) -> dict[str, float]:
+    """The evaluations before RL of a resumed run: from its checkpoint, else (checkpoints that predate
+    recording them) from the `summary.json` an earlier start of the run wrote."""
+    before = driver.extra.get("before")
+    if isinstance(before, dict):
+        return dict(before)
+    try:
+        before = json.loads((run_dir / "summary.json").read_text()).get("before")
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return dict(before) if isinstance(before, dict) else {}
 
 
 def eval_now(system: System, held_out: list) -> EvalResult:
@@ -316,28 +372,30 @@ def refill_hooks(system: System, data: PromptSource, rewards: RewardLog | None =
 
 
 def starts_next_now(cfg: MilesConfig, step: int, handoff: Handoff, evaluates: bool) -> bool:
-    """Whether synchronous rollouts start the next step's generation right after this step's push: not after
+    """Whether synchronous rollouts start the next step's generation right after step `step`'s push: not after
     the last step, not before an evaluation (it runs with no generation in flight), not where the roles hand
     the device over (the next step wakes the engines first)."""
-    return (cfg.rollout.async_steps == 0 and step + 1 < cfg.experiment.steps and not handoff.enabled
+    return (cfg.rollout.async_steps == 0 and step < cfg.experiment.steps and not handoff.enabled
             and not (evaluates and eval_due(cfg, step + 1)))
 
 
 def eval_due(cfg: MilesConfig, step: int) -> bool:
-    """Whether step `step` starts with a held-out evaluation: every `experiment.eval_every` steps done."""
-    every = cfg.experiment.eval_every
-    return every > 0 and step > 0 and step % every == 0
+    """Whether step `step` (counted from 1) starts with a held-out evaluation: every `experiment.eval_every`
+    steps done (after step 1 at the earliest: the one before RL is `prepare_rl`'s)."""
+    every, done = cfg.experiment.eval_every, step - 1
+    return every > 0 and done > 0 and done % every == 0
 
 
 def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipeline, step: int,
             held_out: list | None = None, eval_sets: list[EvalSet] | None = None,
             handoff: Handoff | None = None, rewards: RewardLog | None = None,
             go_on: Callable[[], bool] | None = None) -> None:
-    """One RL step; with `rollout.async_steps=N` the next N steps' generation overlaps its training.
+    """RL step `step` (counted from 1: the checkpoint after it is `step_<step>`, its push version `step`); with
+    `rollout.async_steps=N` the next N steps' generation overlaps its training.
 
-    When `eval_due`, the held-out problems are evaluated (greedy) on the weights of the steps done so
-    far, between collecting this step's groups and starting the next generation (no generation is in
-    flight then: validation keeps `rollout.async_steps <= 1` with `experiment.eval_every`), and the
+    When `eval_due`, the held-out problems are evaluated (greedy) on the weights of the `step - 1` steps
+    done so far, between collecting this step's groups and starting the next generation (no generation
+    is in flight then: validation keeps `rollout.async_steps <= 1` with `experiment.eval_every`), and the
     shares join this step's stats as `eval/<measure>`; so do the evaluation sets' measures, as
     `eval/<set>/<measure>`.
     """
@@ -345,7 +403,7 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
     timer = io.timer()
     handoff = handoff or Handoff(system)
     rewards = rewards or RewardLog(cfg, data)
-    rewards.steps_done = step
+    rewards.steps_done = step - 1
     with timer.phase("sync"):
         handoff.for_generation()
     with timer.phase("generate"):
@@ -356,16 +414,17 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
     if held_out and eval_due(cfg, step) and not rollouts.busy:
         with timer.phase("eval"):
             result = eval_now(system, held_out)
-        io.log(result.table(f"held-out evaluation after {step} RL steps"))
+        io.log(result.table(f"held-out evaluation after {step - 1} RL steps"))
         eval_stats = {f"eval/{k}": v for k, v in result.as_dict().items() if k != "n"}
     if eval_sets and eval_due(cfg, step) and not rollouts.busy:
         with timer.phase("eval"):
             results = eval_sets_now(system, eval_sets, rewards)
-        eval_stats.update(io.report_eval_sets(f"evaluation after {step} RL steps", results, step, in_step=True))
-    while rollouts.pending < cfg.rollout.async_steps and step + 1 + rollouts.pending < cfg.experiment.steps:
+        eval_stats.update(io.report_eval_sets(f"evaluation after {step - 1} RL steps", results, step, in_step=True))
+    while rollouts.pending < cfg.rollout.async_steps and step + rollouts.pending < cfg.experiment.steps:
         start_rollouts(system, data, rollouts)
     with timer.phase("reward"):  # dynamic sampling scored the groups as they completed
         groups = rollout.groups if cfg.rollout.dynamic_sampling else rewards.score(system.reward_set, rollout.groups)
+    require_scored(groups)
     fresh, stale_stats = drop_stale(groups, system.version, cfg.rollout.max_staleness)
     batch, algo_stats = build_train_batch(fresh, cfg.algo)
     handoff.measure("generate")
@@ -377,11 +436,11 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
             train_stats = system.trainer.train_step(batch, distill_coef=rl_distill_coef(cfg))
     with timer.phase("checkpoint"):
         in_flight = rollouts.tag
-        io.maybe_save_checkpoint(system, CursorAt(in_flight) if in_flight is not None else data, step + 1)
+        io.maybe_save_checkpoint(system, CursorAt(in_flight) if in_flight is not None else data, step)
     handoff.measure("train")
     with timer.phase("sync"):
         rollouts.pause()
-        sync_report, sync_seconds = handoff.push()
+        sync_report, sync_seconds = handoff.push(step)
         rollouts.resume()
     handoff.measure("sync")
     io.report_sync(sync_report, sync_seconds)
@@ -390,7 +449,8 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         # metrics and rollout table are written (what the next step would do first, done now).
         start_rollouts(system, data, rollouts)
     tools = tool_stats(groups) if cfg.rollout.environment else {}
-    stats: dict[str, Any] = {**reward_stats(groups), **tools, **algo_stats, **train_stats, **timer.stats(),
+    stats: dict[str, Any] = {**reward_stats(groups, system.reward_set), **tools, **algo_stats, **train_stats,
+                             **timer.stats(),
                              **handoff.stats(),
                              **rollout_stats(rollout.stats), **stale_stats, **eval_stats,
                              "rollout/pauses": float(rollout.pauses),

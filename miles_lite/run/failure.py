@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from miles_lite.checkpoint.resume import newest_complete
+from miles_lite.formats.files import append_line
 from miles_lite.plugins import PluginFailed
 
 # Exit status of `miles-lite train` when a plug-in failed (0 done, 2 bad input, 3 halted by a guard).
@@ -22,7 +23,13 @@ LOG_FILE = Path("logs") / "run.log"
 
 
 class RunEndedByPlugin(RuntimeError):
-    """The run ended because a plug-in failed; the message is the one line the console shows."""
+    """The run ended because a plug-in failed; the message is the one line the console shows. `run_dir`: the
+    run's directory; `checkpoint`: whether a committed checkpoint is there to resume from."""
+
+    def __init__(self, message: str, run_dir: str = "", checkpoint: bool = False) -> None:
+        super().__init__(message)
+        self.run_dir = run_dir
+        self.checkpoint = checkpoint
 
 
 def append_traceback(run_dir: Path, failure: PluginFailed) -> Path:
@@ -30,8 +37,7 @@ def append_traceback(run_dir: Path, failure: PluginFailed) -> Path:
     path = run_dir / LOG_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(traceback.format_exception(failure.error))
-    with open(path, "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {failure} ({failure.where or 'during the run'})\n{text}\n")
+    append_line(path, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {failure} ({failure.where or 'during the run'})\n{text}")
     return path
 
 
@@ -49,4 +55,5 @@ def end_on_plugin_failure(system: Any, io: Any, summary: Any, failure: PluginFai
     summary.wall_seconds = time.perf_counter() - start
     io.finish(summary, quiet=True)
     point = f"the run resumes from {resume}" if resume else "no checkpoint was committed: the run starts over"
-    return RunEndedByPlugin(f"plug-in failed {where}: {failure} (traceback in {log}); {point}")
+    return RunEndedByPlugin(f"plug-in failed {where}: {failure} (traceback in {log}); {point}", str(io.run_dir),
+                            resume is not None)

@@ -9,10 +9,12 @@ Who holds the device is a state machine:
   state offloaded before the engines started (`System.start`), so they start into the room;
 - `for_generation`: the trainer offloads `trainer.offload.*` to host memory (`time/offload_seconds`);
 - `for_training`: the engines release weights, KV cache and CUDA graphs (`time/engine_sleep_seconds`),
-  then the trainer onloads (`time/onload_seconds`). Runs that push only LoRA adapters keep the engines'
-  weights: their base never changes, and SGLang's memory saver drops released weights (no host copy), so
-  an adapter-only push after the wake would leave the engine computing with garbage;
-- `push`: the trainer offloads its gradient buffers and optimizer state, the push resumes the engines'
+  then the trainer onloads (`time/onload_seconds`: on a GPU the time to queue the copies; they run on a stream
+  of their own while the step starts, the optimizer state landing before the optimizer step reads it). Runs
+  that push only LoRA adapters keep the engines' weights: their base never changes, and SGLang's memory saver
+  drops released weights (no host copy), so an adapter-only push after the wake would leave the engine
+  computing with garbage;
+- `push`: the trainer drops its gradient buffers and offloads its optimizer state, the push resumes the engines'
   weights, loads the new version and resumes their KV cache (`time/engine_wake_seconds`) before the probe
   verification; then the trainer offloads its parameters. The parameters stay on the device through the
   push because the push reads them and the verification scores the probe with them.
@@ -29,11 +31,11 @@ import time
 from typing import Any
 
 from miles_lite.config.colocation import hands_off
+from miles_lite.config.lora_serving import serves_adapters
 from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.rollout.engine import MEMORY_TAGS
 from miles_lite.run.system import System
 from miles_lite.weight_sync.coordinator import SyncReport
-from miles_lite.weight_sync.factory import adapter_push
 
 
 class Holder(enum.Enum):
@@ -51,7 +53,8 @@ class Handoff:
         self.colocated = system.cfg.cluster.placement == "colocated"
         self.parts = system.cfg.trainer.offload.parts()
         # What the engines release to sleep (see the module docstring on adapter-only pushes).
-        self.sleep_tags = tuple(t for t in MEMORY_TAGS if t != "weights") if adapter_push(system.cfg) else MEMORY_TAGS
+        adapters_only = serves_adapters(system.cfg)
+        self.sleep_tags = tuple(t for t in MEMORY_TAGS if t != "weights") if adapters_only else MEMORY_TAGS
         # The engines started while the trainer's state waited in host memory (`System.start`).
         self.holder = Holder.ENGINES if self.enabled and system.offloaded_at_start else Holder.BOTH
         self._seconds: dict[str, float] = {}
@@ -84,15 +87,15 @@ class Handoff:
         self._add("onload", self.system.trainer.onload(OFFLOAD_PARTS)["seconds"])
         self.holder = Holder.TRAINER
 
-    def push(self) -> tuple[SyncReport, float]:
-        """Push the trainer's weights (`System.push_weights`), handing the device to the engines around it;
-        the report and the push's wall seconds (the trainer's offloads are not in them)."""
+    def push(self, version: int) -> tuple[SyncReport, float]:
+        """Push the trainer's weights as `version` (`System.push_weights`), handing the device to the engines
+        around it; the report and the push's wall seconds (the trainer's offloads are not in them)."""
         assert self.system.pusher is not None
         if not self.enabled:
-            return self.system.push_weights()
+            return self.system.push_weights(version)
         self.for_training()  # a push from `both` (warm-up, resume) puts the engines to sleep first
         self._offload(tuple(p for p in self.parts if p != "params"))
-        report, seconds = self.system.push_weights()
+        report, seconds = self.system.push_weights(version)
         self._add("engine_wake", self.system.pusher.wake_seconds)
         self._offload(tuple(p for p in self.parts if p == "params"))
         self.holder = Holder.ENGINES

@@ -11,11 +11,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from miles_lite.checkpoint.commit_watch import CommitWatcher
 from miles_lite.checkpoint.driver_state import DriverState, capture_driver_rng
 from miles_lite.checkpoint.resume import set_aside_newer
 from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.schema import MilesConfig
 from miles_lite.evaluation.greedy import EvalResult
+from miles_lite.formats.files import write_atomic
 from miles_lite.observability.exporter import MetricsExporter, start_exporter
 from miles_lite.observability.gpu import nvml_collector
 from miles_lite.observability.metrics import ENGINE_STATES, MetricsRegistry
@@ -101,13 +103,22 @@ class RunIO:
         self.progress = RunProgress(max(cfg.experiment.steps, 1), enabled=cfg.observability.progress)
         self.last_sync: dict[str, float] = {}
         self.evals: dict[str, dict[str, float]] = {}
+        # The evaluations before RL (`summary.json`'s `before`): every checkpoint carries them to a resume.
+        self.before: dict[str, float] = {}
         self._restarts_seen = 0.0
+        # `miles_lite_checkpoint_step` follows the commits of background saves too (whichever process commits).
+        self.commits = (CommitWatcher(cfg.checkpoint.dir, self.metrics.checkpoint_step)
+                        if cfg.checkpoint.dir else None)
 
     def __enter__(self) -> RunIO:
         self.progress.__enter__()
+        if self.commits is not None:
+            self.commits.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if self.commits is not None:
+            self.commits.stop()
         self.progress.__exit__(exc_type, *exc)
         for sink in self.sinks:
             sink.close()
@@ -144,10 +155,12 @@ class RunIO:
         if probe is not None:
             self.last_sync["sync/probe_logp_diff_mean"] = probe
             self.last_sync["sync/probe_logp_diff_max"] = report.verify.logp_diff_max
+            self.last_sync["sync/probe_logp_diff_bound"] = report.verify.bound
 
     def publish_step(self, step: int, stats: dict[str, Any], groups: Sequence[Group],
                      fleet_stats: Mapping[str, float]) -> None:
-        """Metrics, metrics.jsonl, the rollout table and the progress line of a finished step."""
+        """Metrics, metrics.jsonl, the rollout table and the progress line of finished step `step` (counted from
+        1 everywhere: the console's `step N/M`, `metrics.jsonl`, `rollouts/step_N`, checkpoint `step_N`)."""
         stats = {**stats, **self.last_sync, **{f"fleet/{k}": v for k, v in fleet_stats.items()}}
         self.metrics.publish_step(step, stats)
         self.metrics.set_engine_states({state: int(fleet_stats.get(f"engines_{state}", 0))
@@ -160,7 +173,7 @@ class RunIO:
             sink.log(step, stats)
         if self.table is not None:
             self.table.write_groups(step, groups)
-        self.progress.step_done(step + 1, stats)
+        self.progress.step_done(step, stats)
 
     def report_eval_sets(self, title: str, results: Sequence[Any], step: int, *, in_step: bool = False
                          ) -> dict[str, float]:
@@ -233,7 +246,7 @@ class RunIO:
         else:
             driver = DriverState(step=steps_done, weight_version=int(system.version), data=data.state_dict(),
                                  rng=capture_driver_rng(), run_config=self.record.get("config"),
-                                 data_identity=self.record.get("data"))
+                                 data_identity=self.record.get("data"), extra={"before": dict(self.before)})
             stats = trainer.save_checkpoint(steps_done, driver, final)
             system.last_checkpoint_step = steps_done
             self.metrics.checkpoint_blocked(stats.blocked_s)
@@ -250,13 +263,13 @@ class RunIO:
     def finish(self, summary: Any, quiet: bool = False) -> None:
         """Write summary.json and the reward/accuracy curves PNG (`quiet`: without the closing lines)."""
         data = asdict(summary)
-        (self.run_dir / "summary.json").write_text(json.dumps(data, indent=2))
+        write_atomic(self.run_dir / "summary.json", json.dumps(data, indent=2))
         from miles_lite.observability.plots import reward_plot
         from miles_lite.observability.sinks import read_metrics_file
 
-        png = reward_plot(read_metrics_file(self.run_dir))
+        png = reward_plot(read_metrics_file(self.run_dir), read_metrics_file(self.run_dir, evaluations=True))
         if png is not None:
-            (self.run_dir / "curves.png").write_bytes(png)
+            write_atomic(self.run_dir / "curves.png", png)
         before, after = summary.before.get("exact"), summary.after.get("exact")
         if quiet:
             return

@@ -20,6 +20,7 @@ from miles_lite.checkpoint.layout import load_manifest
 from miles_lite.config.changes import Change, config_changes, config_tree, show
 from miles_lite.config.schema import MilesConfig
 from miles_lite.data.identity import data_identity, same_data
+from miles_lite.formats.files import write_atomic
 
 CONFIG_FILE = "config.yaml"
 _HEADER = "# miles-lite: the configuration of the start at step "
@@ -135,7 +136,8 @@ def _started_at(text: str) -> str:
     return first[len(_HEADER):].strip() if first.startswith(_HEADER) else "unknown"
 
 
-def _body(text: str) -> str:
+def config_body(text: str) -> str:
+    """A `config.yaml`'s configuration without its header line."""
     return text.split("\n", 1)[1] if text.startswith(_HEADER) else text
 
 
@@ -146,7 +148,7 @@ def record_start_config(run_dir: Path, cfg_yaml: str, step: int) -> Path | None:
     kept = None
     if path.is_file():
         old = path.read_text()
-        if _body(old) == cfg_yaml:
+        if config_body(old) == cfg_yaml:
             return None
         started = _started_at(old)
         kept = run_dir / f"config.from_step_{started}.yaml"
@@ -154,6 +156,6 @@ def record_start_config(run_dir: Path, cfg_yaml: str, step: int) -> Path | None:
         while kept.exists():
             n += 1
             kept = run_dir / f"config.from_step_{started}.{n}.yaml"
-        path.rename(kept)
-    path.write_text(f"{_HEADER}{step}\n{cfg_yaml}")
+        write_atomic(kept, old)  # a copy first: an interruption leaves config.yaml as it was
+    write_atomic(path, f"{_HEADER}{step}\n{cfg_yaml}")
     return kept

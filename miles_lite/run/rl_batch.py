@@ -9,9 +9,11 @@ from typing import Any
 
 import torch
 
-from miles_lite.algo.advantages import compute_advantages
+from miles_lite.algo.advantages import compute_advantages, ragged_advantages
 from miles_lite.config.schema import AlgoConfig, MilesConfig
 from miles_lite.data.calculator import call_outcomes
+from miles_lite.plugins import PluginFailed
+from miles_lite.rewards.success import right_flags
 from miles_lite.rollout.manager import MIXED_SEPARATOR
 from miles_lite.types import Group, Sample, TrainBatch
 
@@ -67,8 +69,14 @@ def rl_distill_coef(cfg: MilesConfig) -> float:
     return 0.0 if cfg.experiment.warmup == "opd" else cfg.algo.distill_coef
 
 
-def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
-    """Reward mean/std, exact accuracy (with the math rewards) and per-reward value lists over every sample.
+def reward_stats(groups: Sequence[Group], reward_set: Any = None) -> dict[str, object]:
+    """Reward mean/std, the task's accuracy and per-reward value lists over every sample.
+
+    Accuracy: with the math rewards, `reward/exact_accuracy` (the exact answer-and-format share); with any
+    other reward set (records tasks, `rewards.set=math_answer`), given `reward_set`, `reward/accuracy`: the
+    share of samples whose total reaches the most the set can give a record of their source (what makes an
+    evaluation set's sample correct). With data sources, `reward/mean/<source>` and `reward/accuracy/<source>`
+    per source.
 
     A reward that does not apply to a sample (None, or another data source's reward: NaN in `rewards`)
     is left out of that reward's values and counted in `reward/none/<name>`; `reward/mean` and
@@ -85,6 +93,8 @@ def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
     if not every or "exact_check" in names:  # the math rewards' exact answer-and-format share
         stats["reward/exact_accuracy"] = (sum(s.rewards.get("exact_check", 0.0) for s in every) / len(every)
                                           if every else 0.0)
+    elif reward_set is not None:
+        stats.update(task_accuracy(groups, reward_set))
     for name in names:
         values = [s.rewards.get(name, 0.0) for s in every]
         stats[f"reward/values/{name}"] = [v for v in values if not math.isnan(v)]
@@ -93,6 +103,38 @@ def reward_stats(groups: Sequence[Group]) -> dict[str, object]:
             stats[f"reward/none/{name}"] = float(nones)
     if len(scored) < len(every):
         stats["reward/unscored_samples"] = float(len(every) - len(scored))
+    return stats
+
+
+def require_scored(groups: Sequence[Group]) -> None:
+    """Raise `PluginFailed` when no reward gave a value for any completion of a step (every reward returned
+    None for every completion): every total would be 0, so the step would train on nothing, and so would the
+    run's every later step while the reward keeps not applying; it names the rewards and the fix."""
+    every = [s for g in groups for s in g.samples]
+    names = sorted({k for s in every for k in s.rewards if k != "total"})
+    if not every or any(not math.isnan(s.rewards.get(n, math.nan)) for s in every for n in names):
+        return
+    plugin = f"reward {names[0]!r}" if len(names) == 1 else "rewards " + ", ".join(repr(n) for n in names)
+    raise PluginFailed(plugin, ValueError(
+        f"returned None for all {len(every)} completions of the step: none was scored, so there is nothing to learn "
+        "from; return a float for every completion a reward applies to (None only where it does not apply)"))
+
+
+def task_accuracy(groups: Sequence[Group], reward_set: Any) -> dict[str, float]:
+    """`reward/accuracy` over every sample, and `reward/accuracy/<source>`, `reward/mean/<source>` per data source.
+    A sample is right when it reached the reward set's best (`rewards.success`, over the step's samples)."""
+    samples = [(group.source, sample) for group in groups for sample in group.samples]
+    flags = right_flags(reward_set, [s.rewards for _, s in samples], [source for source, _ in samples])
+    right: dict[str | None, list[float]] = {}
+    totals: dict[str | None, list[float]] = {}
+    for (source, sample), ok in zip(samples, flags, strict=True):
+        right.setdefault(source, []).append(float(ok))
+        totals.setdefault(source, []).append(sample.reward)
+    every = [r for values in right.values() for r in values]
+    stats = {"reward/accuracy": sum(every) / len(every) if every else 0.0}
+    for source in sorted(s for s in right if s is not None):
+        stats[f"reward/accuracy/{source}"] = sum(right[source]) / len(right[source])
+        stats[f"reward/mean/{source}"] = sum(totals[source]) / len(totals[source])
     return stats
 
 
@@ -124,18 +166,12 @@ def build_train_batch(groups: Sequence[Group], algo: AlgoConfig) -> tuple[TrainB
     if not groups:
         return None, {"algo/zero_signal_share": 0.0, "algo/zero_signal_groups": 0.0, "algo/groups": 0.0,
                       "algo/trained_sequences": 0.0}
-    sizes = {len(g.samples) for g in groups}
-    if len(sizes) != 1:
-        raise ValueError(f"groups of unequal sizes {sorted(sizes)}: every prompt needs rollout.group_size samples")
-    group_size = sizes.pop()
-    rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
-    result = compute_advantages(rewards, group_size, algo.advantage_estimator, std_normalize=algo.std_normalize)
-    keep = result.keep_mask if algo.drop_zero_signal else torch.ones_like(result.keep_mask)
-    stats = {"algo/zero_signal_share": result.zero_signal_share,
-             "algo/zero_signal_groups": float(result.zero_signal_mask.sum()),
+    advantages, zero, keep = _advantages(groups, algo)
+    stats = {"algo/zero_signal_share": sum(zero) / len(zero) if zero else 0.0,
+             "algo/zero_signal_groups": float(sum(zero)),
              "algo/groups": float(len(groups))}
     samples = [s for g in groups for s in g.samples]
-    chosen = [i for i in range(len(samples)) if bool(keep[i]) and samples[i].response_ids]
+    chosen = [i for i in range(len(samples)) if keep[i] and samples[i].response_ids]
     stats["algo/trained_sequences"] = float(len(chosen))
     if not chosen:
         return None, stats
@@ -143,11 +179,28 @@ def build_train_batch(groups: Sequence[Group], algo: AlgoConfig) -> tuple[TrainB
         tokens=[samples[i].prompt_ids + samples[i].response_ids for i in chosen],
         prompt_lengths=[len(samples[i].prompt_ids) for i in chosen],
         rollout_logprobs=[list(samples[i].rollout_logprobs) for i in chosen],
-        advantages=[float(result.advantages[i]) for i in chosen],
+        advantages=[advantages[i] for i in chosen],
         loss_masks=_loss_masks([samples[i] for i in chosen]),
         routed_experts=_routed([samples[i] for i in chosen]),
     )
     return batch, stats
+
+
+def _advantages(groups: Sequence[Group], algo: AlgoConfig) -> tuple[list[float], list[bool], list[bool]]:
+    """Per-sample advantages, per-group zero-signal flags and per-sample keep flags. Groups are `group_size`
+    samples each, except where an agent's sample was dropped (`rollout.agent`): then the estimator runs on the
+    ragged groups (`ragged_advantages`)."""
+    sizes = {len(g.samples) for g in groups}
+    if len(sizes) == 1 and min(sizes) > 0:
+        rewards = torch.tensor([s.reward for g in groups for s in g.samples], dtype=torch.float64)
+        result = compute_advantages(rewards, sizes.pop(), algo.advantage_estimator, std_normalize=algo.std_normalize)
+        keep = result.keep_mask if algo.drop_zero_signal else torch.ones_like(result.keep_mask)
+        return result.advantages.tolist(), result.zero_signal_mask.tolist(), keep.tolist()
+    nonempty = [g for g in groups if g.samples]
+    advantages, zero = ragged_advantages([[s.reward for s in g.samples] for g in nonempty], algo.advantage_estimator,
+                                         std_normalize=algo.std_normalize)
+    keep = [not (algo.drop_zero_signal and z) for g, z in zip(nonempty, zero, strict=True) for _ in g.samples]
+    return advantages, zero, keep
 
 
 def _routed(samples: Sequence[Sample]) -> list[Any] | None:
@@ -181,8 +234,20 @@ def distill_batch(groups: Sequence[Group]) -> TrainBatch | None:
 
 
 def rollout_stats(stats: Any) -> dict[str, object]:
-    """The rollout manager's per-call stats under the metric keys the registry knows."""
+    """The rollout manager's per-call stats under the metric keys the registry knows (the agent slots' when an
+    agent ran)."""
+    agents = {} if not stats.agents_started else {
+        "rollout/agents_started": float(stats.agents_started),
+        "rollout/agents_failed": float(stats.agents_failed),
+        "rollout/agent_timeouts": float(stats.agents_timed_out),
+        "rollout/agent_turns_per_sample": stats.agent_turns / max(stats.agents_succeeded, 1),
+        "rollout/tito_mismatch": float(stats.tito_mismatch),
+        "rollout/session_engine_moves": float(stats.session_engine_moves),
+        "rollout/session_diverged": float(stats.session_diverged),
+        "rollout/session_branches": float(stats.session_branches),
+    }
     return {
+        **agents,
         "rollout/tokens_per_second": stats.tokens_per_s,
         "rollout/generated_tokens": float(stats.tokens_generated),
         "rollout/request_latency_seconds": list(stats.latencies_s),

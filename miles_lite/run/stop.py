@@ -2,8 +2,10 @@
 --signal`, Ctrl-C.
 
 The loops check `StopRequest.requested` after every RL step and every warm-up step; an RL run then
-saves a checkpoint and exits 0. A second SIGINT aborts at once (KeyboardInterrupt), for a user who
-does not want to wait for the step to end.
+saves a checkpoint and exits 0. A second SIGINT aborts at once (KeyboardInterrupt, which the driver turns
+into `RunAborted` once the roles are stopped; `miles-lite train` exits `EXIT_ABORTED`), for a user who does
+not want to wait for the step to end. A third one, while the engines and the trainer shut down, gives
+SIGINT back to the system's default: a fourth ends the process at once.
 
 Light on purpose (no torch import), so the CLI can install it before loading the heavy modules.
 """
@@ -11,9 +13,22 @@ Light on purpose (no torch import), so the CLI can install it before loading the
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Any
 
 SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+# Exit status of `miles-lite train` aborted by a second Ctrl-C (128 + SIGINT, as shells report it).
+EXIT_ABORTED = 128 + signal.SIGINT
+
+
+class RunAborted(Exception):
+    """A second Ctrl-C ended the run mid-step; its roles are stopped. `checkpoint`: the newest committed one
+    (where the run continues), None when none was."""
+
+    def __init__(self, run_dir: Path, checkpoint: Path | None) -> None:
+        super().__init__(f"aborted by a second Ctrl-C in {run_dir}")
+        self.run_dir = run_dir
+        self.checkpoint = checkpoint
 
 
 class StopRequest:
@@ -21,6 +36,7 @@ class StopRequest:
 
     def __init__(self) -> None:
         self.signal: int | None = None
+        self.interrupts = 0
         self._previous: dict[int, Any] = {}
 
     def install(self) -> StopRequest:
@@ -30,8 +46,14 @@ class StopRequest:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self.signal is not None:
-            print("miles-lite: second interrupt; aborting now", flush=True)
-            raise KeyboardInterrupt
+            self.interrupts += 1
+            if self.interrupts == 1:
+                print("miles-lite: second interrupt; aborting now (stopping the engines and the trainer)", flush=True)
+                raise KeyboardInterrupt
+            print("miles-lite: still stopping the engines and the trainer; Ctrl-C again ends the process at once",
+                  flush=True)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            return
         first = self.signal is None
         self.signal = signum
         if first:

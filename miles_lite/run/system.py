@@ -16,13 +16,15 @@ from typing import Any
 
 from miles_lite.cluster.role import TrainerRole
 from miles_lite.config.colocation import hands_off
+from miles_lite.config.lora_serving import serves_adapters, with_lora_serving
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import remote_reward_spec
+from miles_lite.config.views import EngineFleetConfig, TrainerRoleConfig, WeightSyncSetup
 from miles_lite.config.weight_sync_choice import shared_gpus, trainer_on_gpu
 from miles_lite.data.encoding import PromptEncoder
-from miles_lite.engines.fleet_launch import Rollout, build_rollout
-from miles_lite.engines.lora_serving import with_lora_serving
+from miles_lite.engines.fleet_launch import Rollout, build_rollout, chat_template_of
 from miles_lite.net.api_key import ApiKey
+from miles_lite.plugins import PluginPool
 from miles_lite.rewards.setup import build_reward_set
 from miles_lite.rollout.fleet import EngineFleet
 from miles_lite.rollout.prestarted import PrestartPool
@@ -51,10 +53,10 @@ def start_trainer(cfg: MilesConfig) -> TrainerRole:
     if cfg.cluster.mode == "ray" or cfg.trainer.world_size > 1:
         from miles_lite.cluster.ray_trainer import RayTrainerGroup
 
-        return RayTrainerGroup.start(cfg)
+        return RayTrainerGroup.start(TrainerRoleConfig.of(cfg))
     from miles_lite.cluster.local_trainer import LocalTrainer
 
-    return LocalTrainer(cfg)
+    return LocalTrainer(TrainerRoleConfig.of(cfg))
 
 
 class System:
@@ -66,12 +68,19 @@ class System:
         self.api_key = api_key if api_key is not None else ApiKey.for_run(cfg.cluster.api_key_file)
         self.run_dir = run_dir
         self.tokenizer = tokenizer
+        # The agent sessions' chat template, checked on the tokenizer before any engine starts; prompts and SFT
+        # trajectories render through it as the gateway renders sessions.
+        self.chat_template = chat_template_of(EngineFleetConfig.of(cfg), tokenizer) if cfg.rollout.agent else None
         self.encoder = PromptEncoder(tokenizer, cfg.data.prompt_template,
                                      tool_solutions=cfg.rollout.environment == "calculator",
-                                     max_prompt_tokens=cfg.data.max_prompt_tokens,
-                                     chat_template=cfg.data.chat_template)
+                                     max_prompt_tokens=cfg.data.max_prompt_tokens, chat_template=self.chat_template,
+                                     raw_prompts=not cfg.data.chat_template)
+        # Blocking plug-in calls (environment replies, reward functions) run here, off the rollout loop.
+        self.plugins = PluginPool(cfg.rollout.plugin_workers, cfg.rollout.plugin_pool, cfg.rollout.plugin_timeout_s)
         self.reward_set = build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom,
-                                           remote_reward_spec(cfg), cfg.rewards.by_source, cfg.rewards.answer_pattern)
+                                           remote_reward_spec(cfg), cfg.rewards.by_source, cfg.rewards.answer_pattern,
+                                           agent=cfg.rollout.agent is not None).run_in(self.plugins,
+                                                                                        cfg.rewards.timeout_s)
         self.sampling = sampling_from_config(cfg.rollout, stop_token_ids=self.encoder.stop_token_ids,
                                              seed=cfg.experiment.seed)
         self.trainer: TrainerRole | None = None
@@ -81,7 +90,10 @@ class System:
         self.pusher: FleetPusher | None = None
         # Waits on a rollout serve the fleet's requests to push the current weights to stale engines.
         self.relay = StarvationRelay(self.refresh_stale)
+        # The version of the weights last pushed: the RL optimizer steps they had taken (docs/observability.md,
+        # "Rollout table"); `pushed` turns true at the first push.
         self.version = 0
+        self.pushed = False
         # The report of the latest push of the current version to stale engines (`refresh_stale`).
         self.last_refresh: SyncReport | None = None
         # Step of the newest checkpoint this process saved (None: none yet).
@@ -149,22 +161,25 @@ class System:
             from miles_lite.cluster.engine_gang import RolloutGang, start_gang_fleet
             from miles_lite.cluster.gang import trainer_gang
 
-            gang = self.rollout_gang = RolloutGang.reserve(self.cfg, log_dir, self.trainer.placement_group,
-                                                           trainer_gang(self.cfg).bundles)
+            gang = self.rollout_gang = RolloutGang.reserve(EngineFleetConfig.of(self.cfg), log_dir,
+                                                           self.trainer.placement_group,
+                                                           trainer_gang(self.cfg.trainer, self.cfg.cluster).bundles)
 
             def gang_fleet() -> Any:
                 return start_gang_fleet(gang, api_key=self.api_key.value)
 
             start = gang_fleet
-        return build_rollout(self.cfg, self.tokenizer, log_dir, seed=self.cfg.experiment.seed, start=start,
-                             api_key=self.api_key, prestarted=self.prestarted if start is None else None)
+        return build_rollout(EngineFleetConfig.of(self.cfg), self.tokenizer, log_dir, seed=self.cfg.experiment.seed,
+                             start=start, api_key=self.api_key, plugins=self.plugins, chat_template=self.chat_template,
+                             prestarted=self.prestarted if start is None else None)
 
     def _start_sync(self) -> None:
         from miles_lite.weight_sync.factory import build_coordinator
 
         assert self.trainer is not None and self.loop_thread is not None and self.fleet is not None
         loop = EngineLoop(self.loop_thread.loop)
-        self.sync = build_coordinator(self.cfg, self.trainer, loop, self.run_dir, self.api_key.value)
+        self.sync = build_coordinator(WeightSyncSetup.of(self.cfg), self.trainer, loop, self.run_dir,
+                                      self.api_key.value)
         self.pusher = FleetPusher(self.sync, self.fleet, loop, self.cfg.rollout.engine_tp, self.cfg.rollout.backend)
         self.fleet.on_starved = self.relay.signal
         assert self.rollout is not None
@@ -197,6 +212,7 @@ class System:
                         trainer, self.trainer = self.trainer, None
                         trainer.close()
                 finally:
+                    self.plugins.close()
                     self.api_key.close()
 
     def __enter__(self) -> System:
@@ -221,21 +237,22 @@ class System:
 
     # ---- the calls the driver makes ---------------------------------------------------------------
 
-    def push_weights(self) -> tuple[SyncReport, float]:
-        """Push the trainer's weights as the next version (see `FleetPusher.push`); the report and the wall
-        seconds of the whole push."""
+    def push_weights(self, version: int) -> tuple[SyncReport, float]:
+        """Push the trainer's weights as `version`, the RL optimizer steps they have taken (0 before the first
+        step, warm-up included; a re-push of unchanged weights carries the same version): see
+        `FleetPusher.push`. The report and the wall seconds of the whole push."""
         assert self.pusher is not None and self.trainer is not None
+        if version < 0:
+            raise ValueError(f"a weight version counts RL steps; got {version}")
         start = time.perf_counter()
-        self.version += 1
-        report = self.pusher.push(self._push_source(), str(self.version))
+        report = self.pusher.push(self._push_source(), str(version))
+        self.version, self.pushed = version, True
         return report, time.perf_counter() - start
 
     def _push_source(self) -> Any:
         """What a push carries: the trainer's adapters (LoRA, `weight_sync.lora=adapter`), else its weight shards."""
-        from miles_lite.weight_sync.factory import adapter_push
-
         assert self.trainer is not None
-        return self.trainer.adapter_tensors if adapter_push(self.cfg) else self.trainer.weight_shards
+        return self.trainer.adapter_tensors if serves_adapters(self.cfg) else self.trainer.weight_shards
 
     def refresh_stale(self) -> SyncReport | None:
         """Push the current version to the stale engines when no engine is healthy (the relay calls this
@@ -252,7 +269,7 @@ class System:
         async def starved() -> bool:
             return fleet.starved() and fleet.current_version == version
 
-        if self.version == 0 or not self.loop_thread.run(starved()):
+        if not self.pushed or not self.loop_thread.run(starved()):
             return None
         # A hand-off run waits on rollouts with the trainer's parameters in host memory (`handoff.py`): the push
         # reads them and the probe scores with them, so they come back for it (if away) and leave again after.

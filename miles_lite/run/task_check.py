@@ -5,6 +5,7 @@ the run with the record and the fix named (exit 2, no run directory)."""
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +24,7 @@ from miles_lite.rewards.setup import build_reward_set
 def run_reward_set(cfg: MilesConfig) -> RewardSet:
     """The reward set `rewards.*` describes (what `System` scores with)."""
     return build_reward_set(cfg.rewards.set, cfg.rewards.weights, cfg.rewards.custom, remote_reward_spec(cfg),
-                            cfg.rewards.by_source, cfg.rewards.answer_pattern)
+                            cfg.rewards.by_source, cfg.rewards.answer_pattern, agent=cfg.rollout.agent is not None)
 
 
 def needs_label(reward: RegisteredReward) -> bool:
@@ -46,10 +47,12 @@ def check_task(cfg: MilesConfig, train: Sequence[Any], eval_sets: Sequence[EvalS
         for name in reward_set.names:
             reward = reward_set.reward(name)
             if reward.style == "columns":
-                problem = columns_problem(reward.fn, columns)
+                # An agent's returned fields are columns too, known only when it returns: any name may be one.
+                extra = set(inspect.signature(reward.fn).parameters) if cfg.rollout.agent else set()
+                problem = columns_problem(reward.fn, columns | extra)
                 if problem is not None:
                     raise DatasetError(f"reward {name!r} cannot score {field}: {problem}")
-        math_rewards = [n for n in reward_set.names if reward_set.reward(n).style == "math"]
+        math_rewards = [n for n in reward_set.names if reward_set.reward(n).needs_numbers]
         label_rewards = [n for n in reward_set.names if needs_label(reward_set.reward(n))]
         for item in items:
             where = getattr(item, "where", field)

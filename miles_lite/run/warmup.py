@@ -11,6 +11,7 @@ from typing import Any
 
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.source import PromptSource
+from miles_lite.formats.files import append_line, write_atomic
 from miles_lite.rollout.presample import presample
 from miles_lite.run.rl_batch import distill_batch
 
@@ -19,8 +20,8 @@ STOP_LOSS_WINDOW = 10
 
 
 def _record(system: Any, mode: str, step: int, stats: dict[str, float]) -> None:
-    with (system.run_dir / "warmup.jsonl").open("a") as f:
-        f.write(json.dumps({"mode": mode, "step": step, **stats}) + "\n")
+    """One line of `warmup.jsonl` for warm-up step `step` (counted from 1, as the console counts)."""
+    append_line(system.run_dir / "warmup.jsonl", json.dumps({"mode": mode, "step": step, **stats}))
 
 
 def _should_log(step: int, steps: int) -> bool:
@@ -92,7 +93,7 @@ def run_sft(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
         stats = system.trainer.sft_step(batch, lr=exp.warmup_lr)
         loss = stats.get("loss/sft", stats.get("loss/total", loss))
         guard = {k: stats[k] for k in ("update_ratio", "update_ratio_bound", "skipped") if k in stats}
-        _record(system, "sft", step, {"loss": loss, **guard})
+        _record(system, "sft", step + 1, {"loss": loss, **guard})
         if _should_log(step, exp.warmup_steps):
             io.log(f"sft warm-up {step + 1}/{exp.warmup_steps}: loss {loss:.3f}")
         recent = [*recent[-(STOP_LOSS_WINDOW - 1):], loss]
@@ -145,9 +146,9 @@ def run_opd(system: Any, problems: Sequence[MathProblem], io: Any, should_stop: 
             continue
         batch = dataclasses.replace(batch, teacher_logprobs=system.trainer.compute_logprobs(batch, model="teacher"))
         stats = system.trainer.train_step(batch)
-        io.report_sync(*system.push_weights())
+        io.report_sync(*system.push_weights(0))  # still before the first RL step
         kl = stats.get("distill/reverse_kl", float("nan"))
-        _record(system, "opd", step, {"reverse_kl": kl, "loss": stats.get("loss/total", float("nan")),
+        _record(system, "opd", step + 1, {"reverse_kl": kl, "loss": stats.get("loss/total", float("nan")),
                                       "response_tokens": stats.get("response_tokens", 0.0)})
         if _should_log(step, exp.warmup_steps):
             io.log(f"opd warm-up {step + 1}/{exp.warmup_steps}: reverse KL to the teacher {kl:.3f} nats/token")
@@ -174,7 +175,7 @@ def presample_filter(system: Any, data: PromptSource, problems: Sequence[MathPro
                                               reward_set=system.reward_set, context=context))
     io.log(f"presample pass@k ({report.k} samples, {len(subset):,} questions):\n{report.table()}")
     io.log(f"presample ({report.scoring}): {report.summary_line()}")
-    (system.run_dir / "presample.json").write_text(report.to_json())
+    write_atomic(system.run_dir / "presample.json", report.to_json())
     if report.kept_indices:
         data.keep_only(report.kept_indices)
     else:

@@ -19,8 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from miles_lite.algo.device_stats import DeviceStats, read_many
 from miles_lite.config.offload import OFFLOAD_PARTS
-from miles_lite.config.schema import AlgoConfig, MilesConfig
+from miles_lite.config.schema import AlgoConfig
+from miles_lite.config.views import ActorConfig
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.actor_checkpoint import ActorCheckpoint
 from miles_lite.trainer.actor_weights import ActorWeights
@@ -51,20 +53,21 @@ class ActorState(StrEnum):
     CLOSED = "closed"
 
 
-MicroLoss = Callable[[PackedMicroBatch], tuple[Tensor, dict[str, float], float]]
+# A micro-batch's loss, its statistics (0-d tensors, read once a step) and its share of the batch's loss.
+MicroLoss = Callable[[PackedMicroBatch], tuple[Tensor, DeviceStats, float]]
 
 
 class TrainerActor(ActorCheckpoint, ActorWeights):
     """One trainer rank: a Megatron `GPTModel` shard, its optimizer, and optional reference/teacher.
 
     Args:
-        cfg: the whole configuration (`model`, `trainer`, `algo`, `experiment.teacher_path`).
+        cfg: what a rank reads (`model`, `trainer`, `algo`, the distillation teacher, the schedule's length).
         rank / world_size: this process among the trainer's `trainer.tp * trainer.dp` ranks.
         init_method: torch.distributed rendezvous URL (None: env:// from MASTER_ADDR/MASTER_PORT).
-        total_steps: optimizer steps the LR schedule spans (None: `experiment.steps`).
+        total_steps: optimizer steps the LR schedule spans (None: `cfg.steps`, from `experiment.steps`).
     """
 
-    def __init__(self, cfg: MilesConfig, rank: int, world_size: int, *, init_method: str | None = None,
+    def __init__(self, cfg: ActorConfig, rank: int, world_size: int, *, init_method: str | None = None,
                  total_steps: int | None = None) -> None:
         self.state = ActorState.INITIALIZING
         self.cfg = cfg
@@ -95,7 +98,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
             torch.set_num_threads(trainer.threads)
         self.par: ParallelInfo = init_parallel(trainer, rank, world_size, self.runtime.device, init_method)
         with cpu_compat.device_mode():
-            spec, hf_state, self.hf_config = load_policy_source(self.cfg)
+            spec, hf_state, self.hf_config = load_policy_source(self.cfg.model)
             self.policy, self.layouts = build_handle(spec, hf_state, trainer, self.runtime, self.par)
             del hf_state
             # What the optimizer steps and checkpoints hold: the whole model, or only its LoRA adapters.
@@ -107,7 +110,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
             self.ddp = wrap_ddp(self.trained, self.policy.model.config, trainer, self.runtime)
             self._finalize_grads = finalize_model_grads
             self.optimizer = build_optimizer(self.ddp, trainer, self.runtime)
-            self.scheduler = build_scheduler(self.optimizer, trainer, total_steps or self.cfg.experiment.steps)
+            self.scheduler = build_scheduler(self.optimizer, trainer, total_steps or self.cfg.steps)
             self.guard = UpdateGuard(self.optimizer, trainer.max_update_ratio) if trainer.max_update_ratio > 0 else None
             self.offloader = actor_offload(self)
             self.reference: dict[str, Tensor] | None = None
@@ -124,7 +127,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
                 raise ValueError(f"trainer.routing_replay=true needs a mixture-of-experts model; {spec.arch} is "
                                  "dense: set trainer.routing_replay=false")
             self.teacher: ModelHandle | None = None
-            teacher_src = load_teacher_source(self.cfg)
+            teacher_src = load_teacher_source(self.cfg.teacher_path)
             if teacher_src is not None:
                 t_spec, t_state = teacher_src
                 self.teacher, _ = build_handle(t_spec, t_state, trainer, self.runtime, self.par)
@@ -180,6 +183,21 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
         for i, seq in enumerate(batch.tokens):
             if seq and (min(seq) < 0 or max(seq) >= vocab):
                 raise ValueError(f"TrainBatch.tokens[{i}] has ids outside [0, {vocab}) (the model's vocab_size)")
+
+    def _check_replayable(self, batch: TrainBatch) -> None:
+        """With routing replay, every generated sequence must carry the experts the engine routed it to: without
+        them its tokens would silently route themselves (an engine started without SGLang's
+        --enable-return-routed-experts answers with none)."""
+        if not self.cfg.trainer.routing_replay or self.routing is None:
+            return
+        routed = batch.routed_experts
+        missing = [i for i, r in enumerate(batch.response_lengths) if r > 1 and (routed is None or routed[i] is None)]
+        if missing:
+            raise ValueError(f"trainer.routing_replay=true, but {len(missing)} of the batch's {batch.num_sequences} "
+                             "sequences came back from the engines without routed experts: SGLang engines return them "
+                             "only when started with --enable-return-routed-experts (engines the run starts get it; "
+                             "engines started elsewhere, rollout.engine_urls, need it themselves), or set "
+                             "trainer.routing_replay=false")
 
     def _micro_batches(self, batch: TrainBatch) -> list[PackedMicroBatch]:
         """This data-parallel rank's share of `batch`, grouped by `trainer.micro_batch_tokens` (padding
@@ -285,6 +303,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
         t0 = time.perf_counter()
         self._require_ready()
         self._check_tokens(batch)
+        self._check_replayable(batch)
         algo = self.cfg.algo
         if distill_coef is not None and distill_coef != algo.distill_coef:
             algo = dataclasses.replace(algo, distill_coef=distill_coef)
@@ -311,7 +330,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
         """One optimizer step on `batch` (its own ref / teacher / old log-probs, if any)."""
         totals = BatchTotals.of(batch)
 
-        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
+        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, DeviceStats, float]:
             # The entropy enters the loss only with algo.entropy_coef != 0; otherwise it is a statistic
             # and the log-prob backward skips its gradient term.
             lp, ent = response_logprobs(self.policy, mb, self.logprob_options, with_entropy=True)
@@ -332,7 +351,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
         self._check_tokens(batch)
         totals = BatchTotals.of(batch)
 
-        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, dict[str, float], float]:
+        def micro_loss(mb: PackedMicroBatch) -> tuple[Tensor, DeviceStats, float]:
             lp, _ = response_logprobs(self.policy, mb, self.logprob_options, with_entropy=False)
             loss, stats = sft_micro_loss(lp, mb, batch)
             return loss, stats, totals.share(mb, "token_mean")
@@ -357,8 +376,10 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
     def _step(self, batch: TrainBatch, micro_loss: MicroLoss, lr: float | None,
               advance_schedule: bool = True) -> dict[str, float]:
         t0 = time.perf_counter()
-        self.offloader.require_resident(OFFLOAD_PARTS, "an optimizer step")
-        parts: list[tuple[float, dict[str, float]]] = []
+        # The optimizer state may still be coming back from host memory: the optimizer step waits for it (below).
+        self.offloader.ready_on_device(("params", "grads"), "an optimizer step")
+        self.offloader.check_resident(("optimizer",), "an optimizer step")
+        queued: list[tuple[float, DeviceStats]] = []
         routing_stats: RoutingStats | None = self.routing.new_stats() if self.routing is not None else None
         with cpu_compat.device_mode():
             self.policy.model.train()
@@ -378,11 +399,14 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
                     continue
                 # DDP averages gradients over DP ranks; the shares already sum to 1 over all ranks.
                 (loss * (share * self.par.dp_size)).backward()
-                parts.append((share, stats))
+                queued.append((share, stats))
         with cpu_compat.device_mode():
             if self.policy.spec.is_moe:
                 scale_expert_grads(self.ddp, self.par.tp_size)
             self._finalize_grads([self.ddp])
+            # Every micro-batch's statistics in one host read, once all the step's kernels are queued: a read
+            # per statistic would make the host wait for the device before each backward.
+            parts = list(zip([share for share, _ in queued], read_many([stats for _, stats in queued]), strict=True))
             all_parts = [p for rank_parts in self._gather_dp(parts) for p in rank_parts]
             stats = reduce_stats(all_parts)
             if self.routing is not None and routing_stats is not None:
@@ -409,6 +433,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
 
     def _apply_step(self, lr: float | None, advance_schedule: bool) -> dict[str, float]:
         """The optimizer step (and the RL schedule's), undone when the update guard finds it diverged."""
+        self.offloader.ready_on_device(("optimizer",), "an optimizer step")
         if lr is not None:
             set_lr(self.optimizer, lr)
         if self.guard is not None:

@@ -12,6 +12,7 @@ from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.dist_optimizer import (
     DistributedOptimizerState,
+    finish_offloaded_load,
     gather_state,
     group_steps,
     is_distributed,
@@ -87,7 +88,7 @@ class ActorCheckpoint:
                         digests.update({name: tensor_sha256(t) for name, t in part.items()})
             self._lora_base_sha256 = digests
         dtype = str(next(self.policy.model.parameters()).dtype).removeprefix("torch.")
-        return {"adapter": self.lora.lora.peft_config(None), "base": base_reference(self.cfg),
+        return {"adapter": self.lora.lora.peft_config(None), "base": base_reference(self.cfg.model),
                 "base_sha256": dict(self._lora_base_sha256), "base_dtype": dtype}
 
     @torch.no_grad()
@@ -116,6 +117,7 @@ class ActorCheckpoint:
             if isinstance(saved, DistributedOptimizerState):
                 scatter_state(self.optimizer, self.policy.model, saved.params or {})
                 set_group_steps(self.optimizer, saved.group_steps)
+                finish_offloaded_load(self.optimizer)
             else:
                 self.optimizer.load_state_dict(saved)
         for group, hyper in zip(self.optimizer.param_groups, configured, strict=True):

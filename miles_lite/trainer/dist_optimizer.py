@@ -137,3 +137,49 @@ def scatter_state(optimizer: Any, model: torch.nn.Module, states: Mapping[str, P
         if state.step is not None:
             slot["step"] = state.step.clone() if isinstance(state.step, Tensor) else state.step
 
+
+
+def _offloaded(leaf: Any) -> Any | None:
+    """Megatron's CPU-offloaded optimizer under a distributed-optimizer leaf (`trainer.offload.optimizer_cpu`:
+    a `HybridDeviceOptimizer`), else None."""
+    inner = getattr(leaf, "optimizer", None)
+    return inner if hasattr(inner, "sub_optimizers") and hasattr(inner, "_init_sub_optimizers") else None
+
+
+@torch.no_grad()
+def finish_offloaded_load(optimizer: Any) -> None:
+    """After `scatter_state` and `set_group_steps`, hand the loaded state to Megatron's CPU-offloaded optimizer.
+
+    That optimizer steps host copies of the main parameters with CPU Adam optimizers of its own and copies the
+    result back to the device after every step; its `state` mapping is rebuilt from theirs after each step.
+    Loading into the device ranges and that mapping alone would leave the host copies at their initial values
+    and the CPU optimizers without moments: the first step after a resume would undo it. So the host copies are
+    made again from the loaded ranges (what the optimizer's own load hook does) and each CPU optimizer gets its
+    parameter's moments and step (a per-parameter step, as torch's Adam keeps it; a checkpoint of a fused-Adam
+    run keeps its steps per group)."""
+    for leaf in leaves(optimizer):
+        hybrid = _offloaded(leaf)
+        if hybrid is None:
+            continue
+        loaded = {p: dict(hybrid.state.get(p, {})) for group in hybrid.param_groups for p in group["params"]}
+        group_step = {id(p): g.get("step") for g in hybrid.param_groups for p in g["params"]}
+        hybrid._init_sub_optimizers()  # new host copies of the (loaded) device ranges, CPU optimizers without state
+        hybrid._sync_hdo_param_groups_to_sub_optimizers()
+        for sub in hybrid.sub_optimizers:
+            for group in sub.param_groups:
+                for inner in group["params"]:
+                    orig = hybrid.inner_param_to_orig_param[inner]
+                    if not torch.equal(inner.detach().cpu(), orig.detach().float().cpu()):
+                        raise RuntimeError("the CPU-offloaded optimizer's host copy differs from the loaded main "
+                                           "parameter after the resume")
+                    saved = loaded.get(orig, {})
+                    if not all(k in saved for k in MOMENTS):
+                        continue  # never stepped when saved: a fresh state, as a new optimizer's
+                    step = saved.get("step", group_step.get(id(orig)))
+                    if step is None:
+                        raise RuntimeError("a checkpoint's Adam moments without a step count; cannot resume the "
+                                           "CPU-offloaded optimizer from it")
+                    state = {k: saved[k].to(inner.device, inner.dtype).clone() for k in MOMENTS}
+                    state["step"] = torch.tensor(float(step), dtype=torch.float32, device=inner.device)
+                    sub.state[inner] = state
+        hybrid._sync_sub_optimizers_state_to_hdo()

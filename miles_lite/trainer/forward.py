@@ -12,7 +12,7 @@ from torch import Tensor
 
 from miles_lite.trainer.logprobs import LogprobKernels, chunked_logprobs
 from miles_lite.trainer.model import HFModelSpec, Runtime
-from miles_lite.trainer.packing import PackedMicroBatch
+from miles_lite.trainer.packing import PackedMicroBatch, to_device
 
 
 @dataclass
@@ -64,10 +64,10 @@ def _thd_kwargs(handle: ModelHandle, mb: PackedMicroBatch) -> tuple[Tensor, dict
     from megatron.core.packed_seq_params import PackedSeqParams
 
     dev = handle.device
-    tokens = mb.tokens.to(dev)
-    cu = mb.cu_seqlens.to(dev)
+    tokens = to_device(mb.tokens, dev)
+    cu = to_device(mb.cu_seqlens, dev)
     max_len = max(mb.lengths)
-    positions = mb.position_ids.to(dev)
+    positions = to_device(mb.position_ids, dev)
     pad = fp8_row_padding(handle.runtime, mb.num_tokens)
     if pad:
         # A trailing dummy sequence of `pad` tokens: attended only by itself, never read back.
@@ -112,8 +112,9 @@ def padded_hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
     tokens, positions, valid = mb.padded_layout()
     width = tokens.shape[1]
     causal = ~torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
-    hidden = _decoder_output(handle, tokens.to(dev), position_ids=_mrope(positions.to(dev)), attention_mask=causal)
-    return hidden.transpose(0, 1)[valid.to(dev)]  # [S, B, H] -> [T, H]
+    hidden = _decoder_output(handle, to_device(tokens, dev), position_ids=_mrope(to_device(positions, dev)),
+                             attention_mask=causal)
+    return hidden.transpose(0, 1)[to_device(valid, dev)]  # [S, B, H] -> [T, H]
 
 
 def packed_row_hidden_states(handle: ModelHandle, mb: PackedMicroBatch) -> Tensor:
@@ -169,7 +170,7 @@ def response_logprobs(
     """
     hidden = _hidden_states(handle, mb)
     logit_pos, targets = mb.response_positions()
-    picked = hidden.index_select(0, logit_pos.to(hidden.device))
+    picked = hidden.index_select(0, to_device(logit_pos, hidden.device))
     model = handle.model
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
 
@@ -178,6 +179,6 @@ def response_logprobs(
         return logits[:, 0, :]
 
     vocab = handle.spec.vocab_size if real_vocab is None else real_vocab
-    return chunked_logprobs(picked, targets.to(hidden.device), project, handle.vocab_start, vocab,
+    return chunked_logprobs(picked, to_device(targets, hidden.device), project, handle.vocab_start, vocab,
                             handle.tp_group, opts.chunk_tokens, with_entropy, recompute=opts.recompute,
                             kernels=opts.kernels)

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from miles_lite.config.schema import MilesConfig, TrainerConfig
+from miles_lite.config.schema import ModelConfig, TrainerConfig
 from miles_lite.trainer.forward import ModelHandle
 from miles_lite.trainer.hf_convert import load_hf_into_model, mark_tensor_parallel, model_layouts, read_hf_state
 from miles_lite.trainer.layout import ParamLayout
@@ -32,22 +32,22 @@ def _from_dir(path: str, field: str) -> tuple[HFModelSpec, dict[str, Tensor], di
     return spec_from_hf_config(config), read_hf_state(root), config
 
 
-def load_policy_source(cfg: MilesConfig) -> tuple[HFModelSpec, dict[str, Tensor], dict[str, Any]]:
+def load_policy_source(model_cfg: ModelConfig) -> tuple[HFModelSpec, dict[str, Tensor], dict[str, Any]]:
     """`(spec, full HF tensors, config.json dict)` of `model.hf_path`, or of a tiny random model of
     `model.arch` / `model.shape` / `model.vocab_size` seeded by `model.shape.init_seed` (the same on
     every rank)."""
-    if cfg.model.hf_path:
-        return _from_dir(cfg.model.hf_path, "model.hf_path")
-    model = build_tiny_hf_model(cfg.model.arch, cfg.model.shape, cfg.model.vocab_size, cfg.model.shape.init_seed)
+    if model_cfg.hf_path:
+        return _from_dir(model_cfg.hf_path, "model.hf_path")
+    model = build_tiny_hf_model(model_cfg.arch, model_cfg.shape, model_cfg.vocab_size, model_cfg.shape.init_seed)
     config = model.config.to_dict()
     return spec_from_hf_config(config), checkpoint_state(model), config
 
 
-def load_teacher_source(cfg: MilesConfig) -> tuple[HFModelSpec, dict[str, Tensor]] | None:
+def load_teacher_source(teacher_path: str | None) -> tuple[HFModelSpec, dict[str, Tensor]] | None:
     """The teacher of on-policy distillation (`experiment.teacher_path`), or None when unset."""
-    if not cfg.experiment.teacher_path:
+    if not teacher_path:
         return None
-    spec, state, _ = _from_dir(cfg.experiment.teacher_path, "experiment.teacher_path")
+    spec, state, _ = _from_dir(teacher_path, "experiment.teacher_path")
     return spec, state
 
 

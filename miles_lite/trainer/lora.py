@@ -306,26 +306,26 @@ def _rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
-def lora_spec(trainer: Any) -> LoraSpec | None:
-    """The `trainer.lora` adapter spec, or None when `trainer.lora.rank` is 0 (full fine-tuning)."""
-    cfg = trainer.lora
+def lora_spec(cfg: Any) -> LoraSpec | None:
+    """The adapter spec of `trainer.lora` (`cfg`), or None when its rank is 0 (full fine-tuning)."""
     if cfg.rank == 0:
         return None
     return LoraSpec(int(cfg.rank), float(cfg.alpha), float(cfg.dropout), tuple(cfg.targets))
 
 
-def base_reference(cfg: Any) -> dict[str, Any]:
-    """What a LoRA checkpoint names as its base: the HF directory, or the seeded tiny model's recipe."""
+def base_reference(model: Any) -> dict[str, Any]:
+    """What a LoRA checkpoint names as its base (`model`: the run's `ModelConfig`): the HF directory, or the
+    seeded tiny model's recipe."""
     from dataclasses import asdict
 
-    if cfg.model.hf_path:
-        return {"hf_path": str(cfg.model.hf_path)}
-    return {"tiny": {"arch": cfg.model.arch, "shape": asdict(cfg.model.shape), "vocab_size": cfg.model.vocab_size}}
+    if model.hf_path:
+        return {"hf_path": str(model.hf_path)}
+    return {"tiny": {"arch": model.arch, "shape": asdict(model.shape), "vocab_size": model.vocab_size}}
 
 
 def attach_lora(handle: Any, trainer: Any, par: Any) -> LoraAdapters | None:
     """Freeze `handle.model` and hook `trainer.lora`'s adapters into it; None when `trainer.lora.rank` is 0."""
-    spec = lora_spec(trainer)
+    spec = lora_spec(trainer.lora)
     if spec is None:
         return None
     return LoraAdapters(handle.model, handle.spec, spec, par.tp_rank, par.tp_size, par.tp_group, trainer.seed)

@@ -3,7 +3,10 @@
 Three parts, each switched by `trainer.offload.<part>`:
 
 - `params`: the model's parameters (and Megatron DDP's contiguous parameter buffers, when it keeps them);
-- `grads`: Megatron DDP's contiguous gradient buffers (`param.main_grad` views into them) and any `.grad`;
+- `grads`: Megatron DDP's contiguous gradient buffers (`param.main_grad` views into them) and any `.grad`.
+  Their values are dropped, not copied: every optimizer step begins by zeroing them, so nothing reads a
+  gradient across a hand-off, and copying them (fp32, twice the bf16 weights' bytes: 28 GiB at 7B) out and
+  back would be most of the hand-off's time. They come back zeroed;
 - `optimizer`: the torch optimizers' main parameters that are not model parameters (fp32 copies of bf16
   weights), every tensor of their state (Adam moments), and the divergence guard's snapshot buffers.
 
@@ -11,11 +14,17 @@ What moves is each tensor's *storage*: its bytes are copied to a host buffer (pi
 the copies run at full PCIe speed) and the storage is resized to zero, which frees the device memory while
 every tensor and view over it (parameters held by the optimizer, `main_grad` views, Megatron's bucket views)
 stays the same Python object; onloading resizes the storage back and copies the bytes in, so the state
-round-trips bit for bit. On a CPU build the same path runs: the storages are freed and restored in host
-memory (there is no device memory to give to an engine, but the bookkeeping and the exactness are the same).
+round-trips bit for bit (gradients aside, see above). On a CPU build the same path runs: the storages are
+freed and restored in host memory (there is no device memory to give to an engine, but the bookkeeping and the
+exactness are the same).
 
 Each part is RESIDENT or OFFLOADED; offloading an offloaded part or onloading a resident one is a no-op, so
 the driver may ask for "everything resident" without tracking what was moved.
+
+On a GPU an onload does not wait for its copies: they run on a stream of their own, and whatever reads a part
+waits for that part's copies first: `require_resident` (log-probs, the weight push, checkpoints) on the host,
+`ready_on_device` (the optimizer step) on the device only, so the optimizer state comes back while the step's
+forward and backward run on the parameters that came back first.
 """
 
 from __future__ import annotations
@@ -37,13 +46,18 @@ class PartState(enum.Enum):
     OFFLOADED = "offloaded"
 
 
+# Parts whose values no one reads across a hand-off: their storage is freed, not copied, and comes back zeroed.
+DROPPED_PARTS = frozenset({"grads"})
+
+
 @dataclass
 class _Moved:
-    """One storage while it is offloaded: the storage object itself and its bytes on the host."""
+    """One storage while it is offloaded: the storage object itself and its bytes on the host (None: dropped)."""
 
     storage: torch.UntypedStorage
-    host: Tensor
+    host: Tensor | None
     device: torch.device
+    nbytes: int
 
 
 @dataclass
@@ -82,16 +96,35 @@ class TrainerOffload:
         self.states = dict.fromkeys(OFFLOAD_PARTS, PartState.RESIDENT)
         self._moved: dict[str, list[_Moved]] = {p: [] for p in OFFLOAD_PARTS}
         self.pin = torch.cuda.is_available()
+        # part -> the CUDA event after its onload copies (until a host wait saw them land).
+        self._pending: dict[str, Any] = {}
+        self._copy_stream: Any = None
 
     def offloaded(self) -> frozenset[str]:
         return frozenset(p for p, s in self.states.items() if s is PartState.OFFLOADED)
 
     def require_resident(self, parts: Sequence[str], what: str) -> None:
+        """Raise naming the offloaded `parts` that `what` needs on the device; wait (on the host) for the copies
+        of an onload of them still in flight."""
+        self.check_resident(parts, what)
+        for part in parts:
+            if (event := self._pending.pop(part, None)) is not None:
+                event.synchronize()
+
+    def check_resident(self, parts: Sequence[str], what: str) -> None:
         """Raise naming the offloaded `parts` that `what` needs on the device."""
         away = [p for p in parts if self.states[p] is PartState.OFFLOADED]
         if away:
             raise RuntimeError(f"{what} needs the trainer's {', '.join(away)} on the device, and they are offloaded "
                                "to host memory; onload them first")
+
+    def ready_on_device(self, parts: Sequence[str], what: str) -> None:
+        """Like `require_resident`, but the wait for copies in flight is the device's: work queued after this
+        call runs after them, and the host goes on at once."""
+        self.check_resident(parts, what)
+        for part in parts:
+            if (event := self._pending.get(part)) is not None:
+                torch.cuda.current_stream().wait_event(event)
 
     def _claimed_elsewhere(self, part: str) -> set[int]:
         """Storages of the parts before `part` (resident or not): never moved twice under two names."""
@@ -106,6 +139,7 @@ class TrainerOffload:
         """Move `parts` (those resident) to host memory, freeing their device storage."""
         start = time.perf_counter()
         stats = MoveStats()
+        self.require_resident([p for p in _checked(parts) if self.states[p] is PartState.RESIDENT], "an offload")
         for part in _checked(parts):
             if self.states[part] is PartState.OFFLOADED or part not in self.collectors:
                 continue
@@ -114,11 +148,14 @@ class TrainerOffload:
             for key, (storage, device) in _storages(self.collectors[part]()).items():
                 if key in skip:
                     continue
-                host = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=self.pin and device.type == "cuda")
-                host.untyped_storage().copy_(storage, non_blocking=True)
-                moved.append(_Moved(storage, host, device))
+                host = None
+                if part not in DROPPED_PARTS:
+                    host = torch.empty(storage.nbytes(), dtype=torch.uint8,
+                                       pin_memory=self.pin and device.type == "cuda")
+                    host.untyped_storage().copy_(storage, non_blocking=True)
+                moved.append(_Moved(storage, host, device, storage.nbytes()))
                 nbytes += storage.nbytes()
-            _synchronize(moved)  # the copies must land before the device storage goes
+            _synchronize(moved)  # the copies (and any kernel still reading a dropped part) land before it goes
             for m in moved:
                 m.storage.resize_(0)
             self._moved[part] = moved
@@ -131,23 +168,45 @@ class TrainerOffload:
 
     @torch.no_grad()
     def onload(self, parts: Sequence[str] = OFFLOAD_PARTS) -> MoveStats:
-        """Bring `parts` (those offloaded) back into their storages, bit for bit."""
+        """Bring `parts` (those offloaded) back into their storages, bit for bit; on a GPU the copies run on the
+        offload's own stream and this returns once they are queued (see the module docstring)."""
         start = time.perf_counter()
         stats = MoveStats()
         for part in _checked(parts):
             if self.states[part] is PartState.RESIDENT:
                 continue
-            moved, nbytes = self._moved[part], 0
+            moved = self._moved[part]
+            on_gpu = any(m.device.type == "cuda" for m in moved)
             for m in moved:
-                m.storage.resize_(m.host.numel())
-                m.storage.copy_(m.host.untyped_storage(), non_blocking=True)
-                nbytes += m.host.numel()
-            _synchronize(moved)
+                m.storage.resize_(m.nbytes)  # allocated on the compute stream, which will use it
+                if m.host is None:
+                    _zero(m.storage, m.device)
+            if on_gpu:
+                self._pending[part] = self._copy_in(moved)
+            else:
+                for m in moved:
+                    if m.host is not None:
+                        m.storage.copy_(m.host.untyped_storage())
+            nbytes = sum(m.nbytes for m in moved)
             self._moved[part] = []
             self.states[part] = PartState.RESIDENT
             stats.bytes[part] = nbytes
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _copy_in(self, moved: Sequence[_Moved]) -> Any:
+        """Queue the host-to-device copies of `moved` on the offload's stream, after the work already queued on
+        the compute stream (the storages' new allocations); the event marking their end."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._copy_stream):
+            for m in moved:
+                if m.host is not None:
+                    m.storage.copy_(m.host.untyped_storage(), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+        return done
 
     def resident_bytes(self) -> int:
         """Bytes of the trainer's parts held in compute memory now (what an engine cannot use)."""
@@ -163,6 +222,11 @@ def _checked(parts: Sequence[str]) -> list[str]:
     if unknown:
         raise ValueError(f"unknown trainer parts {unknown}; known: {OFFLOAD_PARTS}")
     return list(dict.fromkeys(parts))
+
+
+def _zero(storage: torch.UntypedStorage, device: torch.device) -> None:
+    """Fill a storage with zero bytes (a dropped part comes back as the zeros a new step would start from)."""
+    torch.empty(0, dtype=torch.uint8, device=device).set_(storage).zero_()
 
 
 def _synchronize(moved: Sequence[_Moved]) -> None:

@@ -178,6 +178,16 @@ def pack(tokens: Sequence[Sequence[int]], prompt_lengths: Sequence[int], indices
     )
 
 
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """A host tensor on `device` without waiting for the device: a plain host-to-GPU copy synchronises the
+    stream (the host then waits for every kernel queued before it), so a CUDA copy goes through pinned memory
+    and `non_blocking` (the caching host allocator keeps the staging buffer until the copy has run)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device == device:
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def to_padded(values: Tensor, lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
     """Flat per-token values `[sum(lengths)]` -> padded `[B, max_len]` values (autograd-safe) and a float mask."""
     from torch.nn.utils.rnn import pad_sequence
@@ -185,7 +195,7 @@ def to_padded(values: Tensor, lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
     parts = list(values.split(list(lengths)))
     out = pad_sequence(parts, batch_first=True) if parts else values.new_zeros((0, 0))
     width = out.shape[1] if out.dim() == 2 else 0
-    lens = torch.tensor(list(lengths), device=values.device)
+    lens = to_device(torch.tensor(list(lengths)), values.device)
     mask = (torch.arange(width, device=values.device)[None, :] < lens[:, None]).float()
     return out, mask
 

@@ -13,18 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from miles_lite.algo import (
-    AggMode,
-    LossConfig,
-    expand_to_tokens,
-    importance_weights,
-    kl_penalty,
-    mismatch_metrics,
-    sft_loss,
-    total_loss,
-)
+from miles_lite.algo import AggMode, LossConfig, expand_to_tokens, kl_penalty, sft_loss
+from miles_lite.algo.device_stats import DeviceStats
+from miles_lite.algo.losses import total_loss_terms
+from miles_lite.algo.mismatch import mismatch_terms
 from miles_lite.config.schema import AlgoConfig
-from miles_lite.trainer.packing import PackedMicroBatch, padded_floats, to_padded
+from miles_lite.trainer.packing import PackedMicroBatch, padded_floats, to_device, to_padded
 from miles_lite.types import TrainBatch
 
 
@@ -69,7 +63,7 @@ def response_mask(mb: PackedMicroBatch, batch: TrainBatch, padded_mask: Tensor) 
     batch's loss masks (environment replies out)."""
     if batch.loss_masks is None:
         return padded_mask
-    masks = padded_floats([batch.loss_masks[i] for i in mb.seq_indices]).to(padded_mask.device)
+    masks = to_device(padded_floats([batch.loss_masks[i] for i in mb.seq_indices]), padded_mask.device)
     return padded_mask * masks
 
 
@@ -85,8 +79,9 @@ def rl_micro_loss(
     algo: AlgoConfig,
     ref_logprobs: Sequence[Sequence[float]] | None,
     teacher_logprobs: Sequence[Sequence[float]] | None,
-) -> tuple[Tensor, dict[str, float]]:
-    """RL loss of one micro-batch (aggregated over its own tokens) and its statistics.
+) -> tuple[Tensor, DeviceStats]:
+    """RL loss of one micro-batch (aggregated over its own tokens) and its statistics (0-d tensors, read once
+    a step: `algo.device_stats`).
 
     Args:
         logp_flat: `[R]` trainer log-probs of the micro-batch's response tokens (with grad).
@@ -105,45 +100,45 @@ def rl_micro_loss(
     logp, mask = to_padded(logp_flat, mb.response_lengths)
     mask = response_mask(mb, batch, mask)
     old_rows = _rows(batch.old_logprobs, idx)
-    old = logp.detach() if old_rows is None else padded_floats(old_rows).to(logp.device)
-    rollout = padded_floats(_rows(batch.rollout_logprobs, idx) or []).to(logp.device)
-    adv = expand_to_tokens(torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32,
-                                        device=logp.device), mask)
+    dev = logp.device
+    old = logp.detach() if old_rows is None else to_device(padded_floats(old_rows), dev)
+    rollout = to_device(padded_floats(_rows(batch.rollout_logprobs, idx) or []), dev)
+    adv = expand_to_tokens(to_device(torch.tensor([batch.advantages[i] for i in idx], dtype=torch.float32), dev),
+                           mask)
     level = algo.is_level if algo.is_level != "none" else "token"
     lower = algo.is_lower if algo.is_mode == "mask" else None
-    is_w = None
-    if algo.is_level != "none":
-        is_w = importance_weights(old, rollout, mask, algo.is_level, algo.is_mode, upper=algo.is_upper,
-                                  lower=lower).weights
+    # One pass over the ratios gives the correction's weights and the mismatch statistics.
+    weights, mismatch = mismatch_terms(old, rollout, mask, level, algo.is_mode, upper=algo.is_upper, lower=lower)
+    is_w = weights if algo.is_level != "none" else None
     ref = _rows(ref_logprobs, idx)
     teacher = _rows(teacher_logprobs, idx)
-    ref_t = padded_floats(ref).to(logp.device) if ref is not None else None
-    teacher_t = padded_floats(teacher).to(logp.device) if teacher is not None else None
+    ref_t = to_device(padded_floats(ref), dev) if ref is not None else None
+    teacher_t = to_device(padded_floats(teacher), dev) if teacher is not None else None
     entropy = to_padded(entropy_flat, mb.response_lengths)[0] if entropy_flat is not None else None
-    loss, stats = total_loss(
+    loss, stats = total_loss_terms(
         logp, old, adv, mask, loss_config(algo),
         ref_logp=ref_t if algo.kl_coef else None,
         entropy=entropy if algo.entropy_coef else None,
         teacher_logp=teacher_t if algo.distill_coef else None,
         is_weights=is_w,
     )
-    stats.update(mismatch_metrics(old, rollout, mask, level, algo.is_mode, upper=algo.is_upper, lower=lower))
+    stats.update(mismatch)
     with torch.no_grad():
         n = mask.sum().clamp_min(1.0)
         if entropy is not None:
-            stats["entropy"] = float((entropy.detach() * mask).sum() / n)
+            stats["entropy"] = (entropy.detach() * mask).sum() / n
         if ref_t is not None:
-            stats["kl/ref_k3"] = float((kl_penalty(old, ref_t, "k3", mask=mask) * mask).sum() / n)
-        stats["advantage/mean"] = float((adv * mask).sum() / n)
+            stats["kl/ref_k3"] = (kl_penalty(old, ref_t, "k3", mask=mask) * mask).sum() / n
+        stats["advantage/mean"] = (adv * mask).sum() / n
     return loss, stats
 
 
-def sft_micro_loss(logp_flat: Tensor, mb: PackedMicroBatch, batch: TrainBatch) -> tuple[Tensor, dict[str, float]]:
+def sft_micro_loss(logp_flat: Tensor, mb: PackedMicroBatch, batch: TrainBatch) -> tuple[Tensor, DeviceStats]:
     """Cross-entropy (token mean of -logp) over the micro-batch's response tokens in the loss."""
     logp, mask = to_padded(logp_flat, mb.response_lengths)
     mask = response_mask(mb, batch, mask)
     loss = sft_loss(logp, mask, AggMode.TOKEN_MEAN)
-    return loss, {"loss/sft": float(loss.detach())}
+    return loss, {"loss/sft": loss.detach()}
 
 
 def reduce_stats(weighted: Sequence[tuple[float, dict[str, float]]]) -> dict[str, float]:

@@ -1,8 +1,11 @@
 """One weight push, start to end: pause -> flush -> push -> version check -> continue -> verify.
 
+Connecting to a new fleet (the first push of a trainer, or after an engine was replaced) also continues
+every engine: a trainer that died mid-push leaves its engines paused, and its replacement takes them over.
+
 A `threading.Lock` serialises pushes (two pushes never interleave, whichever threads call).
-States: IDLE -> PAUSING -> PUSHING -> CHECKING (versions) -> RESUMING -> CHECKING (probe, checksums,
-on running engines) -> IDLE; any failure ends in FAILED
+States: IDLE -> PAUSING -> PUSHING -> CHECKING (versions) -> RESUMING -> CHECKING (probe, on running
+engines) -> IDLE; any failure ends in FAILED
 (engines are resumed even then, so they keep serving; the caller marks them stale and the next
 push, after `connect` on the new fleet, brings them current).
 """
@@ -12,10 +15,8 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import torch
 
 from miles_lite.weight_sync.transport import (
     EngineLoop,
@@ -62,8 +63,6 @@ class WeightSyncCoordinator:
         return self.loop.gather({f.engine_id: self.loop.submit(getattr(f.engine, method)()) for f in fleet})
 
     def push(self, fleet: Sequence[FleetEngine], named_shards: ShardSource, version: str,
-             new_tensors: Mapping[str, torch.Tensor] | None = None,
-             old_tensors: Mapping[str, torch.Tensor] | None = None,
              after_load: Callable[[], None] | None = None) -> SyncReport:
         """Push `named_shards` as `version` to every engine of `fleet`; raises `WeightSyncError` naming engines.
 
@@ -76,6 +75,10 @@ class WeightSyncCoordinator:
             if ids != self._fleet_ids or self.transport.state is not TransportState.CONNECTED:
                 self.transport.connect(fleet)
                 self._fleet_ids = ids
+                # Only a push pauses engines, and every push here resumes them, even when it fails: an engine
+                # found paused now was left so by another process, a trainer that died mid-push (SIGKILL, a lost
+                # node). Paused, it would hold every request, this push's own probe first.
+                self._each(fleet, "resume")
             self.state = SyncState.PAUSING
             if self.verifier is not None:
                 self.verifier.before_push(fleet, version)
@@ -104,7 +107,7 @@ class WeightSyncCoordinator:
                 # Scoring needs running engines; a failure here names the engines to mark stale.
                 self.state = SyncState.CHECKING
                 try:
-                    verify = self.verifier.verify(fleet, version, new_tensors, old_tensors)
+                    verify = self.verifier.verify(fleet, version)
                 except BaseException:
                     self.state = SyncState.FAILED
                     raise

@@ -31,6 +31,7 @@ the first bucket of the first push has reached every engine, then closes it.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -107,7 +108,9 @@ class DistributedTransport(WeightTransport):
         self.senders = senders
         self.backend = backend
         self.master_address = master_address
-        self.group_base = group_name
+        # This transport's own names: a trainer restarted after a crash never names a group its predecessor
+        # left on the engines (an engine refuses to join a group name it still holds).
+        self.group_base = f"{group_name}_{secrets.token_hex(3)}"
         self.init_timeout_s = init_timeout_s
         self._group_key = group_key
         self.engine_warm_up = engine_warm_up

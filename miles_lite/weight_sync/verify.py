@@ -1,22 +1,19 @@
 """Checks that a push really changed what every engine serves.
 
-Two independent checks, both comparing against the *new* expected values and, where the push
-changed them, against the *old* ones, so that an engine which acknowledged the push but kept its
-old weights (an OOM swallowed with a 200, a dropped update) is named:
-
-- probe: a fixed batch of token sequences scored by each engine (`engine.score`) and by the trainer
-  (`trainer_logprobs`, an FP8 trainer in its weights' own bf16, so quantisation noise does not count as a
-  weight difference); per-token |logp diff| mean/max is reported and the mean is guarded by
-  `weight_sync.max_probe_logp_diff`. The engine's pre-push scores are kept: if the post-push scores
-  still equal them while the trainer's new logprobs differ from them, the engine is stale.
-- checksum: a few parameters read back with `get_weights_by_name` (first rows) and compared with
-  the trainer's full HF tensors (new, and old when given).
+A fixed batch of token sequences (the probe) is scored by each engine (`engine.score`) and by the trainer
+(`trainer_logprobs`, an FP8 trainer in its weights' own bf16, so quantisation noise does not count as a weight
+difference); the per-token |logp diff| mean and max are reported and the mean is guarded by
+`weight_sync.max_probe_logp_diff` (unset: a bound chosen for the run's precision, engines and architecture,
+`config.weight_sync_choice.probe_bound`). The engine's pre-push scores are kept: if the post-push scores still
+equal them while the trainer's own scores moved, the engine acknowledged the push but kept its old weights (an
+OOM swallowed with a 200, a dropped update) and is named as such. Every layout, transport and adapter push is
+checked this way: the probe reads what the engine computes with, whatever shape its parameters take.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -52,13 +49,14 @@ class EngineCheck:
 
     logp_diff_mean: float = 0.0
     logp_diff_max: float = 0.0
-    checksum_max_abs: float = 0.0
 
 
 @dataclass
 class VerifyReport:
     version: str
     engines: dict[str, EngineCheck] = field(default_factory=dict)
+    # The bound the mean was held to (`weight_sync.max_probe_logp_diff`, or the one chosen for the run).
+    bound: float = 0.0
 
     @property
     def logp_diff_mean(self) -> float:
@@ -74,20 +72,18 @@ def _flat(values: Sequence[Sequence[float]]) -> torch.Tensor:
 
 
 class PushVerifier:
-    """Probe + checksum verification around pushes (see the module docstring)."""
+    """Probe verification around pushes (see the module docstring). `bound_note` says where the bound came from
+    when the run chose it (named in a failed verification's message)."""
 
     def __init__(self, loop: EngineLoop, probe: ProbeBatch, trainer_logprobs: TrainerScorer, *,
-                 max_probe_logp_diff: float, checksum_names: Sequence[str] = (), checksum_rows: int = 4,
-                 checksum_atol: float = 1e-6) -> None:
+                 max_probe_logp_diff: float, bound_note: str = "") -> None:
         if max_probe_logp_diff <= 0:
             raise ValueError(f"weight_sync.max_probe_logp_diff={max_probe_logp_diff} must be > 0")
         self.loop = loop
         self.probe = probe
         self.trainer_logprobs = trainer_logprobs
         self.max_diff = max_probe_logp_diff
-        self.checksum_names = tuple(checksum_names)
-        self.checksum_rows = checksum_rows
-        self.checksum_atol = checksum_atol
+        self.bound_note = bound_note
         self._before: dict[str, torch.Tensor] = {}
         self._before_version: str | None = None
         # The trainer's probe scores at the last verified push: a dropped update is named only when the
@@ -133,14 +129,9 @@ class PushVerifier:
         if to_score:
             self._before.update(self.loop.gather(self._submit_scores(to_score)))
 
-    def verify(self, fleet: Sequence[FleetEngine], version: str,
-               new_tensors: Mapping[str, torch.Tensor] | None = None,
-               old_tensors: Mapping[str, torch.Tensor] | None = None) -> VerifyReport:
-        """Raise `WeightSyncError` naming every engine that does not serve the new weights.
-
-        `new_tensors` / `old_tensors`: full HF tensors (at least `checksum_names`) after / before the push.
-        """
-        report = VerifyReport(str(version))
+    def verify(self, fleet: Sequence[FleetEngine], version: str) -> VerifyReport:
+        """Raise `WeightSyncError` naming every engine that does not serve the new weights."""
+        report = VerifyReport(str(version), bound=self.max_diff)
         pending = self._submit_scores(fleet)  # the engines score while the trainer does
         want = _flat(self.trainer_logprobs(self.probe))
         got = self.loop.gather(pending)
@@ -157,47 +148,18 @@ class PushVerifier:
             before = self._before.get(eid)
             moved = (self._trainer_last is not None and self._trainer_last.shape == want.shape
                      and float((self._trainer_last - want).abs().mean()) > self.max_diff)
-            if moved and before is not None and torch.equal(scores, before):
+            unchanged = before is not None and torch.equal(scores, before)
+            # Unchanged scores are a drop when the trainer's moved since the last verified push, or when they do
+            # not match the trainer's now (the first push of a run, or after an engine joined).
+            if unchanged and (moved or not check.logp_diff_mean <= self.max_diff):
                 problems.append(f"engine {eid}: acknowledged version {version} but its probe logprobs are unchanged "
                                 f"(it kept the old weights)")
             elif not check.logp_diff_mean <= self.max_diff:  # NaN (weights with NaNs) fails too
                 problems.append(f"engine {eid}: probe |logp diff| mean {check.logp_diff_mean:.3g} > "
-                                f"weight_sync.max_probe_logp_diff={self.max_diff:g}")
-        if new_tensors is not None and self.checksum_names:
-            problems += self._checksums(fleet, version, new_tensors, old_tensors, report)
+                                f"weight_sync.max_probe_logp_diff={self.max_diff:g}{self.bound_note}")
         if problems:
             raise WeightSyncError("weight push verification failed: " + "; ".join(problems))
         self._trainer_last = want
         # Engines left out of this push (e.g. a push to stale engines only) keep their last scores.
         self._verified.update({f.engine_id: (self._serving_key(f), got[f.engine_id]) for f in fleet})
         return report
-
-    def _checksums(self, fleet: Sequence[FleetEngine], version: str, new: Mapping[str, torch.Tensor],
-                   old: Mapping[str, torch.Tensor] | None, report: VerifyReport) -> list[str]:
-        rows = self.checksum_rows
-
-        async def read(engine: FleetEngine) -> dict[str, torch.Tensor]:
-            return {n: torch.tensor(await engine.engine.get_weights_by_name(n, rows), dtype=torch.float64)
-                    for n in self.checksum_names}
-
-        values = self.loop.gather({f.engine_id: self.loop.submit(read(f)) for f in fleet})
-        problems = []
-        for f in fleet:
-            eid = f.engine_id
-            for name in self.checksum_names:
-                seen = values[eid][name]
-                expect = new[name][:rows].to(torch.float64)
-                if seen.shape != expect.shape:
-                    problems.append(f"engine {eid}: {name} rows have shape {tuple(seen.shape)}, "
-                                    f"expected {tuple(expect.shape)}")
-                    continue
-                err = float((seen - expect).abs().max())
-                report.engines.setdefault(eid, EngineCheck()).checksum_max_abs = max(
-                    report.engines[eid].checksum_max_abs, err)
-                if err <= self.checksum_atol:
-                    continue
-                stale = old is not None and name in old and torch.allclose(
-                    seen, old[name][:rows].to(torch.float64), rtol=0, atol=self.checksum_atol)
-                reason = "still holds the old values" if stale else f"differs from the trainer by {err:.3g}"
-                problems.append(f"engine {eid}: {name} {reason} after version {version}")
-        return problems

@@ -53,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.cluster.mode != "ray" or args.trainer is None or args.rollout is None:
         return 0
     problems = []
-    for spec, (n, gpus, cpus), resource in ((trainer_gang(cfg), args.trainer, cfg.cluster.trainer_resource),
-                                            (rollout_gang(cfg), args.rollout, cfg.cluster.rollout_resource)):
+    shares = ((trainer_gang(cfg.trainer, cfg.cluster), args.trainer, cfg.cluster.trainer_resource),
+              (rollout_gang(cfg.rollout, cfg.cluster), args.rollout, cfg.cluster.rollout_resource))
+    for spec, (n, gpus, cpus), resource in shares:
         if spec is None:
             continue  # colocated engines live in the trainer's bundles
         nodes = role_nodes(n, gpus, cpus, resource)

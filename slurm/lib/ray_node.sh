@@ -7,7 +7,15 @@
 # and SIGTERM to this task (srun forwards it; scancel sends it) stops every Ray process it started.
 #
 # Environment (exported by slurm/train.sh): MILES_RAY_HEAD_IP, MILES_RAY_PORT, MILES_RAY_TMP,
-# MILES_RAY_READY_TIMEOUT, MILES_SLURM_LIB; optional MILES_RAY_NUM_CPUS, MILES_RAY_OBJECT_STORE_BYTES.
+# MILES_RAY_READY_TIMEOUT, MILES_SLURM_LIB; optional MILES_RAY_NUM_CPUS, MILES_RAY_OBJECT_STORE_BYTES,
+# MILES_SLURM_WATCH_S, MILES_RAY_HEAD_LOST_S (the watchdog below).
+#
+# The node never outlives the job. The job's end reaches a step through its node's slurmd; a node whose slurmd
+# is lost (killed, hung, partitioned) never hears of it. So a watchdog asks slurmctld every MILES_SLURM_WATCH_S
+# seconds (default 10) whether the job still runs, and on a worker node also checks that the Ray head still
+# accepts connections: when the job has ended, or the head has been gone for MILES_RAY_HEAD_LOST_S seconds
+# (default 30), it stops this node's Ray and the step ends. A Ray that exits after start-up is never restarted
+# against a head that is gone.
 set -euo pipefail
 source "$MILES_SLURM_LIB/common.sh"
 
@@ -56,7 +64,44 @@ fi
 export RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=${RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S:-2}
 ray_pid=""
 stopping=0
+watchdog_pid=""
 trap 'stopping=1; [ -z "$ray_pid" ] || kill -TERM "$ray_pid" 2>/dev/null' TERM INT
+trap '[ -z "$watchdog_pid" ] || kill "$watchdog_pid" 2>/dev/null' EXIT
+
+# job_running: slurmctld lists the job as running (no answer from slurmctld is not an end: it may restart).
+job_running() {
+  local out rc=0
+  out=$(squeue -h -j "$SLURM_JOB_ID" -o %T 2>&1) || rc=$?
+  if [ "$rc" -ne 0 ]; then
+    case "$out" in *"Invalid job id"*) return 1 ;; *) return 0 ;; esac
+  fi
+  case "$out" in "" | *RUNNING* | *CONFIGURING* | *SUSPENDED* | *RESIZING* | *SIGNALING*) return 0 ;; esac
+  return 1
+}
+
+# watchdog MAIN_PID: stop the node (TERM to this script) once the job ended or, on a worker, the head is gone.
+watchdog() {
+  local main=$1 period=${MILES_SLURM_WATCH_S:-10} lost_s=${MILES_RAY_HEAD_LOST_S:-30} gone_since=""
+  while sleep "$period"; do  # the poll period: neither event reaches this node when its slurmd is lost
+    if ! job_running; then
+      log "$node: job $SLURM_JOB_ID is no longer running; stopping this Ray node"
+      kill -TERM "$main" 2>/dev/null
+      return 0
+    fi
+    [ "$is_head" -eq 0 ] || continue
+    if tcp_open "$MILES_RAY_HEAD_IP" "$MILES_RAY_PORT"; then
+      gone_since=""
+    elif [ -z "$gone_since" ]; then
+      gone_since=$(date +%s)
+    elif [ $(( $(date +%s) - gone_since )) -ge "$lost_s" ]; then
+      log "$node: the Ray head $MILES_RAY_HEAD_IP:$MILES_RAY_PORT is gone (${lost_s}s); stopping this Ray node"
+      kill -TERM "$main" 2>/dev/null
+      return 0
+    fi
+  done
+}
+watchdog $$ &
+watchdog_pid=$!
 attempts=${MILES_RAY_START_ATTEMPTS:-3}
 for attempt in $(seq 1 "$attempts"); do
   log "$node: $what (attempt $attempt/$attempts)"
@@ -72,6 +117,9 @@ for attempt in $(seq 1 "$attempts"); do
   [ "$stopping" -eq 0 ] || exit 0
   if [ $(( $(date +%s) - started )) -gt "${MILES_RAY_READY_TIMEOUT:-300}" ]; then
     die "$node: Ray exited with code $rc after running $(( $(date +%s) - started )) s"
+  fi
+  if [ "$is_head" -eq 0 ] && ! tcp_open "$MILES_RAY_HEAD_IP" "$MILES_RAY_PORT"; then
+    die "$node: Ray exited with code $rc and its head $MILES_RAY_HEAD_IP:$MILES_RAY_PORT is gone; not restarting it"
   fi
   log "$node: ray start failed with code $rc during start-up"
 done

@@ -32,7 +32,7 @@ def test_dapo_refill_trains_full_batches_with_several_clipped_updates(tmp_path: 
                    "+rewards.weights.format_check=1.0", "+rewards.weights.solution_number_check=1.0",
                    "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=6",
                    "algo.updates_per_rollout=4", "trainer.lr=2e-3", "trainer.lr_warmup_steps=0")
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         # Every group trained on has signal; the batch is full unless the rounds ran out (then counted).
         assert r["algo/zero_signal_share"] == 0.0, r
@@ -57,7 +57,7 @@ def test_two_steps_off_async_trains_and_drops_what_is_too_stale(tmp_path: Path):
     records = _run(tmp_path, "experiment.steps=5", "experiment.warmup=none", "rollout.max_new_tokens=4",
                    "trainer.micro_batch_tokens=32", "rollout.async_steps=2", "rollout.max_staleness=1",
                    "algo.drop_zero_signal=false")
-    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     for r in records:
         assert r["rollout/staleness_max"] <= 2.0, r
         lags = {k: v for k, v in r.items() if k.startswith("rollout/staleness_samples/")}

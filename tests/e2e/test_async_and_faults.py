@@ -42,19 +42,29 @@ def test_one_step_off_async_run_reports_staleness_and_mixed_versions(tmp_path: P
     summary = json.loads((run / "summary.json").read_text())
     assert summary["steps_done"] == 3 and not summary["stopped_by_signal"]
     records = _records(run)
-    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         for key in ("rollout/stale_dropped", "rollout/mixed_version_samples", "rollout/pauses"):
             assert r[key] >= 0, key
         assert r["rollout/stale_dropped"] == 0  # one step behind is within max_staleness=1
         assert r["rollout/mixed_version_samples"] <= r["rollout/resumed_partials"]
-    # Step 0 generates on the current weights. Every later step's generation started while the previous
+    # Step 1 generates on the current weights. Every later step's generation started while the previous
     # step trained: it finished on the old weights (one version behind) or was paused by the push.
     assert records[0]["rollout/staleness_max"] == 0 and records[0]["rollout/pauses"] == 0
     for r in records[1:]:
         assert r["rollout/staleness_max"] in (0.0, 1.0)
         assert r["rollout/staleness_max"] == 1.0 or r["rollout/pauses"] >= 1, r
     assert len(list((run / "rollouts").iterdir())) == 3
+    # Weight version = RL steps the weights had taken: step 1 came from version 0; step k's samples came from
+    # version k - 2 (generated while step k - 1 trained) or, paused by the push, straddle it ("k-2+k-1"), or
+    # from version k - 1; none from a version ahead.
+    from miles_lite.observability.rollout_table import read_rollouts
+
+    table = read_rollouts(run).to_pylist()
+    assert {r["weight_version"] for r in table if r["step"] == 1} == {"0"}
+    for step in (2, 3):
+        assert {r["weight_version"] for r in table if r["step"] == step} <= {str(step - 2), f"{step - 2}+{step - 1}",
+                                                                            str(step - 1)}, step
 
 
 def _children(pid: int) -> list[tuple[int, str]]:
@@ -121,7 +131,7 @@ def test_engine_sigkilled_mid_training_is_replaced_and_the_run_completes(tmp_pat
     console = (tmp_path / "driver.log").read_text()
     assert "is dead" in console and "replacement admitted after push" in console  # the user sees the events
     records = _records(run)
-    assert [r["step"] for r in records] == list(range(summary["steps_done"])), "every step ran, none twice"
+    assert [r["step"] for r in records] == list(range(1, summary["steps_done"] + 1)), "every step ran, none twice"
     during = [r for r in records if r["fleet/restarts"] >= 1 and r["fleet/engines_healthy"] == 1]
     assert during, "some steps trained on the survivor alone while the replacement started"
     # The replacement came up stale and was admitted by a later push: both slots serve again.
@@ -170,7 +180,7 @@ def test_opd_warmup_moves_the_student_toward_a_padded_vocab_teacher(tmp_path: Pa
                # question (the default's prompt) eight steps lowered it by 15%, not the 20% asserted.
                "rollout.temperature=0.7", "data.prompt_template=default")
     records = [json.loads(line) for line in (run / "warmup.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(steps)) and {r["mode"] for r in records} == {"opd"}
+    assert [r["step"] for r in records] == list(range(1, steps + 1)) and {r["mode"] for r in records} == {"opd"}
     kl = [r["reverse_kl"] for r in records]
     # A near-uniform student starts ~0.9 nats/token from the trimmed teacher (the padding rows would add ~12).
     assert 0.1 < kl[0] < 3.0, kl
@@ -215,7 +225,7 @@ def test_only_engine_sigkilled_mid_rollout_is_pushed_the_current_weights_and_the
     console = log_path.read_text()
     records = _records(run)
     assert json.loads((run / "summary.json").read_text())["steps_done"] == steps
-    assert [r["step"] for r in records] == list(range(steps)), "every step ran, none twice"
+    assert [r["step"] for r in records] == list(range(1, steps + 1)), "every step ran, none twice"
     # The kill met step 1's requests in flight: they failed and were re-sent (partial work kept).
     assert records[1]["rollout/retried_requests"] >= 1 and records[1]["fleet/restarts"] == 1, records[1]
     version = records[0]["weight_version"]  # what the engines served during step 1's rollout
@@ -232,10 +242,10 @@ def test_only_engine_sigkilled_mid_rollout_is_pushed_the_current_weights_and_the
     from miles_lite.observability.rollout_table import read_rollouts
 
     table = read_rollouts(run).to_pylist()
-    for step in range(steps):
+    for step in range(1, steps + 1):
         rows = [r for r in table if r["step"] == step]
         assert sorted((r["prompt_index"], r["sample_index"]) for r in rows) == sorted(
             (p, s) for p in {r["prompt_index"] for r in rows} for s in range(group)) and len(rows) == prompts * group
     assert len({r["prompt_index"] for r in table}) == steps * prompts
     # Step 1's completions, resumed on the replacement, carry the version of the weights they were pushed.
-    assert {r["weight_version"] for r in table if r["step"] == 1} == {str(version)}
+    assert {r["weight_version"] for r in table if r["step"] == 2} == {str(version)}

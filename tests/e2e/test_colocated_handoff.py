@@ -30,7 +30,7 @@ def _train(out: Path, *extra: str) -> list[dict]:
 def test_colocated_handoff_loop_and_its_transitions(tmp_path: Path) -> None:
     handoff = _train(tmp_path / "handoff")
     resident = _train(tmp_path / "resident", "cluster.colocated_memory=resident")
-    assert [r["step"] for r in handoff] == [0, 1]
+    assert [r["step"] for r in handoff] == [1, 2]
     for row in handoff:
         for transition in ("offload", "onload", "engine_sleep", "engine_wake"):
             assert row[f"time/{transition}_seconds"] > 0.0, transition
@@ -39,6 +39,13 @@ def test_colocated_handoff_loop_and_its_transitions(tmp_path: Path) -> None:
         assert row["memory/train_trainer_state_bytes"] > 0.0
         assert row["sync/probe_logp_diff_max"] < 1e-5  # every push verified against the trainer
         assert row["fleet/engines_healthy"] == 2.0 and row["fleet/engines_sleeping"] == 0.0
+    # One meaning of a weight version in both layouts: step k's completions came from the weights of k - 1 RL steps.
+    from miles_lite.observability.rollout_table import read_rollouts
+
+    for layout in ("handoff", "resident"):
+        table = read_rollouts(tmp_path / layout / "colo").to_pylist()
+        assert {(r["step"], r["weight_version"]) for r in table} == {(1, "0"), (2, "1")}, layout
+    assert [r["weight_version"] for r in handoff] == [1, 2]  # the push after step k carries k
     for row in resident:
         assert "time/offload_seconds" not in row and "time/engine_wake_seconds" not in row
         assert row["memory/generate_trainer_state_bytes"] == row["memory/train_trainer_state_bytes"] > 0.0

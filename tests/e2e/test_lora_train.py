@@ -55,7 +55,7 @@ def test_adapter_push_moves_only_the_adapter(tmp_path: Path) -> None:
     assert any(float(t.abs().max()) > 0 for n, t in adapters.items() if "lora_B" in n)  # the adapters moved
     adapter_bytes = sum(t.numel() * t.element_size() for t in adapters.values())
     steps = _metrics(run)
-    assert [m["step"] for m in steps] == [0, 1]
+    assert [m["step"] for m in steps] == [1, 2]
     # RL trained on every step (groups with signal), with the KL term against the base.
     assert all(m["algo/trained_sequences"] > 0 and "loss/kl" in m for m in steps), steps
     for m in steps:
@@ -76,7 +76,7 @@ def test_colocated_handoff_keeps_the_engines_base_and_verifies_every_adapter_pus
     # (no host copy), so an adapter-only push after a wake that released the base would fail verification.
     run = _train(tmp_path, "colo", "cluster.placement=colocated")
     steps = _metrics(run)
-    assert [m["step"] for m in steps] == [0, 1]
+    assert [m["step"] for m in steps] == [1, 2]
     for m in steps:
         assert m["time/engine_sleep_seconds"] > 0 and m["time/engine_wake_seconds"] > 0, m
         assert 0 < m["sync/bytes"] < 1e6 and m["sync/probe_logp_diff_mean"] < 1e-5, m
@@ -129,7 +129,7 @@ def test_base_untouched_adapters_moved_and_resume_is_bit_exact(tmp_path: Path) -
     # Resume: 1 step, then a new process resumes from its checkpoint and runs the second.
     _train(tmp_path, "resumed", "experiment.steps=1", *steps[1:])
     resumed = _train(tmp_path, "resumed", *steps)
-    assert [m["step"] for m in _metrics(resumed)] == [0, 1]
+    assert [m["step"] for m in _metrics(resumed)] == [1, 2]
     end = CheckpointReader(newest_complete(resumed / "checkpoints"))  # type: ignore[arg-type]
     assert end.shared()["counters"]["steps_done"] == last.shared()["counters"]["steps_done"]
     for prefix in ("model/", "optim/"):  # adapters, then their Adam moments

@@ -1,11 +1,14 @@
 """End to end through `miles-lite train`: records with a prompt key and with chat messages, a TRL-style
 reward plug-in that checks every column it receives, routing by data source, a None reward, a remote
-reward model that receives the columns, an evaluation set, and each kind of bad file failing early."""
+reward model that receives the columns, an evaluation set and a held-out file evaluated whole, the task's
+accuracy per source in the console, metrics, curves and report, `miles-lite eval` on the run with its own
+task configuration, and each kind of bad file failing early."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -17,6 +20,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 sys.path.insert(0, str(EXAMPLES))
 from miles_plugins.reward_server import RewardServer  # noqa: E402
 
+from miles_lite.observability.plots import accuracy_lines  # noqa: E402
 from miles_lite.observability.rollout_table import read_rollouts  # noqa: E402
 from miles_lite.observability.sinks import read_metrics_file  # noqa: E402
 
@@ -89,13 +93,15 @@ def _plugin_env(tmp_path: Path) -> dict:
 def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_remote_model(tmp_path: Path):
     train = _write(tmp_path / "train.jsonl", _records(8))
     dev = _write(tmp_path / "dev.jsonl", _records(4, offset=8))
+    # More records than experiment.eval_size's old default of 64: the held-out file is evaluated whole.
+    held = _write(tmp_path / "held.jsonl", _records(70, offset=3))
     server = RewardServer(("127.0.0.1", 0))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         proc = _train(tmp_path, "data.source=records", f"data.train_path={train}", "data.prompt_key=question",
                       "data.label_key=answer_text", "data.metadata_key=metadata", "rewards.set=none",
                       "+rewards.by_source.alpha=record_plugins:alpha", "+rewards.by_source.beta=record_plugins:beta",
-                      f"rewards.remote.url={server.url}", "rewards.remote.name=judge",
+                      f"rewards.remote.url={server.url}", "rewards.remote.name=judge", f"data.eval_path={held}",
                       f"+data.eval_sets={{dev: {{path: {dev}, k: 2, temperature: 1.0}}}}", "experiment.eval_every=1",
                       env=_plugin_env(tmp_path))
     finally:
@@ -128,24 +134,49 @@ def test_records_with_a_prompt_key_routed_by_source_to_trl_style_plugins_and_a_r
     assert "eval/dev/avg@2" in steps[1] and "eval/dev/pass@2" in steps[1]
     summary = json.loads((run / "summary.json").read_text())
     for phase in ("before", "after"):
-        assert set(summary[phase]) == {"eval/dev/reward_mean", "eval/dev/avg@2", "eval/dev/pass@1", "eval/dev/pass@2"}
-    phases = [r["eval_phase"] for r in read_metrics_file(run, evaluations=True)]
-    assert phases == ["before RL", "after RL"]
+        assert set(summary[phase]) == {"eval/dev/reward_mean", "eval/dev/avg@2", "eval/dev/pass@1", "eval/dev/pass@2",
+                                       "eval/held_out/reward_mean", "eval/held_out/avg@1", "eval/held_out/pass@1"}
+    evaluations = read_metrics_file(run, evaluations=True)
+    assert [r["eval_phase"] for r in evaluations] == ["before RL", "after RL"]
+    out = proc.stdout + proc.stderr
+    assert "set 'held_out' (70 prompts, k=1)" in out and "the first" not in out
+    # The task's accuracy (reward at its maximum), overall and per source: console, metrics, curves, report.
+    lines = re.findall(r"^step (\d)/2 \| reward [\d.]+ \| accuracy ([\d.]+) \(alpha ([\d.]+), beta ([\d.]+)\) \|",
+                       out, re.M)
+    assert [line[0] for line in lines] == ["1", "2"], out[-3000:]
+    for step, line in zip(steps, lines, strict=True):
+        assert all(0.0 <= step[k] <= 1.0 for k in ("reward/accuracy", "reward/accuracy/alpha", "reward/accuracy/beta"))
+        assert (f"{step['reward/accuracy']:.2f}", f"{step['reward/accuracy/alpha']:.2f}") == line[1:3]
+        assert "reward/mean/alpha" in step and "reward/mean/beta" in step and "reward/exact_accuracy" not in step
+    title, curves = accuracy_lines(steps, evaluations)
+    assert title == "Accuracy (reward at its maximum)"
+    assert {label for label, _, _ in curves} == {"rollouts", "rollouts: alpha", "rollouts: beta", "dev/avg@2",
+                                                 "held_out/avg@1"}
+    assert dict((label, xs) for label, xs, _ in curves)["held_out/avg@1"] == [0, 1, 2]  # before, after 1 step, after 2
+    assert (run / "curves.png").stat().st_size > 1000
+    report = subprocess.run([sys.executable, "-m", "miles_lite.cli", "report", str(run)], capture_output=True,
+                            text=True, timeout=300)
+    assert report.returncode == 0, report.stdout + report.stderr
+    html = (run / "report.html").read_text()
+    assert "accuracy (reward at its maximum)" in html and "accuracy: alpha" in html and "reward mean: beta" in html
     # The remote reward model got the records' columns too.
     body = server.bodies[0]
     assert set(body["columns"]) == {"question", "answer_text", "metadata", "data_source", "tests"}
     assert all(isinstance(m, dict) for m in body["columns"]["metadata"])
     assert set(body["sources"]) <= {"alpha", "beta"} and all(isinstance(y, str) for y in body["labels"])
-    # `miles-lite eval` takes the same sets and reward configuration.
+    # `miles-lite eval` on the run: its checkpoint, with its own key mapping, rewards and evaluation sets.
     evaluation = subprocess.run(
-        [sys.executable, "-m", "miles_lite.cli", "eval", "--log-dir", str(tmp_path / "eval_logs"),
-         str(run / "initial_model"), "sets", "data.source=records", "data.prompt_key=question",
-         "data.label_key=answer_text", "data.metadata_key=metadata", "rewards.set=none",
-         "+rewards.by_source.alpha=record_plugins:alpha",
-         "+rewards.by_source.beta=record_plugins:beta", f"+data.eval_sets={{dev: {{path: {dev}, k: 2}}}}"],
-        capture_output=True, text=True, timeout=600, env=_plugin_env(tmp_path))
+        [sys.executable, "-m", "miles_lite.cli", "eval", "--log-dir", str(tmp_path / "eval_logs"), str(run),
+         "rewards.remote.url=null"], capture_output=True, text=True, timeout=600, env=_plugin_env(tmp_path))
     assert evaluation.returncode == 0, evaluation.stdout[-3000:] + evaluation.stderr[-3000:]
+    assert f"{run} (checkpoint step 2), with the run's configuration" in evaluation.stdout
     assert "set 'dev' (4 prompts, k=2)" in evaluation.stdout and "pass@2" in evaluation.stdout
+    assert "set 'held_out' (70 prompts, k=1)" in evaluation.stdout
+    # A records file evaluated without the records configuration: one line naming the fix.
+    plain = subprocess.run([sys.executable, "-m", "miles_lite.cli", "eval", str(run / "initial_model"), str(dev)],
+                           capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 2 and "Traceback" not in plain.stderr, plain.stderr[-2000:]
+    assert "a records file needs data.source=records and its key mapping" in plain.stderr
 
 
 def test_records_with_chat_messages_and_an_sft_warm_up_on_their_responses(tmp_path: Path):

@@ -28,13 +28,18 @@ def test_resume_continues_from_the_newest_checkpoint(tmp_path: Path):
     ckpts = tmp_path / "resume" / "checkpoints"
     assert (ckpts / "latest").is_file()
     first = [json.loads(x)["step"] for x in (tmp_path / "resume" / "metrics.jsonl").read_text().splitlines()]
-    assert first == [0, 1]
+    assert first == [1, 2]
 
     proc = _train(tmp_path, "experiment.steps=3")
     out = proc.stdout + proc.stderr
     assert "resumed from" in out and "at step 2" in out
     steps = [json.loads(x)["step"] for x in (tmp_path / "resume" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2]  # only the missing step ran; the warm-up was not repeated
+    assert steps == [1, 2, 3]  # only the missing step ran; the warm-up was not repeated
     assert "sft warm-up" not in out
     summary = json.loads((tmp_path / "resume" / "summary.json").read_text())
     assert summary["steps_done"] == 3
+    # A resumed run numbers weight versions as an uninterrupted one: step k's completions came from version k - 1.
+    from miles_lite.observability.rollout_table import read_rollouts
+
+    table = read_rollouts(tmp_path / "resume").to_pylist()
+    assert {(r["step"], r["weight_version"]) for r in table} == {(1, "0"), (2, "1"), (3, "2")}

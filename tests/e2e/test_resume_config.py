@@ -151,14 +151,14 @@ def test_a_raising_reward_plugin_ends_the_run_with_one_line_and_the_last_checkpo
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000001", "step_00000002"]
     assert read_latest(ckpts) == "step_00000002"
     verify_checkpoint(ckpts / "step_00000002")
-    assert [m["step"] for m in _metrics(run)] == [0, 1]
+    assert [m["step"] for m in _metrics(run)] == [1, 2]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["plugin_failure"]["plugin"] == "reward 'flaky'" and summary["steps_done"] == 2
 
     out = _ok(_train(tmp_path, "experiment.steps=5", "rewards.custom=judge:steady",
                      pythonpath=str(tmp_path / "plugins")))
     assert f"resumed from {ckpts / 'step_00000002'} at step 2" in out
-    assert [m["step"] for m in _metrics(run)] == [0, 1, 2, 3, 4]
+    assert [m["step"] for m in _metrics(run)] == [1, 2, 3, 4, 5]
 
 
 def test_the_offered_fix_resume_none_trains_the_run_over_with_the_new_shape(tmp_path: Path):

@@ -49,7 +49,7 @@ def test_short_embedded_run_learns_and_writes_every_artifact(tmp_path: Path):
     # one 2-core machine this run ends 3 problems lower every time, on another it did not), so only a
     # drop of more than two standard errors fails; the full-length gain is measured in docs/benchmarks.md.
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records] == list(range(STEPS))
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     exact = [r["reward/exact_accuracy"] for r in records]
     half = STEPS // 2
     assert _mean(exact[half:]) > _mean(exact[:half]), exact
@@ -58,10 +58,10 @@ def test_short_embedded_run_learns_and_writes_every_artifact(tmp_path: Path):
     assert after["exact"] >= before["exact"] - two_se, summary
     assert after["exact_format"] > 0.8, summary
 
-    # experiment.eval_every: a held-out evaluation on the weights after 8 RL steps, in that step's record
-    # (the shares the final evaluation reports too) and in the report's table and plots.
+    # experiment.eval_every: a held-out evaluation on the weights after 8 RL steps, in the record of step 9,
+    # which starts with it (the shares the final evaluation reports too), and in the report's table and plots.
     evaluated_at = [r["step"] for r in records if "eval/exact" in r]
-    assert evaluated_at == [EVAL_EVERY], evaluated_at
+    assert evaluated_at == [EVAL_EVERY + 1], evaluated_at
     mid = records[EVAL_EVERY]
     assert 0.0 <= mid["eval/exact"] <= mid["eval/exact_format"] <= 1.0 and mid["time/eval_seconds"] > 0
     assert f"held-out evaluation after {EVAL_EVERY} RL steps" in proc.stdout + proc.stderr
@@ -72,7 +72,8 @@ def test_short_embedded_run_learns_and_writes_every_artifact(tmp_path: Path):
     # Every push was verified: the probe's trainer/engine logprob gap is tiny on identical fp32 weights.
     assert records[-1]["sync/probe_logp_diff_mean"] < 1e-3
     assert (run / "config.yaml").is_file() and (run / "curves.png").stat().st_size > 1000
-    assert sorted(p.name for p in (run / "rollouts").iterdir()) == [f"step_{i:06d}.parquet" for i in range(STEPS)]
+    assert sorted(p.name for p in (run / "rollouts").iterdir()) == [f"step_{i:06d}.parquet"
+                                                                    for i in range(1, STEPS + 1)]
     # The recipe trains on fresh questions each step: no presample filter ran.
     assert not (run / "presample.json").exists()
     # The before/after line a user reads at the end of the run.

@@ -11,6 +11,7 @@ from trainer_scenarios import make_batch, make_config
 
 from miles_lite.checkpoint import DriverState, newest_complete
 from miles_lite.checkpoint.run_state import RankCheckpointer
+from miles_lite.config.views import ActorConfig
 
 VOCAB = 500
 STEPS = 3
@@ -28,7 +29,7 @@ def _actor(model_dir: str, ckpt_dir: str, rank: int, world_size: int) -> Any:
     # clip_grad=0: the gradient norm's reduction order depends on the DP size, its clipping factor too.
     cfg = make_config(model_dir, dp=world_size, precision="bf16", use_distributed_optimizer=True, clip_grad=0.0)
     cfg.checkpoint.dir = ckpt_dir
-    return cfg, TrainerActor(cfg, rank, world_size)
+    return cfg, TrainerActor(ActorConfig.of(cfg), rank, world_size)
 
 
 def _state(actor: Any) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def scenario(rank: int, world_size: int, root: str, resume_from: str | None, sav
         make_test_checkpoint("qwen2", Path(model_dir), vocab_size=VOCAB)
     torch.distributed.barrier()
     cfg, actor = _actor(model_dir, save_to, rank, world_size)
-    ckpt = RankCheckpointer(cfg)
+    ckpt = RankCheckpointer(cfg.checkpoint, cfg.model)
     out: dict[str, Any] = {}
     if resume_from is not None:
         path = newest_complete(resume_from)

@@ -8,6 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from miles_lite.config.views import ActorConfig
+
 
 def _checkpoint(rank: int, root: str) -> str:
     import torch.distributed as dist
@@ -28,7 +30,7 @@ def scenario_moe_single(rank: int, world_size: int, root: str) -> dict[str, Any]
 
     path = _checkpoint(rank, root)
     batch = make_batch(500)
-    actor = TrainerActor(make_config(path), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(path)), rank, world_size)
     out = {"conversion": conversion_checks(actor, path, batch), "train": train_checks(actor, batch)}
     actor.close()
     return out
@@ -44,7 +46,7 @@ def scenario_moe_two_ranks(rank: int, world_size: int, root: str) -> dict[str, A
     batch = make_batch(500)
     out: dict[str, Any] = {}
     for key, kw in {"ep2_dp2": dict(dp=2, ep=2), "ep2_tp2": dict(tp=2, ep=2)}.items():
-        actor = TrainerActor(make_config(path, **kw), rank, world_size)
+        actor = TrainerActor(ActorConfig.of(make_config(path, **kw)), rank, world_size)
         res = conversion_checks(actor, path, batch)
         res["experts"] = sorted({lay.expert for _, _, lay in actor.named_shards() if lay.expert is not None})
         res["ep_rank"] = actor.par.ep_rank
@@ -112,7 +114,7 @@ def scenario_replay(rank: int, world_size: int, root: str) -> dict[str, Any]:
     forced = dataclasses.replace(batch, routed_experts=worst)
     same = dataclasses.replace(batch, routed_experts=own)
     out: dict[str, Any] = {"dtype": str(worst[0].dtype)}
-    actor = TrainerActor(make_config(path, routing_replay=True), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(path, routing_replay=True)), rank, world_size)
     out["plain"] = actor.compute_logprobs(batch)
     out["forced"] = actor.compute_logprobs(forced)
     out["hf_forced"] = [hf_forced_logprobs(path, s, p, w) for s, p, w in
@@ -120,13 +122,13 @@ def scenario_replay(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # The rollout routed as the trainer would (weights unchanged yet): agreement near 1.
     out["stats_same"] = actor.train_step(dataclasses.replace(same, rollout_logprobs=out["plain"]))
     actor.close()
-    actor = TrainerActor(make_config(path, routing_replay=True), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(path, routing_replay=True)), rank, world_size)
     router = dict(actor.policy.model.named_parameters())["decoder.layers.1.mlp.router.weight"].detach().clone()
     out["stats_forced"] = actor.train_step(dataclasses.replace(forced, rollout_logprobs=out["forced"]))
     out["router_moved"] = float((dict(actor.policy.model.named_parameters())[
         "decoder.layers.1.mlp.router.weight"].detach() - router).abs().max())
     actor.close()
-    actor = TrainerActor(make_config(path, routing_replay=False), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(path, routing_replay=False)), rank, world_size)
     out["off_forced"] = actor.compute_logprobs(forced)
     out["stats_off"] = actor.train_step(dataclasses.replace(forced, rollout_logprobs=out["off_forced"]))
     actor.close()
@@ -149,7 +151,7 @@ def scenario_moe_resume(rank: int, world_size: int, root: str, save: dict[str, i
     batch = make_batch(500)
     ckpt, export = Path(root) / "ckpt", Path(root) / "export"
     out: dict[str, Any] = {}
-    actor = TrainerActor(make_config(path, **save), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(path, **save)), rank, world_size)
     actor.train_step(batch)
     saver = AsyncCheckpointer(str(ckpt))
     saver.save(1, checkpoint_payload(actor))
@@ -167,7 +169,7 @@ def scenario_moe_resume(rank: int, world_size: int, root: str, save: dict[str, i
         out["export_logits_diff"] = float((logits - hf_logits(str(export), seq)).abs().max())
     actor.close()
     dist.barrier()
-    actor = TrainerActor(make_config(path, **resume), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(path, **resume)), rank, world_size)
     restore_actor(actor, CheckpointReader(newest_complete(str(ckpt))))  # type: ignore[arg-type]
     out["resumed_logprobs"] = actor.compute_logprobs(batch)
     out["resumed_next"] = actor.train_step(batch)

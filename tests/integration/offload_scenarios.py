@@ -10,27 +10,31 @@ from trainer_harness import make_test_checkpoint
 from trainer_scenarios import make_batch, make_config
 
 from miles_lite.config.offload import OFFLOAD_PARTS
+from miles_lite.config.views import ActorConfig
 
 VOCAB = 500
 
 
 def _state(actor: Any) -> dict[str, torch.Tensor]:
-    """Copies of everything offload moves: parameters, gradient buffers, optimizer tensors."""
+    """Copies of everything offload keeps: parameters and optimizer tensors (gradients are dropped: below)."""
     out = {f"param/{n}": p.detach().clone() for n, p in actor.policy.model.named_parameters()}
-    grads, optimizer = actor.offloader.collectors["grads"](), actor.offloader.collectors["optimizer"]()
-    out.update({f"grad/{i}": t.detach().clone() for i, t in enumerate(grads) if t is not None})
-    out.update({f"opt/{i}": t.detach().clone() for i, t in enumerate(optimizer)})
+    out.update({f"opt/{i}": t.detach().clone() for i, t in enumerate(actor.offloader.collectors["optimizer"]())})
     return out
+
+
+def _grads(actor: Any) -> list[torch.Tensor]:
+    return [t.detach().clone() for t in actor.offloader.collectors["grads"]() if t is not None]
 
 
 def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bool) -> dict[str, Any]:
     from miles_lite.trainer.actor import TrainerActor
 
-    actor = TrainerActor(make_config(path, precision=precision), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(path, precision=precision)), rank, world_size)
     batch = make_batch(VOCAB)
     out: dict[str, Any] = {"stats": [actor.train_step(batch)]}
     if round_trip:
         before = _state(actor)
+        out["grads_nonzero_before"] = any(bool(g.count_nonzero()) for g in _grads(actor))
         moved = actor.offload(OFFLOAD_PARTS)
         out["moved"] = moved
         out["freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.policy.model.parameters())
@@ -45,6 +49,7 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
         out["again"] = actor.offload(OFFLOAD_PARTS)  # a no-op: everything is offloaded already
         out["onloaded"] = actor.onload(OFFLOAD_PARTS)
         after = _state(actor)
+        out["grads_zero_after"] = all(not g.count_nonzero() for g in _grads(actor))
         out["round_trip_exact"] = before.keys() == after.keys() and all(
             torch.equal(before[k], after[k]) for k in before)
         out["tensors"] = len(before)

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from miles_lite.config.views import ActorConfig
+
 # Pretraining lengths far below the test sequences, so every scaled frequency band is exercised.
 LLAMA31_STYLE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                  "original_max_position_embeddings": 32}
@@ -33,7 +35,7 @@ def scenario_rope(rank: int, world_size: int, root: str) -> dict[str, Any]:
         dist.barrier()
         batch = make_batch(500)
         seq = [t % 500 for t in range(7, 7 + 96 * 5, 5)]  # 96 tokens: 3x to 6x the pretraining length
-        actor = TrainerActor(make_config(str(path), tp=world_size), rank, world_size)
+        actor = TrainerActor(ActorConfig.of(make_config(str(path), tp=world_size)), rank, world_size)
         logits = megatron_logits(actor, seq)
         res = {"rope_type": actor.policy.spec.rope.rope_type,
                "logits_vs_hf": float((logits - hf_logits(str(path), seq)).abs().max()),

@@ -22,6 +22,7 @@ from miles_lite.checkpoint.host_buffers import HostBuffers
 from miles_lite.checkpoint.run_state import RankCheckpointer
 from miles_lite.checkpoint.trainer_state import snapshot_sizes
 from miles_lite.cli.convert import to_hf
+from miles_lite.config.views import ActorConfig
 from miles_lite.data.gsm8k import MathProblem
 from miles_lite.data.source import PromptSource
 
@@ -51,12 +52,12 @@ def scenario_train_save_train(rank: int, world_size: int, ckpt_dir: str) -> dict
     from miles_lite.trainer.actor import TrainerActor
 
     cfg = _config(ckpt_dir, tp=world_size)
-    actor = TrainerActor(cfg, rank, world_size)
+    actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
     data, order = _data(), []
     # Host buffers reserved before the first step (Adam has no moments yet): the save must fit in them.
     buffers = HostBuffers()
     buffers.reserve(snapshot_sizes(actor))
-    ckpt = RankCheckpointer(cfg, buffers=buffers)
+    ckpt = RankCheckpointer(cfg.checkpoint, cfg.model, buffers=buffers)
     for _ in range(STEPS_BEFORE):
         order.append(_step(actor, data, cfg.model.vocab_size))
     saved_hf = actor.export_hf_state_dict()
@@ -79,7 +80,7 @@ def scenario_resume_train(rank: int, world_size: int, ckpt_dir: str) -> dict[str
     from miles_lite.trainer.actor import TrainerActor
 
     cfg = _config(ckpt_dir, tp=world_size)
-    actor = TrainerActor(cfg, rank, world_size)
+    actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
     path = newest_complete(ckpt_dir)
     assert path is not None
     driver = RankCheckpointer.restore(actor, path)

@@ -89,13 +89,13 @@ def test_an_attached_engine_restarted_between_health_checks_is_left_out_of_the_p
         validate(cfg)
         with System.start(cfg, tmp_path / "run") as system:
             assert system.fleet is not None
-            system.push_weights()
+            system.push_weights(system.version + 1)
             survivor, victim = system.fleet.records
             os.killpg(procs[1].pid, signal.SIGKILL)  # the pod dies without a word (its new server binds the
             procs[1].stop()                          # port seconds later, after its imports)
             procs[1] = _engine_at(ports[1], tmp_path, "engine-1-new", overrides, key_file)
 
-            report, _ = system.push_weights()
+            report, _ = system.push_weights(system.version + 1)
             assert report.push.engines == (survivor.engine_id,)
             assert report.verify is not None and set(report.verify.engines) == {survivor.engine_id}
             reasons = [t.reason for t in system.fleet.transitions if t.slot == victim.index]
@@ -105,7 +105,7 @@ def test_an_attached_engine_restarted_between_health_checks_is_left_out_of_the_p
             while victim.state is not EngineState.STALE and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert victim.state is EngineState.STALE and victim.incarnation == 1, victim.last_error
-            report, _ = system.push_weights()
+            report, _ = system.push_weights(system.version + 1)
             assert len(report.push.engines) == 2 and victim.state is EngineState.HEALTHY
             assert report.verify is not None and report.verify.logp_diff_mean < 1e-3
     finally:
@@ -132,14 +132,14 @@ def test_a_running_system_follows_its_engine_list(tmp_path: Path):
         with System.start(cfg, tmp_path / "run") as system:
             fleet = system.fleet
             assert fleet is not None
-            system.push_weights()
+            system.push_weights(system.version + 1)
             listing.write_text(f"{urls[0]}\n{urls[1]}\n")
             deadline = time.monotonic() + 120
             while len(fleet.records) < 2 and time.monotonic() < deadline:
                 time.sleep(0.2)
             first, added = fleet.records
             assert added.engine_id == "engine-1" and added.state is EngineState.STALE, added.state
-            report, _ = system.push_weights()
+            report, _ = system.push_weights(system.version + 1)
             assert set(report.push.engines) == {"engine-0", "engine-1"} and added.state is EngineState.HEALTHY
             assert report.verify is not None and report.verify.logp_diff_mean < 1e-3
 
@@ -148,7 +148,7 @@ def test_a_running_system_follows_its_engine_list(tmp_path: Path):
             while added.state is not EngineState.RETIRED and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert added.state is EngineState.RETIRED and fleet.restarts == 0
-            report, _ = system.push_weights()
+            report, _ = system.push_weights(system.version + 1)
             assert report.push.engines == ("engine-0",) and first.state is EngineState.HEALTHY
             assert procs[1].alive()  # removed from this job's fleet, not stopped by it (the operator deletes the pod)
     finally:

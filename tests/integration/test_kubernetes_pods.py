@@ -269,7 +269,7 @@ def test_milesjob_trains_across_podman_pods(tmp_path: Path, image: str, kubectl,
     assert status["engineRestarts"] == 1 and status["trainerRestarts"] == 0, status
     assert volume is not None
     lines = metrics_lines(volume)
-    assert [m["step"] for m in lines] == list(range(len(lines))), [m["step"] for m in lines]
+    assert [m["step"] for m in lines] == list(range(1, len(lines) + 1)), [m["step"] for m in lines]
     # Every step's push crossed containers and was verified on the engines (probe logprobs).
     for m in lines:
         assert m["sync/probe_logp_diff_max"] < 1e-3, m

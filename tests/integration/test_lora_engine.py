@@ -29,8 +29,8 @@ from engine_contract import (  # noqa: E402
     tolerance,
 )
 
+from miles_lite.config.lora_serving import with_lora_serving  # noqa: E402
 from miles_lite.config.schema import MilesConfig  # noqa: E402
-from miles_lite.engines.lora_serving import with_lora_serving  # noqa: E402
 from miles_lite.formats.lora import TARGETS, LoraSpec, merged_state, save_adapter_dir, tensor_name  # noqa: E402
 from miles_lite.rollout.engine import EngineError  # noqa: E402
 from miles_lite.rollout.http_client import HttpEngine  # noqa: E402

@@ -18,6 +18,7 @@ from trainer_scenarios import make_batch, make_config
 from miles_lite.checkpoint import CheckpointReader, DriverState, newest_complete
 from miles_lite.checkpoint.run_state import RankCheckpointer
 from miles_lite.cli import main
+from miles_lite.config.views import ActorConfig
 from miles_lite.formats.lora import TARGETS, LoraSpec, merged_state, tensor_name
 from miles_lite.trainer.hf_convert import read_hf_state, tensor_sha256
 
@@ -42,13 +43,14 @@ def _step(actor: Any, k: int) -> None:
 def scenario_train(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> dict[str, Any]:
     from miles_lite.trainer.actor import TrainerActor
 
-    actor = TrainerActor(_config(hf_path, ckpt_dir, world_size), rank, world_size)
+    cfg = _config(hf_path, ckpt_dir, world_size)
+    actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
     base = {n: p.detach().clone() for n, p in actor.policy.model.named_parameters()}
     stepped = {id(p) for group in actor.optimizer.param_groups for p in group["params"]}
     adapters = {id(p) for p in actor.lora.parameters()}
     frozen = not any(p.requires_grad for p in actor.policy.model.parameters())
     init = actor.adapter_state()
-    ckpt = RankCheckpointer(actor.cfg)
+    ckpt = RankCheckpointer(cfg.checkpoint, cfg.model)
     for k in range(2):
         _step(actor, k)
     probe = make_batch(VOCAB, n=3, seed=7)
@@ -70,7 +72,7 @@ def scenario_train(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> d
 def scenario_resume(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> dict[str, Any]:
     from miles_lite.trainer.actor import TrainerActor
 
-    actor = TrainerActor(_config(hf_path, ckpt_dir, world_size), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(_config(hf_path, ckpt_dir, world_size)), rank, world_size)
     path = newest_complete(ckpt_dir)
     assert path is not None
     RankCheckpointer.restore(actor, path)
@@ -85,7 +87,7 @@ def scenario_resume(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> 
 def scenario_resume_elsewhere(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> dict[str, Any]:
     from miles_lite.trainer.actor import TrainerActor
 
-    actor = TrainerActor(_config(hf_path, ckpt_dir, world_size), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(_config(hf_path, ckpt_dir, world_size)), rank, world_size)
     try:
         RankCheckpointer.restore(actor, newest_complete(ckpt_dir))  # type: ignore[arg-type]
     except ValueError as err:
@@ -96,18 +98,21 @@ def scenario_resume_elsewhere(rank: int, world_size: int, hf_path: str, ckpt_dir
 
 
 def scenario_recompute(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> dict[str, Any]:
-    """One step with and without megatron's full activation recompute (the 7B recipe's setting)."""
+    """The adapters' gradients of one step with and without megatron's full activation recompute (the 7B
+    recipe's setting): what the step reduced into the gradient buffers, which the next step zeroes."""
     from miles_lite.trainer.actor import TrainerActor
 
     out = {}
     for recompute in (False, True):
         cfg = _config(hf_path, ckpt_dir, world_size)
+        cfg.trainer.clip_grad = 0.0  # the raw gradients (clipping would scale each run by its own norm)
         if recompute:
             cfg.trainer.transformer.update(recompute_granularity="full", recompute_method="uniform",
                                            recompute_num_layers=1)
-        actor = TrainerActor(cfg, rank, world_size)
+        actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
         _step(actor, 0)
-        out[recompute] = actor.adapter_state()
+        out[recompute] = {name: (p.main_grad if getattr(p, "main_grad", None) is not None else p.grad).detach()
+                          .to("cpu", copy=True) for name, p in actor.lora.named_parameters()}
         actor.close()
     return out
 
@@ -220,6 +225,13 @@ def test_full_activation_recompute_trains_the_adapters_alike(runs: dict[str, Any
     root = runs["root"]
     got = run_ranks(scenario_recompute, 1, root / "recompute", hf_path=str(runs["hf"]), ckpt_dir=str(root / "r"))[0]
     plain, recomputed = got[False], got[True]
-    for name, tensor in recomputed.items():
-        assert torch.allclose(tensor, plain[name], atol=1e-6, rtol=1e-5), name
-    assert any(float(t.abs().max()) > 0 for n, t in recomputed.items() if n.endswith("lora_B.weight"))
+    assert set(recomputed) == set(plain) and plain
+    # Recomputing the forward in the backward pass may round differently (another kernel order), so the two
+    # gradients agree to fp32 rounding relative to each tensor's scale, not bit for bit; a gradient lost or
+    # mis-routed through the recomputed layers is off by its whole size.
+    for name, grad in recomputed.items():
+        scale = float(plain[name].abs().max())
+        assert torch.allclose(grad, plain[name], rtol=1e-4, atol=1e-5 * scale), name
+    # B starts at zero, so A's gradient is zero; every B must receive one, through every recomputed layer.
+    b_grads = {n: g for n, g in recomputed.items() if n.endswith("lora_B")}
+    assert b_grads and all(float(g.abs().max()) > 0 for g in b_grads.values()), sorted(b_grads)

@@ -24,6 +24,7 @@ from trainer_scenarios import make_batch
 
 from miles_lite.config.compose import load_config
 from miles_lite.config.validate import validate
+from miles_lite.config.views import WeightSyncSetup
 from miles_lite.rollout.engine_state import EngineState
 from miles_lite.run.system import System
 from miles_lite.weight_sync.factory import build_coordinator
@@ -86,12 +87,13 @@ def test_push_from_tp_and_ep_ranks_is_bit_exact(system: System, transport: str, 
     # One weight-update group per engine at a time: the system's own leaves before this transport's forms (the
     # system closes whichever coordinator it holds last).
     system.sync.close()
-    system.sync = system.pusher.sync = build_coordinator(cfg, system.trainer, EngineLoop(system.loop_thread.loop),
-                                                         system.run_dir, system.api_key.value)
+    system.sync = system.pusher.sync = build_coordinator(WeightSyncSetup.of(cfg), system.trainer,
+                                                         EngineLoop(system.loop_thread.loop), system.run_dir,
+                                                         system.api_key.value)
     before = system.trainer.export_hf_state_dict()
     stats = system.trainer.train_step(make_batch(VOCAB, n=4, seed=len(transport + mode)))
     assert stats["skipped"] == 0.0
-    report, _ = system.push_weights()
+    report, _ = system.push_weights(system.version + 1)
     trained = system.trainer.export_hf_state_dict()
     assert report.push.transport == (f"distributed/{mode}" if transport == "distributed" else "disk")
     assert report.verify is not None and report.verify.logp_diff_max < PROBE_TOL
@@ -120,7 +122,7 @@ def test_moe_train_cli_pushes_verified(run: str, tmp_path: Path) -> None:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     steps = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [s["step"] for s in steps] == [0, 1]
+    assert [s["step"] for s in steps] == [1, 2]
     for stats in steps:
         # A push after every step, verified (a probe diff over the limit would have failed the run).
         assert stats["sync/probe_logp_diff_max"] < PROBE_TOL

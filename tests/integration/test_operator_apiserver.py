@@ -113,8 +113,8 @@ def operator(api: KubeApi) -> Iterator[KopfRunner]:
     assert "inconsistencies" not in log, log
 
 
-def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S) -> Any:
-    """Poll `predicate` until it returns a truthy value; fail naming `what` after `timeout_s`."""
+def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S, poll_s: float = 0.1) -> Any:
+    """Poll `predicate` every `poll_s` until it returns a truthy value; fail naming `what` after `timeout_s`."""
     deadline = time.monotonic() + timeout_s
     while True:
         value = predicate()
@@ -122,7 +122,7 @@ def wait_for(predicate: Callable[[], Any], what: str, timeout_s: float = WAIT_S)
             return value
         if time.monotonic() > deadline:
             pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.1)
+        time.sleep(poll_s)
 
 
 def example(name: str, job_name: str, **spec: Any) -> dict[str, Any]:

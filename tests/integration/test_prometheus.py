@@ -141,7 +141,7 @@ def test_the_run_was_scraped_while_alive_and_lingered_for_its_final_values(scrap
     assert len(before_final) >= 2, up
     assert [v for t, v in up if t == scraped_run.final_scrape] == [1.0]
     steps = [v for _, v in server.raw_samples(f'miles_lite_step{{run="{run}"}}')]
-    assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] == STEPS - 1, steps
+    assert len(steps) >= 2 and steps == sorted(steps) and steps[-1] == STEPS, steps
     log = " ".join(scraped_run.log.split())  # the console wraps long lines
     assert "waiting up to 120 s for a scrape of the final metrics" in log
     assert "no scrape within" not in log
@@ -179,8 +179,8 @@ def test_scraped_values_match_the_run(scraped_run: ScrapedRun) -> None:
         assert len(result) == 1, (name, labels, result)
         return float(result[0]["value"][1])
 
-    assert [r["step"] for r in records] == list(range(STEPS))
-    assert value("miles_lite_step") == STEPS - 1
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert value("miles_lite_step") == STEPS
     for metric, key, labels in [
         ("miles_lite_reward_mean", "reward/mean", {}),
         ("miles_lite_reward_std", "reward/std", {}),

@@ -25,13 +25,13 @@ def test_a_push_skips_an_engine_killed_just_before_it(tmp_path: Path) -> None:
     validate(cfg)
     with System.start(cfg, tmp_path / "run") as system:
         assert system.fleet is not None and system.loop_thread is not None
-        system.push_weights()
+        system.push_weights(system.version + 1)
         victim, survivor = system.fleet.records
         assert victim.handle.pid is not None
         os.kill(victim.handle.pid, signal.SIGKILL)
         os.waitpid(victim.handle.pid, 0)  # gone for sure before the push starts
 
-        report, _ = system.push_weights()
+        report, _ = system.push_weights(system.version + 1)
         assert report.push.engines == (survivor.engine_id,)
         assert report.verify is not None and set(report.verify.engines) == {survivor.engine_id}
         assert survivor.state is EngineState.HEALTHY and survivor.version == str(system.version)
@@ -42,7 +42,7 @@ def test_a_push_skips_an_engine_killed_just_before_it(tmp_path: Path) -> None:
         while victim.state is not EngineState.STALE and time.monotonic() < deadline:
             time.sleep(0.2)
         assert victim.state is EngineState.STALE, victim.last_error
-        report, _ = system.push_weights()
+        report, _ = system.push_weights(system.version + 1)
         assert len(report.push.engines) == 2
         assert victim.state is EngineState.HEALTHY and victim.incarnation == 1
 
@@ -56,13 +56,13 @@ def test_a_push_that_finds_the_only_engine_dead_leaves_its_version_for_the_repla
     with System.start(cfg, tmp_path / "run") as system:
         assert system.fleet is not None and system.loop_thread is not None
         assert system.refresh_stale() is None, "nothing pushed yet: no relief"
-        system.push_weights()
+        system.push_weights(system.version + 1)
         (only,) = system.fleet.records
         assert only.handle.pid is not None
         os.kill(only.handle.pid, signal.SIGKILL)
         os.waitpid(only.handle.pid, 0)
 
-        report, _ = system.push_weights()
+        report, _ = system.push_weights(system.version + 1)
         assert report.push.engines == () and report.verify is None
         assert system.fleet.current_version == str(system.version) == "2"
         deadline = time.monotonic() + 180

@@ -18,6 +18,7 @@ from trainer_scenarios import make_batch, make_config
 
 from miles_lite.cluster.local_trainer import LocalTrainer
 from miles_lite.cluster.ray_trainer import GroupState, RayTrainerGroup, TrainerGangLostError
+from miles_lite.config.views import TrainerRoleConfig
 from miles_lite.trainer.hf_convert import read_hf_state
 from miles_lite.weight_sync.layouts import specs_from_layouts
 from miles_lite.weight_sync.plan import apply_rank_plan, full_tensor_plan
@@ -48,8 +49,8 @@ def scenario(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model_dir = make_test_checkpoint("qwen2", tmp_path_factory.mktemp("ray_trainer") / "hf", vocab_size=VOCAB)
     batch = make_batch(VOCAB, n=6, seed=3)
     out: dict[str, Any] = {"checkpoint": read_hf_state(model_dir)}
-    group = RayTrainerGroup.start(make_config(str(model_dir), tp=2))
-    local = LocalTrainer(make_config(str(model_dir), tp=1))
+    group = RayTrainerGroup.start(TrainerRoleConfig.of(make_config(str(model_dir), tp=2)))
+    local = LocalTrainer(TrainerRoleConfig.of(make_config(str(model_dir), tp=1)))
     try:
         out["owns_ray"] = group.owns_ray
         out["coords"] = group.coords
@@ -157,5 +158,5 @@ def test_unplaceable_gang_names_missing_resources(tmp_path: Path) -> None:
     # More than the cluster has in total: refused at once, asked vs available (no wait for the timeout).
     with pytest.raises(GangSchedulingError, match=r"the trainer gang \(2 bundles\) asks GPU 128; the cluster has "
                                                   r"GPU \d+ in total"):
-        RayTrainerGroup.start(cfg)
+        RayTrainerGroup.start(TrainerRoleConfig.of(cfg))
     assert not ray.is_initialized()

@@ -144,7 +144,7 @@ def test_engines_run_on_the_rollout_node_and_a_killed_one_is_replaced_there(clus
     # Every push was verified (the probe scored the same on both sides), every step ran once.
     records = _records(run)
     summary = json.loads((run / "summary.json").read_text())
-    assert [r["step"] for r in records] == list(range(summary["steps_done"]))
+    assert [r["step"] for r in records] == list(range(1, summary["steps_done"] + 1))
     assert all(r["sync/probe_logp_diff_mean"] < 1e-3 for r in records)
     assert records[-1]["fleet/restarts"] >= 1 and records[-1]["fleet/engines_healthy"] == ENGINES
 
@@ -161,3 +161,59 @@ def test_an_unplaceable_rollout_gang_fails_at_start_naming_what_is_missing(clust
     assert "the rollout gang (3 bundles) asks" in out and "miles_rollout 3" in out, out[-3000:]
     assert "miles_rollout 2 in total" in out, out[-3000:]
     assert not _placements(tmp_path / "run"), "no engine starts when its gang cannot be placed"
+
+
+def _raylet(ip: str) -> int:
+    """Pid of the raylet of the Ray node at `ip`."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"/raylet") and f"--node_ip_address={ip}".encode() in args:
+            return int(proc.name)
+    raise AssertionError(f"no raylet of the Ray node at {ip}")
+
+
+# Last in the module: it loses the cluster's rollout node.
+def test_a_lost_rollout_node_is_named_with_the_step_and_the_checkpoint(cluster, tmp_path: Path) -> None:
+    ray_cluster, nodes = cluster
+    rollout_node = next(nid for nid, (_, res) in nodes.items() if "miles_rollout" in res)
+    cmd = [sys.executable, "-m", "miles_lite.cli", "train", *_overrides(
+        ray_cluster.address, tmp_path, "experiment.steps=500", "checkpoint.interval=1",
+        "fault_tolerance.health_interval_s=0.5", "fault_tolerance.failure_threshold=2",
+        "fault_tolerance.max_engine_restarts=1", "rollout.startup_timeout_s=60", "rollout.request_timeout_s=30",
+        # A replacement of the lost node's engines waits this long for room in the gang before it counts as failed.
+        "cluster.placement_timeout_s=5")]
+    log_path = tmp_path / "driver.log"
+    run = tmp_path / "run"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "RAY_AUTH_MODE": "disabled"})
+        try:
+            _wait(lambda: len(_records(run)) >= 2, 600, "two RL steps", proc, log_path)
+            os.kill(_raylet(ROLLOUT_IP), signal.SIGKILL)
+            code = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            for p in _placements(run):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p["pid"], signal.SIGKILL)
+    out = log_path.read_text()
+    (last,) = [line for line in out.splitlines() if line.startswith("miles-lite train: ")]
+    summary = json.loads((run / "summary.json").read_text())
+    loss = summary["node_loss"]
+    resume = Path(loss["resume_from"])
+    # One line: the node (address, role, id), the step it was lost at and the checkpoint a rerun resumes from.
+    assert code == 5, out[-4000:]
+    assert last.startswith(f"miles-lite train: Ray node {ROLLOUT_IP} (rollout, node id {rollout_node[:12]}) was "
+                           f"lost at step {loss['step']}/500 ("), last
+    assert last.endswith(f"the run resumes from {resume} (run the same command again)"), last
+    assert resume.parent == run / "checkpoints" and (resume / "manifest.json").is_file()
+    assert int(resume.name.split("_")[1]) == summary["steps_done"] == loss["step"] - 1
+    assert loss["nodes"] == [{"node_id": rollout_node, "address": ROLLOUT_IP, "role": "rollout"}]
+    assert "Traceback" in (run / "logs/run.log").read_text()

@@ -125,9 +125,10 @@ def test_local_ray_ignores_a_stale_recorded_cluster() -> None:
         (Path(tmp) / "ray").mkdir()
         # What an earlier `ray start` leaves behind: the address of a cluster that is gone.
         (Path(tmp) / "ray" / "ray_current_cluster").write_text("127.0.0.1:9\n")
-        code = ("import ray; from miles_lite.config.schema import MilesConfig; "
+        code = ("import ray; from miles_lite.config.schema import ClusterConfig; "
                 "from miles_lite.cluster.ray_trainer import _init_ray; "
-                "assert _init_ray(MilesConfig(), 1); print('cpus', ray.cluster_resources().get('CPU')); ray.shutdown()")
+                "assert _init_ray(ClusterConfig(), 1); print('cpus', ray.cluster_resources().get('CPU')); "
+                "ray.shutdown()")
         env = {**os.environ, "RAY_TMPDIR": tmp}
         env.pop("RAY_ADDRESS", None)
         proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)

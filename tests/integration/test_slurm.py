@@ -5,8 +5,11 @@
     ran in the rollout gang, on n2.
 (b) A single-allocation job (two parallel job steps on one node) gets SIGUSR1 through
     `scancel --batch`: the driver checkpoints and exits 0, the script requeues the job, and the
-    requeued attempt (same job id, same run directory) resumes from that checkpoint and completes;
-    each attempt's engine ran on the Ray node of the rollout step.
+    requeued attempt (same job id, same run directory) resumes from that checkpoint; its driver is then
+    SIGKILLed (no goodbye): the script requeues the job again, and the third attempt resumes from the
+    newest committed checkpoint and completes; each attempt's engine ran on the Ray node of the rollout step.
+(c) The rollout component's node loses its slurmd mid-run: the job completes, and every process of the job
+    (the Ray node and engine there) ends with it, although the job's end cannot reach that node.
 
 The cluster comes from scripts/slurm-up.sh and goes with scripts/slurm-down.sh. Without the Debian
 packages the module is skipped, except in CI (the CI environment variable set), where it installs
@@ -19,6 +22,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
@@ -218,20 +222,41 @@ def test_hetjob_short_run_completes_with_artifacts(slurm: SlurmCluster, job_env:
     assert "API key required" in engine_log.read_text(errors="replace")
 
 
-def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
+def _driver_pid(job_id: int) -> int | None:
+    """Pid of the job's `miles-lite train` process (None while there is none)."""
+    wanted = f"SLURM_JOB_ID={job_id}".encode()
+    for proc in Path("/proc").iterdir():
+        try:
+            args = (proc / "cmdline").read_bytes().split(b"\0")
+            if len(args) > 2 and args[1].endswith(b"miles-lite") and args[2] == b"train" and \
+                    wanted in (proc / "environ").read_bytes().split(b"\0"):
+                return int(proc.name)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _wait_for_step(slurm: SlurmCluster, job_id: int, run_dir: Path, pattern: str, after: int = 0) -> None:
+    """Wait until the trainer log, past its first `after` characters, matches `pattern` (a step line)."""
+    trainer_log = run_dir / "logs/trainer.log"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (trainer_log.exists() and re.search(pattern, trainer_log.read_text(errors="replace")[after:], re.M)):
+        fields = slurm.job(job_id)
+        assert not _finished(fields), f"job ended before {pattern}: {fields}\n{_tail_logs(run_dir / 'logs')}"
+        assert time.monotonic() < deadline, f"no {pattern} within {JOB_TIMEOUT_S:.0f} s\n{_tail_logs(run_dir / 'logs')}"
+        time.sleep(1.0)
+
+
+def test_usr1_checkpoints_requeues_and_a_killed_driver_requeues_too(slurm: SlurmCluster,
+                                                                    job_env: dict[str, str]) -> None:
     # Enough steps that the signal, sent once step 1 is logged, lands mid-run even on an idle machine.
     steps = 30
     job_id, run_dir = _submit(slurm, job_env, ["--nodes=1", "--gres=gpu:2"], "slurm/train.sh",
-                              [f"experiment.steps={steps}", *SHORT_RUN])
+                              [f"experiment.steps={steps}", "checkpoint.interval=2", *SHORT_RUN])
     trainer_log = run_dir / "logs/trainer.log"
 
     # Signal once the driver is inside its RL loop (its handlers are installed by then).
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while not (trainer_log.exists() and re.search(r"^step 1/", trainer_log.read_text(errors="replace"), re.M)):
-        fields = slurm.job(job_id)
-        assert not _finished(fields), f"job ended before step 1: {fields}\n{_tail_logs(run_dir / 'logs')}"
-        assert time.monotonic() < deadline, f"no RL step within {JOB_TIMEOUT_S:.0f} s\n{_tail_logs(run_dir / 'logs')}"
-        time.sleep(1.0)
+    _wait_for_step(slurm, job_id, run_dir, r"^step 1/")
     slurm.run("scancel", "--batch", "--signal=USR1", str(job_id))
 
     # The script requeues the job after the driver's clean stop; Slurm holds a requeued job back for
@@ -242,26 +267,41 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, job_env: dic
     assert saved and 1 <= saved[-1] < steps, f"checkpoints after the stop: {saved}"
     stopped_at = saved[-1]
 
+    # The second attempt's driver dies without a goodbye (SIGKILL, as the OOM killer ends it) once it has
+    # checkpointed after its resume: the script requeues the job again, and the third attempt resumes from
+    # the newest committed checkpoint.
+    before = len(trainer_log.read_text(errors="replace"))
+    _wait_for_step(slurm, job_id, run_dir, rf"^step {stopped_at + 3}/", after=before)
+    pid = _driver_pid(job_id)
+    assert pid is not None, _tail_logs(run_dir / "logs")
+    os.kill(pid, signal.SIGKILL)
+    slurm.wait_job(job_id, lambda f: f.get("Restarts") == "2" and f.get("JobState") == "PENDING",
+                   "the requeue after the kill", timeout_s=240, logs=run_dir / "logs")
+    killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    assert killed_at > stopped_at
+
     fields = slurm.wait_job(job_id, _finished, "the end of the requeued job", logs=run_dir / "logs")
     log = trainer_log.read_text(errors="replace")
-    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "1"), (
+    assert (fields["JobState"], fields["ExitCode"], fields["Restarts"]) == ("COMPLETED", "0:0", "2"), (
         log[-4000:] + slurm.daemon_log(job_id))
     assert "received SIGUSR1" in log
     attempts = log.split("==== ")
-    assert len(attempts) == 3 and "attempt 0" in attempts[1] and "attempt 1" in attempts[2], log[-4000:]
-    # The second attempt resumed where the first stopped, in the same run directory (the driver's
-    # console wraps long lines, so the message is matched with line breaks removed).
-    resumed = re.search(r"resumed from\s*(\S+?)\s*at step (\d+)", attempts[2].replace("\n", ""))
-    assert resumed, attempts[2][-4000:]
-    assert int(resumed.group(2)) == stopped_at and str(run_dir / "checkpoints") in resumed.group(1)
-    assert not re.search(rf"^step {stopped_at}/", attempts[2], re.M)
-    assert re.search(rf"^step {steps}/{steps}", attempts[2], re.M)
+    assert len(attempts) == 4 and [f"attempt {i}" in attempts[i + 1] for i in range(3)] == [True] * 3, log[-4000:]
+    # Each attempt resumed where the one before left its newest checkpoint, in the same run directory (the
+    # driver's console wraps long lines, so the message is matched with line breaks removed).
+    for attempt, step in ((attempts[2], stopped_at), (attempts[3], killed_at)):
+        resumed = re.search(r"resumed from\s*(\S+?)\s*at step (\d+)", attempt.replace("\n", ""))
+        assert resumed, attempt[-4000:]
+        assert int(resumed.group(2)) == step and str(run_dir / "checkpoints") in resumed.group(1)
+        assert not re.search(rf"^step {step}/", attempt, re.M)
+    assert re.search(rf"^step {steps}/{steps}", attempts[3], re.M)
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["steps_done"] == steps and not summary["stopped_by_signal"]
     batch_log = (run_dir / "logs/slurm.out").read_text(errors="replace")
-    assert "steps: trainer nodes n1" in batch_log and f"requeueing job {job_id}" in batch_log
-    # One node, two steps: the engine ran on the Ray node of the rollout step, in both attempts.
-    _assert_engines_on(run_dir, "n1", attempts=2)
+    assert "steps: trainer nodes n1" in batch_log and f"requeueing job {job_id} (stopped by SIGUSR1)" in batch_log
+    assert f"requeueing job {job_id} (the driver exited with code 137)" in batch_log, batch_log
+    # One node, two steps: the engine ran on the Ray node of the rollout step, in every attempt.
+    _assert_engines_on(run_dir, "n1", attempts=3)
 
 
 def _seconds(fields: dict[str, str]) -> float:
@@ -311,3 +351,66 @@ def test_driver_error_line_reaches_the_batch_log(slurm: SlurmCluster, job_env: d
             "hold 1 such bundle(s)") in line, batch_log
     # The whole job (Ray's start included) took less than the placement timeout it would have waited.
     assert _seconds(fields) < 300, fields
+
+
+def _job_processes(job_ids: set[int]) -> list[str]:
+    """Processes of this host whose environment names one of `job_ids` (SLURM_JOB_ID): the job's tasks and
+    everything they started (Ray, engines), wherever Slurm placed them among the fake nodes."""
+    wanted = {f"SLURM_JOB_ID={i}".encode() for i in job_ids}
+    steps = tuple(f"slurmstepd: [{i}.".encode() for i in job_ids)  # a step's own daemon (no such variable)
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if (set((proc / "environ").read_bytes().split(b"\0")) & wanted
+                    or (proc / "cmdline").read_bytes().startswith(steps)) and \
+                    (proc / "stat").read_text().split()[2] != "Z":
+                command = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{proc.name} {command[:160]}")
+        except OSError:  # it ended meanwhile
+            continue
+    return found
+
+
+def test_a_lost_rollout_node_leaves_no_job_step_behind(slurm: SlurmCluster, job_env: dict[str, str]) -> None:
+    # The watchdog of each Ray step polls at short periods here, as the test waits for it.
+    env = {**job_env, "MILES_SLURM_WATCH_S": "2", "MILES_RAY_HEAD_LOST_S": "10"}
+    job_id, run_dir = _submit(slurm, env, ["--gres=gpu:2"], "slurm/train-hetjob.sh",
+                              ["experiment.steps=4", *SHORT_RUN])
+    trainer_log = run_dir / "logs/trainer.log"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not (trainer_log.exists() and re.search(r"^step 1/", trainer_log.read_text(errors="replace"), re.M)):
+        assert not _finished(slurm.job(job_id)), _tail_logs(run_dir / "logs")
+        assert time.monotonic() < deadline, f"no RL step within {JOB_TIMEOUT_S:.0f} s\n{_tail_logs(run_dir / 'logs')}"
+        time.sleep(1.0)
+    # The rollout component's node loses its slurmd: the job's end can no longer reach the step running there.
+    slurmd_n2 = slurm.state / "state" / "slurmd-n2.pid"
+    os.kill(int(slurmd_n2.read_text()), signal.SIGKILL)
+    try:
+        fields = slurm.wait_job(job_id, lambda f: f.get("JobState") in {"COMPLETING", "COMPLETED", "FAILED"},
+                                "the end of the job", logs=run_dir / "logs")
+        ended = time.monotonic()
+        batch_log = (run_dir / "logs/slurm.out").read_text(errors="replace")
+        assert "exit code 0" in batch_log, (fields, batch_log)
+        # Every process of the job, the lost node's Ray and engines included, ends with it.
+        ids = {job_id, job_id + 1}
+        left = _job_processes(ids)
+        while left and time.monotonic() - ended < 90:
+            time.sleep(1.0)
+            left = _job_processes(ids)
+        assert not left, "\n".join(left) + _tail_logs(run_dir / "logs")
+        rollout_log = (run_dir / "logs/ray-rollout.log").read_text(errors="replace")
+        assert re.search(r"(is no longer running|is gone \(10s\)); stopping this Ray node", rollout_log), rollout_log
+        assert "attempt 2/" not in rollout_log, rollout_log  # never restarted against a head that is gone
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["steps_done"] == 4
+    finally:
+        # The node comes back (its slurmd restarted) and finishes the job's clean-up; later tests need both nodes.
+        subprocess.run(["/usr/sbin/slurmd", "-f", slurm.env["SLURM_CONF"], "-N", "n2"], env=slurm.env, check=True,
+                       timeout=60)
+        deadline = time.monotonic() + 300
+        while slurm.run("sinfo", "-h", "-N", "-o", "%T").split() != ["idle", "idle"]:
+            assert time.monotonic() < deadline, slurm.run("sinfo", "-N") + slurm.daemon_log(job_id) + "\n".join(
+                _job_processes({job_id, job_id + 1}))
+            time.sleep(1.0)

@@ -1,5 +1,6 @@
-"""Trainer offload on CPU: every part leaves its storage and comes back bit for bit, and training goes on
-exactly as without the round trip (fp32, and bf16 with fp32 main parameters in the optimizer)."""
+"""Trainer offload on CPU: every part leaves its storage, parameters and optimizer state come back bit for bit,
+gradients come back zeroed (dropped, never copied), and training goes on exactly as without the round trip
+(fp32, and bf16 with fp32 main parameters in the optimizer)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,8 @@ def test_offload_frees_every_part_and_the_state_round_trips_exactly(runs: dict[s
         k: v for k, v in moved.items() if k != "seconds"}
     assert off["refused"] is not None and "params on the device" in off["refused"] and "onload" in off["refused"]
     assert off["round_trip_exact"] and off["tensors"] > 10
+    # The step's gradients were there before; they come back as the zeros the next step starts from.
+    assert off["grads_nonzero_before"] and off["grads_zero_after"]
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

@@ -95,8 +95,7 @@ def push_while_watching(sync: WeightSyncCoordinator, fleet: list[FleetEngine], h
 
     def run() -> None:
         try:
-            result["report"] = sync.push(fleet, lambda: pytest.fail("shard mode gathers nothing"), version,
-                                         trainer.hf, old.hf)
+            result["report"] = sync.push(fleet, lambda: pytest.fail("shard mode gathers nothing"), version)
         except BaseException as exc:  # reported below
             result["error"] = exc
 
@@ -168,8 +167,7 @@ def test_store_listens_only_while_the_group_forms_and_again_after_an_engine_rest
         assert_serves(world, fleet, trainers[1])
         sync.verifier = make_verifier(world, trainers[2])
         senders.senders.load(trainers[2].shards)
-        report = sync.push(fleet, lambda: pytest.fail("shard mode gathers nothing"), "v2", trainers[2].hf,
-                           trainers[1].hf)
+        report = sync.push(fleet, lambda: pytest.fail("shard mode gathers nothing"), "v2")
         assert transport.generation == 1 and len(senders.endpoints) == 1  # the same group, not re-formed
         assert report.verify is not None and report.verify.logp_diff_mean < 1e-6
         assert_serves(world, fleet, trainers[2])

@@ -90,7 +90,7 @@ def shard_push(world, trainer_tp: int, names: list[str], seeds: tuple[int, int])
                                      group_name=f"tp{trainer_tp}_{'_'.join(names)}")
     sync = WeightSyncCoordinator(transport, world["loop"], make_verifier(world, new))
     try:
-        report = sync.push(fleet, lambda: pytest.fail("shard mode gathers nothing"), f"s{seeds[1]}", new.hf, old.hf)
+        report = sync.push(fleet, lambda: pytest.fail("shard mode gathers nothing"), f"s{seeds[1]}")
     finally:
         sync.close()
     assert report.push.transport == "distributed/shard" and report.push.buckets > 1
@@ -145,7 +145,7 @@ def test_full_broadcast_disk_and_tensor_updates_into_tp_engines(world):
                                      group_name="full_tp", master_address=LOCAL_HOST)
     sync = WeightSyncCoordinator(transport, world["loop"], make_verifier(world, new))
     try:
-        report = sync.push(fleet, new.shards, "f15", new.hf, old.hf)
+        report = sync.push(fleet, new.shards, "f15")
     finally:
         sync.close()
     assert report.verify is not None and report.verify.logp_diff_mean < 1e-6

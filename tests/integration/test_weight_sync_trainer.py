@@ -25,6 +25,7 @@ from trainer_scenarios import make_batch
 
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import validate
+from miles_lite.config.views import WeightSyncSetup
 from miles_lite.rollout.engine_state import EngineState
 from miles_lite.run.system import System
 from miles_lite.weight_sync.disk import complete_versions
@@ -73,7 +74,7 @@ def train_and_push(system: System, seed: int):
     """One RL step (so the weights move), then a push; returns the report and the trainer's HF tensors."""
     stats = system.trainer.train_step(make_batch(VOCAB, n=4, seed=seed))
     assert stats["skipped"] == 0.0
-    report, _ = system.push_weights()
+    report, _ = system.push_weights(system.version + 1)
     return report, system.trainer.export_hf_state_dict()
 
 
@@ -113,8 +114,8 @@ def test_disk_push_from_tp2_trainer(system: System) -> None:
     distributed = system.sync
     assert system.loop_thread is not None and system.pusher is not None
     # The push goes through the fleet pusher: it gets the disk coordinator for this one push.
-    system.sync = system.pusher.sync = build_coordinator(cfg, system.trainer, EngineLoop(system.loop_thread.loop),
-                                                         system.run_dir)
+    system.sync = system.pusher.sync = build_coordinator(WeightSyncSetup.of(cfg), system.trainer,
+                                                         EngineLoop(system.loop_thread.loop), system.run_dir)
     try:
         report, trained = train_and_push(system, seed=2)
     finally:

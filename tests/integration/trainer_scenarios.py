@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from miles_lite.config.schema import MilesConfig
+from miles_lite.config.views import ActorConfig
 from miles_lite.trainer.reference_layout import packed_row_layout
 from miles_lite.types import TrainBatch
 
@@ -204,7 +205,7 @@ def checks_with_te_installed(path: str, rank: int, world_size: int, batch: Train
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             refuse()
 
-    plain = TrainerActor(make_config(path), rank, world_size)
+    plain = TrainerActor(ActorConfig.of(make_config(path)), rank, world_size)
     expected = train_checks(plain, batch)
     plain.close()
 
@@ -218,7 +219,7 @@ def checks_with_te_installed(path: str, rank: int, world_size: int, batch: Train
     for module, attr, value in stand_ins:
         setattr(module, attr, value)
     try:
-        actor = TrainerActor(make_config(path), rank, world_size)
+        actor = TrainerActor(ActorConfig.of(make_config(path)), rank, world_size)
         norm = type(actor.policy.model.decoder.final_layernorm).__name__
         logprobs_vs_hf = _max_diff(actor.compute_logprobs(batch), hf_logprobs(path, batch))
         got = train_checks(actor, batch)
@@ -241,19 +242,19 @@ def scenario_single(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     batch = make_batch(500)
     for arch, path in ckpts.items():
-        actor = TrainerActor(make_config(path), rank, world_size)
+        actor = TrainerActor(ActorConfig.of(make_config(path)), rank, world_size)
         out[arch] = conversion_checks(actor, path, batch)
         actor.close()
 
     out["te_installed"] = checks_with_te_installed(ckpts["qwen2"], rank, world_size, batch)
-    actor = TrainerActor(make_config(ckpts["qwen2"]), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(ckpts["qwen2"])), rank, world_size)
     out["layouts"] = layout_checks(actor, batch)
     out["layouts_mixed"] = layout_checks(actor, make_mixed_batch(500))
     actor.close()
 
     cfg = make_config(ckpts["qwen2"], keep_reference=True, max_nonfinite_skips=2)
     cfg.experiment.teacher_path = teacher
-    actor = TrainerActor(cfg, rank, world_size)
+    actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
     out["train"] = train_checks(actor, batch)
     out["reference"] = actor.compute_logprobs(batch, "reference")
     out["teacher"] = actor.compute_logprobs(batch, "teacher")
@@ -289,7 +290,7 @@ def scenario_single(rank: int, world_size: int, root: str) -> dict[str, Any]:
     # PPO updates: 3 mini-batches x 2 epochs on one rollout batch, all against the log-probs from before.
     cfg = make_config(ckpts["qwen2"], lr_schedule="linear", lr_decay_steps=10)
     cfg.algo.updates_per_rollout, cfg.algo.epochs_per_rollout = 3, 2
-    actor = TrainerActor(cfg, rank, world_size)
+    actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
     lr0 = current_lr(actor.optimizer)
     out["ppo"] = train_checks(actor, batch)
     out["ppo"]["lr_before"], out["ppo"]["lr_after"] = lr0, current_lr(actor.optimizer)
@@ -306,14 +307,14 @@ def scenario_two_ranks(rank: int, world_size: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     batch = make_batch(500)
     for arch, path in ckpts.items():
-        actor = TrainerActor(make_config(path, tp=2), rank, world_size)
+        actor = TrainerActor(ActorConfig.of(make_config(path, tp=2)), rank, world_size)
         out[arch] = conversion_checks(actor, path, batch)
         out[arch]["layouts"] = {n: (lay.kind.value, lay.hf_names, lay.local_shape, lay.full_shape)
                                 for n, _, lay in actor.named_shards()}
         if arch == "qwen2":
             out["train_tp2"] = train_checks(actor, batch)
         actor.close()
-    actor = TrainerActor(make_config(ckpts["qwen2"], dp=2), rank, world_size)
+    actor = TrainerActor(ActorConfig.of(make_config(ckpts["qwen2"], dp=2)), rank, world_size)
     out["train_dp2"] = train_checks(actor, batch)
     actor.close()
     return out

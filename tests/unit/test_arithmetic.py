@@ -98,12 +98,12 @@ def test_eval_size_zero_means_no_held_out_problems_for_either_source(tmp_path: P
 
     cfg = MilesConfig()
     cfg.data.synthetic.train_size, cfg.data.synthetic.eval_size = 20, 8
-    train, held_out = load_problems(cfg)
+    train, held_out = load_problems(cfg.data, cfg.experiment.eval_size)
     assert len(train) == 20 and len(held_out) == 8
     cfg.experiment.eval_size = 0  # honoured with synthetic data too (it used to be ignored)
-    train, held_out = load_problems(cfg)
+    train, held_out = load_problems(cfg.data, cfg.experiment.eval_size)
     assert len(train) == 20 and held_out == []
     data = write_dataset(tmp_path / "train.jsonl", 10, ArithmeticSpec(seed=3))
     cfg.data.source, cfg.data.train_path = "gsm8k", str(data)
-    train, held_out = load_problems(cfg)
+    train, held_out = load_problems(cfg.data, cfg.experiment.eval_size)
     assert len(train) == 10 and held_out == []

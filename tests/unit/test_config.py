@@ -228,7 +228,9 @@ def test_schema_choices_match_the_algorithms_they_name() -> None:
     assert allowed["algo.kl_estimator"] <= {e.value for e in KLEstimator}
     assert allowed["trainer.moe_token_dispatcher"] == {"auto", "alltoall", "allgather"}
     assert allowed["weight_sync.lora"] == {"adapter", "merged"}
-    assert len(allowed) == 26
+    assert allowed["rollout.plugin_pool"] == {"threads", "processes"}
+    assert allowed["rollout.session_divergence"] == {"refuse", "branch"}
+    assert len(allowed) == 28
 
 
 def test_a_value_outside_the_schema_choices_names_field_and_choices() -> None:

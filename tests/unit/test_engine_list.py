@@ -74,3 +74,30 @@ def test_fleet_grows_and_shrinks_with_the_engine_list(tmp_path: Path):
             await first.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_a_trainer_starts_with_the_engines_the_list_names_now(tmp_path: Path):
+    """An engine the operator left out of the list (it cannot be scheduled) is not awaited at start, though the
+    trainer's overrides name every engine; once listed, it is admitted."""
+
+    async def scenario() -> None:
+        first, url0 = await _serve("0")
+        unplaced = "http://127.0.0.1:9"  # nothing answers there: awaiting it would time out the start
+        listing = tmp_path / "engines"
+        listing.write_text(f"{url0}\n")
+        ft = FaultToleranceConfig(health_interval_s=0.1, health_timeout_s=1.0, failure_threshold=1)
+        fleet, follower = await follow_engine_list([url0, unplaced], RolloutConfig(startup_timeout_s=2.0), ft,
+                                                   str(listing))
+        second, url1 = await _serve("0")
+        try:
+            assert [r.engine.url for r in fleet.records] == [url0]
+            listing.write_text(f"{url0}\n{url1}\n")  # scheduled after all (at another address here)
+            await _wait(lambda: len(fleet.records) == 2)
+            assert fleet.records[1].engine.url == url1
+        finally:
+            await follower.stop()
+            await fleet.close()
+            await first.cleanup()
+            await second.cleanup()
+
+    asyncio.run(scenario())

@@ -370,6 +370,16 @@ def test_engine_capacity_reads_sglang_and_reference_server_info():
               "internal_states": [{"effective_max_running_requests_per_dp": 4096}] * 2}
     assert engine_capacity(graphs) == 512
     assert engine_capacity({**graphs, "disable_cuda_graph": True}) == 8192
+    # SGLang after 0.5.10 reports the graphs as the decode phase of its resolved `cuda_graph_config`.
+    resolved = {"cuda_graph_config": {"decode": {"backend": "full", "max_bs": 256, "bs": [1, 2, 4]},
+                                      "prefill": {"backend": "disabled", "max_bs": None}},
+                "cuda_graph_max_bs_decode": None, "disable_cuda_graph": False,
+                "internal_states": [{"effective_max_running_requests_per_dp": 4096}]}
+    assert engine_capacity(resolved) == 256
+    resolved["cuda_graph_config"]["decode"]["max_bs"] = 512
+    assert engine_capacity(resolved) == 512
+    resolved["cuda_graph_config"]["decode"]["backend"] = "disabled"
+    assert engine_capacity(resolved) == 4096
 
 
 def test_default_inflight_limit_is_each_engines_own_capacity():

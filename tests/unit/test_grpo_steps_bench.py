@@ -45,7 +45,7 @@ def test_the_default_shape_keeps_the_recipe_batch() -> None:
 
 
 def _record(step: int) -> str:
-    return json.dumps({"step": step, "time/train_seconds": 1.0 + step, "time/offload_seconds": 0.5,
+    return json.dumps({"step": step, "time/train_seconds": float(step), "time/offload_seconds": 0.5,
                        "time/engine_wake_seconds": 0.25, "memory/train_trainer_peak_bytes": 2.0 * (1 << 30)})
 
 
@@ -57,13 +57,13 @@ def test_the_result_file_follows_the_run_step_by_step(tmp_path: Path) -> None:
     report.write()
     assert json.loads(out.read_text())["status"] == "running"
     metrics = run / "metrics.jsonl"
-    metrics.write_text(_record(0) + "\n" + '{"step": 1, "time/tr')  # the second line is still being written
+    metrics.write_text(_record(1) + "\n" + '{"step": 2, "time/tr')  # the second line is still being written
     report.update()
     result = json.loads(out.read_text())
     assert [r["step"] for r in result["steps"]] == [1]
     assert result["steps"][0]["offload_s"] == 0.5 and result["steps"][0]["train_peak_gib"] == 2.0
     assert result["steps"][0]["onload_s"] is None
-    metrics.write_text(_record(0) + "\n" + _record(1) + "\n")
+    metrics.write_text(_record(1) + "\n" + _record(2) + "\n")
     report.finish("failed: stopped")
     result = json.loads(out.read_text())
     assert result["status"] == "failed: stopped" and [r["step"] for r in result["steps"]] == [1, 2]

@@ -168,3 +168,40 @@ def test_libraries_import_alone_and_light(module: str) -> None:
     # Each library works as the first import of a process and does not pull in transformers.
     code = f"import {module}, sys; assert 'transformers' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+
+
+# Where the whole configuration may travel: the command line, the run layer, and config itself (validation, views).
+WHOLE_CONFIG_UNITS = {"cli", "run", "config"}
+
+
+def whole_config_uses(source: str, name: str) -> list[str]:
+    """Where a module names `MilesConfig` (an import, a name, an attribute, a string annotation): `name:line` each."""
+    found = []
+    for node in ast.walk(ast.parse(source, name)):
+        names: list[str] = []
+        if isinstance(node, ast.ImportFrom):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr]
+        elif isinstance(node, ast.arg) and isinstance(node.annotation, ast.Constant):
+            names = [str(node.annotation.value)]
+        if any("MilesConfig" in n for n in names):
+            found.append(f"{name}:{node.lineno}")
+    return found
+
+
+def test_no_layer_below_the_run_takes_the_whole_config() -> None:
+    below = [p for p in PACKAGE.rglob("*.py") if _unit(_module_name(p)) not in WHOLE_CONFIG_UNITS]
+    assert len(below) > 100
+    uses = [use for p in below for use in whole_config_uses(p.read_text(), str(p.relative_to(REPO)))]
+    assert not uses, ("below the run layer, a component takes the config sections it reads (or a view of "
+                      f"`config/views.py`), never the whole `MilesConfig`: {uses}")
+
+
+def test_whole_config_check_sees_each_kind_of_use() -> None:
+    assert len(whole_config_uses("from miles_lite.config.schema import MilesConfig\n", "m")) == 1
+    assert len(whole_config_uses("def f(cfg: 'MilesConfig') -> None: ...\n", "m")) == 1
+    assert len(whole_config_uses("import miles_lite.config.schema as s\ndef f(cfg: s.MilesConfig): ...\n", "m")) == 1
+    assert whole_config_uses("def f(data: DataConfig) -> None: ...\n", "m") == []

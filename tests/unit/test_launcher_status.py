@@ -12,9 +12,13 @@ from launcher.reconcile import _index_done
 def test_terminal_phases_never_change():
     for terminal in st.TERMINAL:
         assert st.transition(terminal, terminal) == terminal
-        for other in set(st.PHASES) - {terminal}:
+        # Only a deletion request moves a finished job (to Terminating, which nothing leaves).
+        for other in set(st.PHASES) - {terminal, st.TERMINATING}:
             with pytest.raises(st.InvalidTransition, match=f"{terminal} cannot become {other}"):
                 st.transition(terminal, other)
+        assert st.transition(terminal, st.TERMINATING) == st.TERMINATING
+    for phase in (st.PENDING, st.RUNNING):
+        assert st.transition(phase, st.TERMINATING) == st.TERMINATING
     assert st.transition(None, st.PENDING) == st.PENDING
     assert st.transition(st.RUNNING, st.PENDING) == st.PENDING  # trainer restarting
     with pytest.raises(st.InvalidTransition, match="unknown phase"):

@@ -11,9 +11,9 @@ import pytest
 import torch
 from fake_rollout_engine import FakeEngine
 
+from miles_lite.config.lora_serving import with_lora_serving
 from miles_lite.config.schema import MilesConfig
 from miles_lite.config.validate import ConfigError, validate
-from miles_lite.engines.lora_serving import with_lora_serving
 from miles_lite.engines.reference.engine import reference_flags
 from miles_lite.engines.sglang.command import sglang_flag_args
 from miles_lite.formats.lora import (

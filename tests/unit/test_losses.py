@@ -205,8 +205,11 @@ def test_gspo_token_form_uses_each_tokens_own_advantage() -> None:
 
 @pytest.mark.parametrize("estimator", ["k1", "k2", "k3", "low_var_kl"])
 def test_kl_gradcheck_and_values(estimator: str) -> None:
-    logp = (torch.rand(3, 4, dtype=F64) * -3).requires_grad_(True)
-    ref = torch.rand(3, 4, dtype=F64) * -3
+    # |ref - logp| < 1.5 keeps low_var_kl below its clamp at 10 (exp(x) - x - 1 reaches 10 at x = 2.53), where
+    # the expected values below do not hold; seeded so that every run checks the same points.
+    gen = torch.Generator().manual_seed(0)
+    logp = (torch.rand(3, 4, dtype=F64, generator=gen) * -1.5).requires_grad_(True)
+    ref = torch.rand(3, 4, dtype=F64, generator=gen) * -1.5
     assert torch.autograd.gradcheck(lambda lp: kl_penalty(lp, ref, estimator), (logp,))
     x = (ref - logp).detach()
     expected = {"k1": -x, "k2": 0.5 * x**2, "k3": x.exp() - x - 1, "low_var_kl": x.exp() - x - 1}[estimator]

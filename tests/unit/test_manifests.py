@@ -108,7 +108,7 @@ def test_status_schema_declares_every_field_the_operator_writes(crd):
     status_props = set(openapi_schema(crd)["properties"]["status"]["properties"])
     written = {"phase", "message", "observedGeneration", "conditions", "startTime", "completionTime",
                "enginesReady", "enginesDesired", "engines", "trainerActive", "step", "lastCheckpoint",
-               "trainerRestarts", "engineRestarts"}
+               "trainerRestarts", "engineRestarts", "replacing"}
     assert written <= status_props, written - status_props
 
 

@@ -205,7 +205,7 @@ def test_a_synthetic_spec_the_generator_refuses_fails_naming_the_field():
 
     cfg = load_config(["data.synthetic.max_operand=99", "data.synthetic.max_result=50"])
     with pytest.raises(ValueError, match=r"data.synthetic: max_result \(50\) must be >= max_operand \(99\)"):
-        load_problems(cfg)
+        load_problems(cfg.data, cfg.experiment.eval_size)
 
 
 class SuiteEnvironment:

@@ -3,6 +3,7 @@ the job's volume, Prometheus annotations (pure rendering and the reconciler's im
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -128,3 +129,45 @@ def test_weight_updates_rendezvous_at_the_trainers_service_address():
 def test_gpu_example_pushes_full_tensors_into_stock_sglang():
     lines = overrides(render(example("gsm8k-gpu.yaml", image="i:1-gpu")))
     assert "weight_sync.mode=full" in lines and "weight_sync=distributed" in lines
+
+
+def _engine_command(objs: list[dict]) -> list[str]:
+    return kinds(objs, "Pod")[0]["spec"]["containers"][0]["command"]
+
+
+def test_lora_adapter_pushes_put_the_adapters_on_a_volume_the_engine_pods_mount():
+    # The adapters are files each engine loads: without a volume both roles mount, the job is refused.
+    with pytest.raises(SpecError, match=r"trainer.lora.rank=16 pushes each adapter version as a directory the "
+                                        r"engine pods load.*spec.checkpoint.volume.claimName.*weight_sync.lora=merged"):
+        render(example("tiny-cpu.yaml", image="i:1", overrides=["experiment=tiny_cpu", "trainer.lora.rank=16"]))
+    objs = render(example("tiny-cpu.yaml", image="i:1", overrides=["experiment=tiny_cpu", "trainer.lora.rank=16"],
+                          checkpoint={"volume": {"claimName": "shared"}}))
+    assert "weight_sync.disk_dir=/checkpoints/adapters" in overrides(objs)
+    for pod in kinds(objs, "Pod"):
+        assert {"name": "checkpoints", "mountPath": "/checkpoints"} in pod["spec"]["containers"][0]["volumeMounts"]
+    # The reference engine pods serve adapters of the trainer's rank.
+    assert "exec miles-lite engine --host 0.0.0.0 --port 30000 --enable-lora --max-lora-rank 16 " in \
+        _engine_command(objs)[2]
+    # Merged pushes are full weights through the transport: no volume needed, no LoRA flags.
+    merged = render(example("tiny-cpu.yaml", image="i:1",
+                            overrides=["trainer.lora.rank=16", "weight_sync.lora=merged"]))
+    assert "--enable-lora" not in _engine_command(merged)[2]
+    assert not any(line.startswith("weight_sync.disk_dir") for line in overrides(merged))
+
+
+def test_sglang_engine_pods_get_the_flags_lora_and_routing_replay_need():
+    objs = render(example("gsm8k-gpu.yaml", image="i:1-gpu",
+                          overrides=["experiment=gsm8k_qwen2.5_0.5b", "trainer.lora.rank=8",
+                                     "trainer.lora.targets=[q_proj,v_proj]", "trainer.routing_replay=true"]))
+    cmd = _engine_command(objs)
+    args = json.loads(cmd[cmd.index("--sglang-args") + 1])
+    assert args["enable_lora"] is True and args["max_lora_rank"] == 8 and args["lora_target_modules"] == ["q_proj",
+                                                                                                      "v_proj"]
+    assert args["enable_return_routed_experts"] is True
+    # A flag the user sets wins; one that contradicts the job is refused naming it.
+    body = example("gsm8k-gpu.yaml", image="i:1-gpu", overrides=["trainer.routing_replay=true"])
+    body["spec"]["rollout"]["sglangArgs"]["enable_return_routed_experts"] = False
+    with pytest.raises(SpecError, match=r"sglangArgs.enable_return_routed_experts=False: trainer.routing_replay=true"):
+        render(body)
+    plain = _engine_command(render(example("gsm8k-gpu.yaml", image="i:1-gpu")))
+    assert "enable_return_routed_experts" not in plain[-1] and "enable_lora" not in plain[-1]

@@ -183,9 +183,10 @@ def test_evaluation_sets_and_data_identity_from_the_config(tmp_path: Path) -> No
     dev = write(tmp_path / "d.jsonl", [{"p": "e", "label": "f"}] * 5)
     cfg = load_config(["data.source=records", f"data.train_path={train}", f"data.eval_path={dev}", "data.prompt_key=p",
                        "experiment.eval_size=3", f"+data.eval_sets={{wide: {{path: {dev}, k: 4, temperature: 1.0}}}}"])
-    sets = {s.name: s for s in load_eval_sets(cfg)}
+    sets = {s.name: s for s in load_eval_sets(cfg.data, cfg.experiment.eval_size)}
     assert set(sets) == {"wide", "held_out"}
-    assert len(sets["held_out"].items) == 3 and sets["held_out"].cfg.k == 1 and sets["held_out"].cfg.temperature == 0
+    held_out = sets["held_out"]
+    assert len(held_out.items) == 3 and held_out.cfg.k == 1 and held_out.cfg.sampling_temperature(1.0) == 0
     assert len(sets["wide"].items) == 5 and sets["wide"].cfg.k == 4
     identity = data_identity(cfg.data)
     assert identity == {"source": "records", **records_identity(train, RecordKeys(prompt_key="p"))}

@@ -69,8 +69,14 @@ def test_reinforce_pp_config_whitens_the_train_batch_over_all_groups():
 def test_build_train_batch_of_nothing_and_of_unequal_groups():
     batch, stats = build_train_batch([], AlgoConfig())
     assert batch is None and stats["algo/groups"] == 0.0
-    with pytest.raises(ValueError, match="group_size"):
-        build_train_batch([_group(0, ["1", "1"]), _group(1, ["1"])], AlgoConfig())
+    # Groups an agent's dropped sample left short train on the ragged groups: a group of one has no baseline
+    # (zero-signal), an empty group contributes nothing.
+    short, single, empty = _group(0, ["1", "2"]), _group(1, ["1"]), _group(2, [])
+    short.samples[0].rewards, short.samples[1].rewards = {"total": 1.0}, {"total": 0.0}
+    batch, stats = build_train_batch([short, single, empty], AlgoConfig(drop_zero_signal=True))
+    assert stats["algo/groups"] == 3.0 and stats["algo/zero_signal_groups"] == 1.0
+    assert batch is not None and batch.num_sequences == 2
+    assert batch.advantages[0] > 0 > batch.advantages[1]
 
 
 def test_distill_batch_has_zero_advantages_and_skips_empty_completions():

@@ -42,6 +42,7 @@ REFERENCE_ARGS: dict[str, tuple[str, str]] = {
     "drop_weight_updates": ("--drop-weight-updates", "bool"),
     "fail_mode": ("--fail-mode", "value"),
     "fail_after": ("--fail-after", "value"),
+    "record_requests": ("--record-requests", "value"),
     "return_original_logprob": ("--return-original-logprob", "bool"),
     "group_timeout_s": ("--group-timeout-s", "value"),
     "tp": ("--tp", "value"),
@@ -72,6 +73,9 @@ def add_reference_arguments(parser: argparse.ArgumentParser, model_required: boo
     parser.add_argument("--fail-mode", default="none", choices=FAIL_MODES,
                         help="fault injection after --fail-after generate requests: hang or answer 500")
     parser.add_argument("--fail-after", type=int, default=0)
+    parser.add_argument("--record-requests", default=None, metavar="FILE",
+                        help="test: append each finished /generate request (input and output ids) to this JSON-lines "
+                             "file")
     parser.add_argument("--return-original-logprob", action="store_true",
                         help="report logprobs before temperature scaling (SGLANG_RETURN_ORIGINAL_LOGPROB=1)")
     parser.add_argument("--group-timeout-s", type=float, default=600.0,
@@ -159,7 +163,7 @@ async def serve(args: argparse.Namespace, api_key: str | None) -> None:
     server = ReferenceServer(ServerOptions(
         model_path=args.model_path, dtype=args.dtype, max_batch_size=args.max_batch_size,
         weight_version=args.weight_version, drop_weight_updates=args.drop_weight_updates,
-        fail_mode=args.fail_mode, fail_after=args.fail_after,
+        fail_mode=args.fail_mode, fail_after=args.fail_after, record_requests=args.record_requests,
         return_original_logprob=args.return_original_logprob, group_timeout_s=args.group_timeout_s, tp=args.tp,
         custom_weight_loader=tuple(args.custom_weight_loader), api_key=api_key, enable_lora=args.enable_lora,
         max_lora_rank=args.max_lora_rank, enable_weights_cpu_backup=args.enable_weights_cpu_backup,

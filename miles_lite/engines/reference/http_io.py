@@ -64,3 +64,12 @@ def split_batch(body: dict[str, Any]) -> list[dict[str, Any]]:
 
     keys = ("sampling_params", "rid", "return_logprob", "logprob_start_len", "return_routed_experts", "lora_path")
     return [{"input_ids": ids[i], "_field": f"input_ids[{i}]", **{k: pick(k, i) for k in keys}} for i in range(n)]
+
+
+def record_requests(path: str, requests: list[tuple[str, list[int]]], outputs: list[dict[str, Any]]) -> None:
+    """Append each finished request (rid, input ids) with its answer's output ids and finish reason to the
+    JSON-lines file `path` (`--record-requests`, for tests: what the engine saw and made)."""
+    with open(path, "a") as f:
+        for (rid, input_ids), out in zip(requests, outputs, strict=True):
+            f.write(json.dumps({"rid": rid, "input_ids": input_ids, "output_ids": out["output_ids"],
+                                "finish_reason": out["meta_info"]["finish_reason"]}) + "\n")

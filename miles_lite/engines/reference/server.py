@@ -7,7 +7,7 @@ Bodies are bounded by what a request can need (413 beyond; `--max-request-bytes`
 model's size) and read with a deadline; connections idle for `--idle-timeout-s` are closed.
 Test-only behaviour: `drop_weight_updates` acknowledges weight updates (and
 bumps the version) but keeps the old weights; `fail_mode` hang/error stops answering or answers 500 to
-`/generate` and `/health_generate` once `fail_after` generate requests have been served.
+`/generate` and `/health_generate` once `fail_after` generate requests have been served; `record_requests` logs them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
+from miles_lite.engines.reference import http_io
 from miles_lite.engines.reference import request_fields as rf
 from miles_lite.engines.reference.http_io import bad_request, json_error, json_result, read_body, split_batch
 from miles_lite.engines.reference.memory import EngineMemory, MemoryRequestError, requested_tags
@@ -49,6 +50,7 @@ class ServerOptions:
     drop_weight_updates: bool = False
     fail_mode: str = "none"
     fail_after: int = 0
+    record_requests: str | None = None  # test: a JSON-lines file of every /generate request and its answer
     return_original_logprob: bool = False
     group_timeout_s: float = 600.0
     # Tensor-parallel ranks: one per process in the weight-update group, one SGLang-laid-out store each.
@@ -200,6 +202,8 @@ class ReferenceServer:
             return json_error(str(exc))
         except RuntimeError as exc:
             return json_error(str(exc), status=500)
+        if self.opts.record_requests:
+            http_io.record_requests(self.opts.record_requests, [(r.rid, r.input_ids) for r in reqs], outs)
         return web.json_response(outs if isinstance(body.get("input_ids", [None])[0], list) else outs[0])
 
     def _make_request(self, item: dict[str, Any]) -> GenRequest:

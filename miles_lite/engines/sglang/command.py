@@ -57,8 +57,11 @@ RESERVED_FLAGS: dict[str, str] = {
 
 # (older, newer) spelling of flags SGLang renamed. 0.5.23 replaced 0.5.10's piecewise (torch.compile) prefill
 # CUDA graph by a prefill phase of its CUDA-graph config (`--cuda-graph-backend-prefill`, on by default on CUDA);
-# `--disable-prefill-cuda-graph` turns it off as `--disable-piecewise-cuda-graph` did.
-RENAMED_FLAGS: tuple[tuple[str, str], ...] = (("disable_piecewise_cuda_graph", "disable_prefill_cuda_graph"),)
+# `--disable-prefill-cuda-graph` turns it off as `--disable-piecewise-cuda-graph` did. The largest decode batch
+# captured, `--cuda-graph-max-bs` up to 0.5.10, became `--cuda-graph-max-bs-decode` (0.5.17 keeps the old one as
+# a deprecated alias).
+RENAMED_FLAGS: tuple[tuple[str, str], ...] = (("disable_piecewise_cuda_graph", "disable_prefill_cuda_graph"),
+                                              ("cuda_graph_max_bs", "cuda_graph_max_bs_decode"))
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]*$")
 

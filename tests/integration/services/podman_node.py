@@ -5,7 +5,8 @@ plays the parts a MilesJob needs, each pass of `sync()` reading the API server a
 
 - Job controller: for an indexed Job with parallelism > 0 it creates pod `<job>-<index>-<suffix>` from the
   template (hostname `<job>-<index>`, the completion-index annotation and JOB_COMPLETION_INDEX), and sets
-  the Job's Complete / Failed condition when pod 0 exits.
+  the Job's Complete / Failed condition when pod 0 exits. Garbage collector: a pod whose Job is gone is
+  deleted (a Job recreated under the same name starts with pods of its own).
 - kubelet: every Pod object is played with podman on one network (its ConfigMap volumes read back from
   the API server and played with it); a pod's status (phase, podIP, Ready from its HTTP readiness probe)
   is written back; a pod deleted in the API server is removed from podman. (Pods are never bound to a
@@ -71,6 +72,12 @@ def volume_path(name: str) -> Path | None:
     """Host directory of podman volume `name` (what a PVC claim of that name is played as), or None."""
     out = podman("volume", "inspect", name, "--format", "{{.Mountpoint}}", check=False).strip()
     return Path(out) if out else None
+
+
+def _owner_uid(pod: dict[str, Any]) -> str | None:
+    """uid of the Job that controls `pod`, or None (a pod no Job owns)."""
+    return next((r["uid"] for r in pod["metadata"].get("ownerReferences") or []
+                 if r.get("kind") == "Job" and r.get("controller")), None)
 
 
 @dataclass
@@ -142,14 +149,18 @@ class PodmanNode:
 
     # ---- Job controller ----
     def _jobs(self) -> None:
-        for job in self.api.list("batch/v1", "Job", self.namespace, {}):
+        jobs = self.api.list("batch/v1", "Job", self.namespace, {})
+        self._collect_garbage({j["metadata"]["uid"] for j in jobs})
+        for job in jobs:
             meta, spec = job["metadata"], job["spec"]
             status = job.get("status") or {}
             if meta.get("deletionTimestamp") or any(
                     c.get("status") == "True" for c in status.get("conditions") or []):
                 continue
             labels = {"job-name": meta["name"]}
-            pods = self.api.list("v1", "Pod", self.namespace, labels)
+            # A Job recreated under the same name owns none of its predecessor's pods.
+            pods = [p for p in self.api.list("v1", "Pod", self.namespace, labels)
+                    if _owner_uid(p) == meta["uid"]]
             if int(spec.get("parallelism", 1)) > 0 and not pods:
                 self._create_job_pod(job, 0)
                 continue
@@ -167,6 +178,14 @@ class PodmanNode:
                     "status")
             elif phase == "Running" and int(status.get("active") or 0) != 1:
                 self.api.patch("batch/v1", "Job", self.namespace, meta["name"], {"status": {"active": 1}}, "status")
+
+    def _collect_garbage(self, job_uids: set[str]) -> None:
+        """The garbage collector's part: pods whose owning Job is gone are deleted (background propagation)."""
+        for pod in self.api.list("v1", "Pod", self.namespace, {}):
+            owner = _owner_uid(pod)
+            if owner is not None and owner not in job_uids and not pod["metadata"].get("deletionTimestamp"):
+                self.api.delete("v1", "Pod", self.namespace, pod["metadata"]["name"])
+                self.events.append(f"garbage-collected pod {pod['metadata']['name']}")
 
     def _create_job_pod(self, job: dict[str, Any], index: int) -> None:
         meta = job["metadata"]

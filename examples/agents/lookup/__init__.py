@@ -1,0 +1,1 @@
+"""The lookup-chain task's records (see make_data.py)."""

@@ -1,0 +1,130 @@
+"""The summary of a GPU sitting (`scripts/gpu_checks.sh OUT sitting`): OUT/summary.md, one table a goal.
+
+    python scripts/gpu_summary.py OUT
+
+Reads what the parts left in OUT (parts.tsv: each part's status and seconds; the benchmarks' JSON files) and
+writes the figures the GRPO-speed goals are judged by, with their spread, rewritten after every part so that a
+sitting cut short still summarises what it measured. Prints the summary too.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+TRANSITIONS = ("offload", "engine_sleep", "onload", "engine_wake")
+
+
+def _load(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _mmm(spread: dict[str, Any], key: str) -> str:
+    v = spread.get(key)
+    return "-" if not v else f"{v['median']:.2f} ({v['min']:.2f}-{v['max']:.2f})"
+
+
+def parts_table(out: Path) -> list[str]:
+    lines = ["| part | status | seconds |", "|---|---|---:|"]
+    tsv = out / "parts.tsv"
+    for row in tsv.read_text().splitlines() if tsv.is_file() else []:
+        name, status, seconds = (row.split("\t") + ["", ""])[:3]
+        lines.append(f"| {name} | {status} | {seconds} |")
+    return lines
+
+
+def rollout_table(out: Path) -> list[str]:
+    lines = []
+    for name in ("rollout", "rollout-default"):
+        rep = _load(out / f"{name}.json")
+        if not rep:
+            continue
+        if not lines:
+            lines = ["| engine | requests | raw SGLang tok/s | manager tok/s | manager / raw (same engine) |",
+                     "|---|---:|---:|---:|---:|"]
+        for r in rep.get("rows", []):
+            if "direct_tok_s" not in r or "manager_tok_s" not in r:
+                continue
+            d, m = r["direct_min_max"], r["manager_min_max"]
+            lines.append(f"| {r['variant']} | {r['requests']} | {r['direct_tok_s']:,.0f} ({d[0]:,.0f}-{d[1]:,.0f}) | "
+                         f"{r['manager_tok_s']:,.0f} ({m[0]:,.0f}-{m[1]:,.0f}) | "
+                         f"{r['manager_tok_s'] / r['direct_tok_s']:.3f} |")
+    return lines
+
+
+def speed_table(out: Path) -> list[str]:
+    rep = _load(out / "speed-recipe.json")
+    if not rep:
+        return []
+    lines = ["| precision | RL / bare (median, rounds min-max) | RL step s | bare step s |", "|---|---:|---:|---:|"]
+    for key, res in rep.items():
+        if not key.startswith("throughput/") or "rl_over_bare" not in res:
+            continue
+        rounds = res["rl_over_bare_per_round"]
+        lines.append(f"| {key.split('/', 1)[1]} | {res['rl_over_bare']:.3f} ({rounds[0]:.3f}-{rounds[-1]:.3f}) | "
+                     f"{res['fixed']['step_s']:.3f} | {res['bare_fixed']['step_s']:.3f} |")
+    return lines
+
+
+def grpo_table(out: Path) -> list[str]:
+    lines = []
+    for name in ("colocated-0.5b", "colocated-7b", "lora-7b", "lora-7b-merged", "resident-0.5b"):
+        rep = _load(out / f"{name}.json")
+        if not rep or not rep.get("spread"):
+            continue
+        if not lines:
+            lines = ["| run | steps | step s | generate | train | sync | transitions s | transitions / step |",
+                     "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        sp = rep["spread"]
+        rows = rep.get("steps", [])[-sp.get("step_s", {}).get("n", 0):] if sp.get("step_s") else []
+        shares = sorted(sum(float(r.get(f"{t}_s") or 0.0) for t in TRANSITIONS) / float(r["step_s"])
+                        for r in rows if r.get("step_s"))
+        moved = sorted(sum(float(r.get(f"{t}_s") or 0.0) for t in TRANSITIONS) for r in rows if r.get("step_s"))
+        share = f"{shares[len(shares) // 2]:.1%} ({shares[0]:.1%}-{shares[-1]:.1%})" if shares else "-"
+        seconds = f"{moved[len(moved) // 2]:.2f}" if moved else "-"
+        lines.append(f"| {name} ({rep.get('status', '?')}) | {len(rep.get('steps', []))} | {_mmm(sp, 'step_s')} | "
+                     f"{_mmm(sp, 'generate')} | {_mmm(sp, 'train')} | {_mmm(sp, 'sync')} | {seconds} | {share} |")
+    return lines
+
+
+def guard_table(out: Path) -> list[str]:
+    rep = _load(out / "guard-7b.json")
+    if not rep:
+        return []
+    lines = ["| precision | guard cost (median of rounds) | rounds min-max |", "|---|---:|---:|"]
+    for key, res in rep.items():
+        if key.startswith("guard/") and "on_cost" in res:
+            rounds = res["on_cost_per_round"]
+            lines.append(f"| {key.split('/', 1)[1]} | {res['on_cost']:+.1%} | {rounds[0]:+.1%} to {rounds[-1]:+.1%} |")
+    return lines
+
+
+def summary(out: Path) -> str:
+    sections = [("Parts", parts_table(out)), ("Generation (tokens/s, median (min-max))", rollout_table(out)),
+                ("RL step against the bare megatron-core step, recipe shape", speed_table(out)),
+                ("GRPO steps (seconds, median (min-max) after the warm-up steps)", grpo_table(out)),
+                ("Divergence guard at 7B width", guard_table(out))]
+    text = ["# GPU sitting"]
+    for title, lines in sections:
+        if lines:
+            text += ["", f"## {title}", "", *lines]
+    return "\n".join(text) + "\n"
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    text = summary(out)
+    tmp = out / "summary.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(out / "summary.md")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
