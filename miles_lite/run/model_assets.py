@@ -103,3 +103,12 @@ def prepare_model(cfg: MilesConfig, run_dir: Path) -> tuple[MilesConfig, Any]:
     return dataclasses.replace(cfg, model=model), tokenizer
 
 
+def run_chat_template(cfg: MilesConfig, tokenizer: Any) -> Any:
+    """The agent sessions' chat template (`rollout.chat_template`, checked on `tokenizer`); None without
+    `rollout.agent` (prompts then render with the tokenizer's own template)."""
+    if not cfg.rollout.agent:
+        return None
+    from miles_lite.config.views import EngineFleetConfig
+    from miles_lite.engines.fleet_launch import chat_template_of
+
+    return chat_template_of(EngineFleetConfig.of(cfg), tokenizer)

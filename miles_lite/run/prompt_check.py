@@ -62,7 +62,11 @@ def _check_prompts(findings: _Findings, lengths: Sequence[int], items: Sequence[
 def check_prompt_lengths(cfg: MilesConfig, tokenizer: Any, context: int | None, context_from: str,
                          train: Sequence[Any], held_out: Sequence[Any], eval_sets: Iterable[EvalSet]) -> None:
     """Raise DatasetError naming the prompts (and SFT demonstrations) that do not fit; see the module docstring."""
+    from miles_lite.run.model_assets import run_chat_template
+
+    # The encoder the run's roles use: agent runs render (and train on) conversations with the sessions' template.
     encoder = PromptEncoder(tokenizer, cfg.data.prompt_template, tool_solutions=cfg.rollout.environment == "calculator",
+                            chat_template=run_chat_template(cfg, tokenizer),
                             raw_prompts=not cfg.data.chat_template)
     rollout, max_prompt = cfg.rollout, cfg.data.max_prompt_tokens
     findings = _Findings()

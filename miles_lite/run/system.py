@@ -22,7 +22,7 @@ from miles_lite.config.validate import remote_reward_spec
 from miles_lite.config.views import EngineFleetConfig, TrainerRoleConfig, WeightSyncSetup
 from miles_lite.config.weight_sync_choice import shared_gpus, trainer_on_gpu
 from miles_lite.data.encoding import PromptEncoder
-from miles_lite.engines.fleet_launch import Rollout, build_rollout, chat_template_of
+from miles_lite.engines.fleet_launch import Rollout, build_rollout
 from miles_lite.net.api_key import ApiKey
 from miles_lite.plugins import PluginPool
 from miles_lite.rewards.setup import build_reward_set
@@ -31,7 +31,7 @@ from miles_lite.rollout.prestarted import PrestartPool
 from miles_lite.rollout.prompt_spec import sampling_from_config
 from miles_lite.rollout.starvation import StarvationRelay
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
-from miles_lite.run.model_assets import prepare_model
+from miles_lite.run.model_assets import prepare_model, run_chat_template
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
 from miles_lite.weight_sync.fleet_push import FleetPusher
 from miles_lite.weight_sync.transport import EngineLoop, WeightSyncError
@@ -70,7 +70,7 @@ class System:
         self.tokenizer = tokenizer
         # The agent sessions' chat template, checked on the tokenizer before any engine starts; prompts and SFT
         # trajectories render through it as the gateway renders sessions.
-        self.chat_template = chat_template_of(EngineFleetConfig.of(cfg), tokenizer) if cfg.rollout.agent else None
+        self.chat_template = run_chat_template(cfg, tokenizer)
         self.encoder = PromptEncoder(tokenizer, cfg.data.prompt_template,
                                      tool_solutions=cfg.rollout.environment == "calculator",
                                      max_prompt_tokens=cfg.data.max_prompt_tokens, chat_template=self.chat_template,
