@@ -90,7 +90,7 @@ class ChatML:
 def test_raw_string_prompts_without_the_chat_template(tmp_path: Path) -> None:
     (record,) = load_records(_lines(tmp_path / "d.jsonl", [{"prompt": "The sky is"}]), KEYS)
     templated = PromptEncoder(ChatML(), "default")
-    raw = PromptEncoder(ChatML(), "default", chat_template=False)
+    raw = PromptEncoder(ChatML(), "default", raw_prompts=True)
     assert templated.render(record) == "<user>The sky is<assistant>"
     # As TRL tokenizes a standard prompt: the tokenizer's own BOS, then the text.
     assert raw.render(record) == "<s>The sky is"
@@ -106,7 +106,7 @@ def _lines(path: Path, rows: list) -> Path:
 
 def test_errors_name_the_file_and_line(tmp_path: Path) -> None:
     bad_utf8 = _lines(tmp_path / "b.jsonl", [{"prompt": "ok"}, b'{"prompt": "caf\xe9"}'])
-    with pytest.raises(DatasetError, match=r"b\.jsonl: line 2: not UTF-8 text \(byte 0xe9 at column 16\)"):
+    with pytest.raises(DatasetError, match=r"b\.jsonl: line 2: byte 0xe9 at byte 16 of the line is not UTF-8"):
         load_records(bad_utf8, KEYS)
     # U+2028 and U+0085 inside a string are not line breaks of JSON Lines.
     odd = _lines(tmp_path / "u.jsonl", [{"prompt": "a\u2028b\u0085c"}, {"prompt": "d"}])

@@ -18,11 +18,13 @@ def _cfg(steps: int = 10, async_steps: int = 0, eval_every: int = 0) -> MilesCon
 
 def test_the_next_generation_starts_after_the_push_only_where_nothing_needs_the_engines_idle() -> None:
     idle = SimpleNamespace(enabled=False)
-    assert starts_next_now(_cfg(), 0, idle, evaluates=False)
-    assert not starts_next_now(_cfg(), 9, idle, evaluates=False)  # the last step: nothing comes next
-    assert not starts_next_now(_cfg(async_steps=1), 0, idle, evaluates=False)
-    assert not starts_next_now(_cfg(), 0, SimpleNamespace(enabled=True), evaluates=False)
-    # An evaluation opens step 5 (eval_every=5): it runs with no generation in flight.
-    assert not starts_next_now(_cfg(eval_every=5), 4, idle, evaluates=True)
-    assert starts_next_now(_cfg(eval_every=5), 4, idle, evaluates=False)
-    assert starts_next_now(_cfg(eval_every=5), 5, idle, evaluates=True)
+    # Steps count from 1: step 10 is the last of 10.
+    assert starts_next_now(_cfg(), 1, idle, evaluates=False)
+    assert starts_next_now(_cfg(), 9, idle, evaluates=False)
+    assert not starts_next_now(_cfg(), 10, idle, evaluates=False)  # the last step: nothing comes next
+    assert not starts_next_now(_cfg(async_steps=1), 1, idle, evaluates=False)
+    assert not starts_next_now(_cfg(), 1, SimpleNamespace(enabled=True), evaluates=False)
+    # An evaluation opens step 6 (eval_every=5: after 5 steps done): it runs with no generation in flight.
+    assert not starts_next_now(_cfg(eval_every=5), 5, idle, evaluates=True)
+    assert starts_next_now(_cfg(eval_every=5), 5, idle, evaluates=False)
+    assert starts_next_now(_cfg(eval_every=5), 6, idle, evaluates=True)
