@@ -68,7 +68,7 @@ def test_type_errors_in_overrides_are_reported_together(capsys, out: Path) -> No
         "trainer.lr='fast' is not of type float; set trainer.lr=<float>",
         "rollout.engines='two' is not of type int; set rollout.engines=<int>",
         "experiment.steps=1.5 is not of type int; set experiment.steps=<int>",
-        "experiment=nope: no such option in conf/experiment; options: gsm8k_qwen2.5_0.5b, letters_cpu, "
+        "experiment=nope: no such option in conf/experiment; options: agent_cpu, gsm8k_qwen2.5_0.5b, letters_cpu, "
         "letters_mix_cpu, tiny_cpu, tiny_cpu_tools"}
 
 

@@ -135,7 +135,9 @@ def test_a_running_system_follows_its_engine_list(tmp_path: Path):
             system.push_weights(system.version + 1)
             listing.write_text(f"{urls[0]}\n{urls[1]}\n")
             deadline = time.monotonic() + 120
-            while len(fleet.records) < 2 and time.monotonic() < deadline:
+            # Admission lists the engine as starting first, then stale once its health and version are read.
+            while ((len(fleet.records) < 2 or fleet.records[1].state is EngineState.STARTING)
+                   and time.monotonic() < deadline):
                 time.sleep(0.2)
             first, added = fleet.records
             assert added.engine_id == "engine-1" and added.state is EngineState.STALE, added.state

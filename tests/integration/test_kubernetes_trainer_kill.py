@@ -215,10 +215,11 @@ def test_sigkilled_trainer_recovers_at_every_point_of_a_step(tmp_path: Path, ima
     cuts = [k["time"] for k in kills] + [float("inf")]
     attempts = [[m["step"] for m in records if (cuts[i - 1] if i else 0) < m["time"] <= cuts[i]]
                 for i in range(len(cuts))]
-    assert attempts[0] == list(range(len(attempts[0]))), attempts
+    # Steps count from 1; checkpoint step_N holds the run after step N, so the next attempt begins at N + 1.
+    assert attempts[0] == list(range(1, len(attempts[0]) + 1)), attempts
     for kill, steps in zip(kills, attempts[1:], strict=True):
         assert kill["checkpoint"] is not None and steps, (kills, attempts)
-        assert steps == list(range(kill["checkpoint"], kill["checkpoint"] + len(steps))), (kills, attempts)
-    assert attempts[-1][-1] == STEPS - 1, attempts
+        assert steps == list(range(kill["checkpoint"] + 1, kill["checkpoint"] + 1 + len(steps))), (kills, attempts)
+    assert attempts[-1][-1] == STEPS, attempts
     for m in records:
         assert m["sync/probe_logp_diff_max"] < 1e-3, m

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import pytest
 
+from miles_lite.checkpoint.resume import newest_complete
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -277,7 +279,11 @@ def test_usr1_checkpoints_requeues_and_a_killed_driver_requeues_too(slurm: Slurm
     os.kill(pid, signal.SIGKILL)
     slurm.wait_job(job_id, lambda f: f.get("Restarts") == "2" and f.get("JobState") == "PENDING",
                    "the requeue after the kill", timeout_s=240, logs=run_dir / "logs")
-    killed_at = int((run_dir / "checkpoints" / "latest").read_text().strip().split("_")[1])
+    # The newest committed checkpoint: a save in flight may have committed after the driver's end (its trainer
+    # finishes the commit), before `latest` could be read here.
+    newest = newest_complete(run_dir / "checkpoints")
+    assert newest is not None
+    killed_at = int(newest.name.split("_")[1])
     assert killed_at > stopped_at
 
     fields = slurm.wait_job(job_id, _finished, "the end of the requeued job", logs=run_dir / "logs")
