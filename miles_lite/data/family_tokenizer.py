@@ -7,12 +7,10 @@ pre-tokenisation regex (runs of newlines stay one piece wherever they end, which
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from miles_lite.data.tokenizer import build_once
 from miles_lite.formats.chat import load_chat_template
 from miles_lite.formats.chat.check import generate_conversations
 
@@ -68,17 +66,5 @@ def load_or_build_family_tokenizer(cache_dir: str | Path, family: str, vocab_siz
     from transformers import PreTrainedTokenizerFast
 
     target = Path(cache_dir) / f"{family}-v{_RECIPE_VERSION}-vocab{vocab_size}"
-    if not (target / "tokenizer.json").is_file():
-        Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
-        try:
-            build_family_tokenizer(family, staging, vocab_size)
-            staging.chmod(0o755)
-            try:
-                os.rename(staging, target)
-            except OSError:
-                if not (target / "tokenizer.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    build_once(target, lambda out: build_family_tokenizer(family, out, vocab_size))
     return PreTrainedTokenizerFast.from_pretrained(target)

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -135,21 +136,27 @@ def load_or_build_tokenizer(
     """
     from transformers import PreTrainedTokenizerFast
 
-    cache_dir = Path(cache_dir)
-    target = cache_dir / tokenizer_cache_key(vocab_size, seed, tuple(extra_tags), tuple(extra_texts))
-    if not (target / "tokenizer.json").is_file():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=cache_dir))
-        try:
-            build_tokenizer(staging, vocab_size=vocab_size, seed=seed, extra_tags=tuple(extra_tags),
-                            extra_texts=tuple(extra_texts))
-            # mkdtemp makes the directory private; a shared cache must stay readable.
-            staging.chmod(0o755)
-            try:
-                os.rename(staging, target)
-            except OSError:
-                if not (target / "tokenizer.json").is_file():
-                    raise
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    target = Path(cache_dir) / tokenizer_cache_key(vocab_size, seed, tuple(extra_tags), tuple(extra_texts))
+    build_once(target, lambda out: build_tokenizer(out, vocab_size=vocab_size, seed=seed, extra_tags=tuple(extra_tags),
+                                                   extra_texts=tuple(extra_texts)))
     return PreTrainedTokenizerFast.from_pretrained(target)
+
+
+def build_once(target: Path, build: Callable[[Path], object]) -> None:
+    """Run `build(directory)` into a private temporary directory beside `target` and rename it into place in one
+    step, unless `target` already holds a tokenizer; when two processes build at once the first rename wins."""
+    if (target / "tokenizer.json").is_file():
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(staging)
+        # mkdtemp makes the directory private; a shared cache must stay readable.
+        staging.chmod(0o755)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "tokenizer.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
