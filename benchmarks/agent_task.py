@@ -18,7 +18,6 @@ gain of at least +10 points on every seed, each run within 5 minutes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -26,9 +25,10 @@ import resource
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
+
+from records_task import seeded_main  # the benchmarks directory is the script's first path entry
 
 ROOT = Path(__file__).resolve().parents[1]
 MEASURE = "eval/held_out/avg@1"
@@ -88,26 +88,9 @@ def table(runs: list[dict]) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
-    parser.add_argument("--table", default=None, help="print the table of a saved agent_task.json")
-    parser.add_argument("overrides", nargs="*", help="overrides for every run (after --)")
-    args = parser.parse_args()
-    if args.table:
-        print(table(json.loads(Path(args.table).read_text())["runs"]))
-        return 0
-    out = Path(args.out or tempfile.mkdtemp(prefix="agent_task_"))
-    out.mkdir(parents=True, exist_ok=True)
-    runs = []
-    for seed in args.seeds:
-        runs.append(run_seed(seed, out, args.overrides))
-        (out / "agent_task.json").write_text(json.dumps({"overrides": args.overrides, "runs": runs}, indent=1))
-        print(f"seed {seed}: {100 * runs[-1]['before']:.1f}% -> {100 * runs[-1]['after']:.1f}% "
-              f"in {runs[-1]['wall_s']:.0f} s (load {runs[-1]['load_mean']:.1f})", flush=True)
-    print(table(runs))
-    print(f"saved: {out / 'agent_task.json'}")
-    return 0
+    return seeded_main("agent_task", __doc__, run_seed, table,
+                       lambda r: f"{100 * r['before']:.1f}% -> {100 * r['after']:.1f}% in {r['wall_s']:.0f} s "
+                                 f"(load {r['load_mean']:.1f})")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,27 +66,33 @@ def table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def seeded_main(name: str, doc: str | None, run_seed: Callable[[int, Path, list[str]], dict],
+                table: Callable[[list[dict]], str], progress: Callable[[dict], str]) -> int:
+    """The command line of a seeded task benchmark: one run per seed, `<name>.json` rewritten after each."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--out", default=None, help="directory for the runs (default: a temporary one)")
-    parser.add_argument("--table", default=None, help="print the table of a saved records_task.json")
+    parser.add_argument("--table", default=None, help=f"print the table of a saved {name}.json")
     parser.add_argument("overrides", nargs="*", help="overrides for every run (after --)")
     args = parser.parse_args()
     if args.table:
         print(table(json.loads(Path(args.table).read_text())["runs"]))
         return 0
-    out = Path(args.out or tempfile.mkdtemp(prefix="records_task_"))
+    out = Path(args.out or tempfile.mkdtemp(prefix=f"{name}_"))
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for seed in args.seeds:
         runs.append(run_seed(seed, out, args.overrides))
-        (out / "records_task.json").write_text(json.dumps({"overrides": args.overrides, "runs": runs}, indent=1))
-        print(f"seed {seed}: {100 * runs[-1]['before']:.1f}% -> {100 * runs[-1]['after']:.1f}% "
-              f"in {runs[-1]['wall_s']:.0f} s", flush=True)
+        (out / f"{name}.json").write_text(json.dumps({"overrides": args.overrides, "runs": runs}, indent=1))
+        print(f"seed {seed}: {progress(runs[-1])}", flush=True)
     print(table(runs))
-    print(f"saved: {out / 'records_task.json'}")
+    print(f"saved: {out / f'{name}.json'}")
     return 0
+
+
+def main() -> int:
+    return seeded_main("records_task", __doc__, run_seed, table,
+                       lambda r: f"{100 * r['before']:.1f}% -> {100 * r['after']:.1f}% in {r['wall_s']:.0f} s")
 
 
 if __name__ == "__main__":
