@@ -24,19 +24,43 @@ def claim(name):
         return False
 
 
-def kill_engine(url):
-    """SIGKILL the reference engine child of this process serving `url`."""
-    port = url.rsplit(":", 1)[1]
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+def _listening_inodes(port):
+    """Inodes of the TCP sockets listening on `port` (/proc/net/tcp and tcp6: hex port, state 0A)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            ppid = int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1])
+            rows = open(table).read().splitlines()[1:]
         except OSError:
             continue
-        if ppid == os.getpid() and b"miles_lite.engines.reference.engine" in cmd and port.encode() in cmd:
+        for row in rows:
+            fields = row.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == port and fields[3] == "0A":
+                inodes.add(fields[9])
+    return inodes
+
+
+def kill_engine(url):
+    """SIGKILL the reference engine process serving `url`: the engine process holding its listening socket (an
+    engine started ahead of its run gets its port later, so its command line does not name it; the driver that
+    bound the socket for it holds it too)."""
+    wanted = {f"socket:[{inode}]" for inode in _listening_inodes(int(url.rsplit(":", 1)[1]))}
+    killed = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        try:
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read()
+            if b"miles_lite.engines.reference" not in cmd:
+                continue
+            fds = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        except OSError:
+            continue
+        if fds & wanted:  # the engine (and a supervisor that may hold the socket inherited)
+            killed.append(int(pid))
             os.kill(int(pid), signal.SIGKILL)
-            return int(pid)
-    raise AssertionError(f"no engine child serving {url}")
+    if not killed:
+        raise AssertionError(f"no engine process serving {url}")
+    return killed[0]
 
 
 def get(url, key):

@@ -78,7 +78,7 @@ def test_trl_rewards_on_conversational_records_from_a_datasets_folder(tmp_path: 
         assert extra["kind"] == "chat" and "gold_parsed" in extra and extra["solution"] == str(int(row["prompt"]
                                                                                                    .split("is ")[1]
                                                                                                    .split(" ")[0]) + 1)
-        assert rewards["progress"] == row["step"] / 2
+        assert rewards["progress"] == (row["step"] - 1) / 2  # trainer_state.global_step: the steps done before
     steps = read_metrics_file(run)
     assert [s["log_metric/progress"] for s in steps] == [0.0, 0.5]
     summary = json.loads((run / "summary.json").read_text())
