@@ -415,6 +415,10 @@ def test_a_lost_rollout_node_leaves_no_job_step_behind(slurm: SlurmCluster, job_
         # The node comes back (its slurmd restarted) and finishes the job's clean-up; later tests need both nodes.
         subprocess.run(["/usr/sbin/slurmd", "-f", slurm.env["SLURM_CONF"], "-N", "n2"], env=slurm.env, check=True,
                        timeout=60)
+        # The lost node's part of the job stays completing until slurmctld gives the node up (SlurmdTimeout,
+        # 300 s by default); an administrator's down-and-resume ends it at once.
+        slurm.run("scontrol", "update", "nodename=n2", "state=down", "reason=slurmd lost in a test")
+        slurm.run("scontrol", "update", "nodename=n2", "state=resume")
         deadline = time.monotonic() + 300
         while slurm.run("sinfo", "-h", "-N", "-o", "%T").split() != ["idle", "idle"]:
             assert time.monotonic() < deadline, slurm.run("sinfo", "-N") + slurm.daemon_log(job_id) + "\n".join(
