@@ -46,7 +46,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.container_i
 NS = "default"
 JOB = "tiny-k8s"
 CLAIM = f"{JOB}-data"
-STEPS = 14
+# Enough steps for every kill point on an idle machine too (a step of the tiny run takes ~0.25 s there).
+STEPS = 40
 # The order of the kills; `MILES_LITE_KILL_POINTS` (comma-separated) repeats or reorders them for measurements.
 KILL_POINTS = tuple(os.environ.get("MILES_LITE_KILL_POINTS", "pushing,generating,training").split(","))
 # Steps each trainer attempt completes before it may be killed (so that it checkpointed: interval 2).
@@ -163,8 +164,12 @@ def test_sigkilled_trainer_recovers_at_every_point_of_a_step(tmp_path: Path, ima
             if status.get("lastCheckpoint") is not None and last_checkpoint is None:
                 last_checkpoint = status["lastCheckpoint"]
                 assert volume is not None
-                # The status names a committed checkpoint of the run (the trainer's gauge, set at its commit).
-                assert (volume / "checkpoints" / f"step_{int(last_checkpoint):08d}" / "manifest.json").is_file()
+                # The status names a committed checkpoint of the run (the trainer's gauge, set at its commit); at a
+                # step a second, retention may have removed it for newer ones by the time this reads the volume.
+                named = volume / "checkpoints" / f"step_{int(last_checkpoint):08d}"
+                newest = latest_checkpoint(volume)
+                assert (named / "manifest.json").is_file() or (newest is not None and newest > int(last_checkpoint)), (
+                    last_checkpoint, newest)
             if phase in ("Succeeded", "Failed"):
                 break
             volume = volume or volume_path(CLAIM)
@@ -217,9 +222,13 @@ def test_sigkilled_trainer_recovers_at_every_point_of_a_step(tmp_path: Path, ima
                 for i in range(len(cuts))]
     # Steps count from 1; checkpoint step_N holds the run after step N, so the next attempt begins at N + 1.
     assert attempts[0] == list(range(1, len(attempts[0]) + 1)), attempts
-    for kill, steps in zip(kills, attempts[1:], strict=True):
+    for kill, before, steps in zip(kills, attempts[:-1], attempts[1:], strict=True):
         assert kill["checkpoint"] is not None and steps, (kills, attempts)
-        assert steps == list(range(kill["checkpoint"] + 1, kill["checkpoint"] + 1 + len(steps))), (kills, attempts)
+        # The resume point: the checkpoint committed last, read just after the kill, or the one of the step the
+        # kill cut short (a save in flight may finish its commit after the kill), never one ahead of it.
+        resumed = steps[0] - 1
+        assert kill["checkpoint"] <= resumed <= before[-1] + 1, (kills, attempts)
+        assert steps == list(range(resumed + 1, resumed + 1 + len(steps))), (kills, attempts)
     assert attempts[-1][-1] == STEPS, attempts
     for m in records:
         assert m["sync/probe_logp_diff_max"] < 1e-3, m
