@@ -219,7 +219,9 @@ def test_nan_metrics_keep_counters_and_the_engine_budget(api: KubeApi, operator:
     assert condition_is(api, "nan", "Reconciled", "True")
     # A failed job stops what it started: no engine pod, trainer workers scaled to zero.
     wait_for(lambda: api.get("v1", "Pod", NS, "nan-rollout-0") is None, "engines stopped")
-    assert api.get("batch/v1", "Job", NS, "nan-trainer")["spec"]["parallelism"] == 0
+    # The trainer Job is scaled down in the same reconcile pass, but not necessarily before the pods are gone.
+    wait_for(lambda: api.get("batch/v1", "Job", NS, "nan-trainer")["spec"]["parallelism"] == 0,
+             "trainer workers scaled to zero")
 
 
 def test_pod_field_refused_by_the_api_server_is_named_once(api: KubeApi, operator: KopfRunner,
