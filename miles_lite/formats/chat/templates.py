@@ -23,6 +23,7 @@ Where a published template is not append-only the family's template here departs
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ def tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
-class ChatTemplate:
+class ChatTemplate(ABC):
     """What the gateway and the checks need of a family's template.
 
     `close` is the end-of-turn token the model writes to end its turn (the template writes it too), `after_close`
@@ -51,9 +52,10 @@ class ChatTemplate:
     tool_parser = "hermes"
     reasoning = False
 
+    @abstractmethod
     def render(self, messages: Sequence[Message], tools: Sequence[Mapping[str, Any]] | None = None,
                add_generation_prompt: bool = False, options: Mapping[str, Any] | None = None) -> str:
-        raise NotImplementedError
+        """The conversation as the family's template writes it (each family implements its own)."""
 
     def parse(self, text: str) -> Message:
         """The assistant message of a model turn `text` (without its end-of-turn token)."""
