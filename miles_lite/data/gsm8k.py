@@ -17,6 +17,7 @@ from typing import Any
 
 from miles_lite.data.errors import DatasetError
 from miles_lite.data.jsonl import json_lines, read_text
+from miles_lite.data.record_files import read_parquet
 from miles_lite.formats.answer import numbers_equal, parse_final_answer, parse_number
 from miles_lite.formats.files import write_atomic
 
@@ -157,12 +158,7 @@ def _iter_json_records(path: Path) -> Iterator[tuple[str, Any]]:
 
 
 def _iter_parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path)
-    except Exception as exc:  # pyarrow raises several types for corrupt files
-        raise DatasetError(f"{path}: cannot read Parquet file: {exc}") from None
+    table = read_parquet(path)
     missing = [name for name in ("question", "answer") if name not in table.column_names]
     if missing:
         raise DatasetError(

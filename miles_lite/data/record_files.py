@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from miles_lite.data.gsm8k import DatasetError
+from miles_lite.data.errors import DatasetError
 from miles_lite.data.jsonl import json_lines, read_text
 
 EXTENSIONS = (".jsonl", ".json", ".parquet", ".arrow")
@@ -146,14 +146,18 @@ def _table_rows(path: Path, table: Any) -> Iterator[tuple[str, Any]]:
         yield f"{path}: row {index} (0-based)", row
 
 
-def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
+def read_parquet(path: Path) -> Any:
+    """The Parquet file's table; DatasetError naming the file when it cannot be read."""
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path)
+        return pq.read_table(path)
     except Exception as exc:  # pyarrow raises several types for corrupt files
         raise DatasetError(f"{path}: cannot read Parquet file: {exc}") from None
-    yield from _table_rows(path, table)
+
+
+def _parquet(path: Path) -> Iterator[tuple[str, Any]]:
+    yield from _table_rows(path, read_parquet(path))
 
 
 def _arrow(path: Path) -> Iterator[tuple[str, Any]]:
