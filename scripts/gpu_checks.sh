@@ -178,7 +178,8 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
                 --out "$out/guard-7b.json" ;;
     prefill-graphs) part prefill-graphs "$py" -c "$PREFILL_GRAPHS" ;;
     # 512 sequences of 480 tokens (224 of prompt): about 34 sequences in each 16384-token micro-batch.
-    speed-recipe) part speed-recipe "$py" benchmarks/train_step.py --bare --configs bf16,fp8-delayed --batch 512 \
+    # SPEED_RECIPE_CONFIGS picks the precisions (e.g. fp8-delayed alone when bf16 was measured in a lease before).
+    speed-recipe) part speed-recipe "$py" benchmarks/train_step.py --bare --configs "${SPEED_RECIPE_CONFIGS:-bf16,fp8-delayed}" --batch 512 \
                     --seq 480 --prompt-tokens 224 --steps 20 --warmup 2 --profile "$out/profile" \
                     --out "$out/speed-recipe.json" ;;
     speed-recipe-unfused) part speed-recipe-unfused "$py" benchmarks/train_step.py --bare --configs bf16 \
