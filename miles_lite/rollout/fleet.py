@@ -406,6 +406,18 @@ class EngineFleet(FleetMemory, FleetMembership):
             self._declare_dead(rec, rec.last_error)
         return failed + new
 
+    async def drop_restarted(self, records: Sequence[EngineRecord]) -> list[EngineRecord]:
+        """Declare dead and return the `records` whose address answers from a new process (a pod recreated
+        under its name since the last health check; one `/model_info` each, concurrently).
+
+        Asked before a push: the new process is in no weight-update group, and the group member it
+        replaced is gone, so the push would fail only when its surviving members' receive times out.
+        """
+        new = [rec for rec in await restarted_among(records, self.cfg.health_timeout_s) if rec.state in LIVE]
+        for rec in new:
+            self._declare_dead(rec, rec.last_error)
+        return new
+
     def begin_weight_update(self, records: Sequence[EngineRecord]) -> None:
         """Exempt `records` from health checks while a push pauses them and loads their weights.
 

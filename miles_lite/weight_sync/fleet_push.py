@@ -8,7 +8,7 @@ changed on that loop, never from the pushing thread.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from miles_lite.rollout.engine import MEMORY_TAGS
 from miles_lite.rollout.engine_state import EngineRecord, EngineState
@@ -41,7 +41,8 @@ class FleetPusher:
         An engine that died since its last health check fails the push: the engines of the push are
         then health-checked at once, the dead ones go to the fleet for replacement, and the push is
         made again to the others (once); with none left, the report names no engine. A failure on live
-        engines (a dropped update, a probe mismatch) is raised.
+        engines (a dropped update, a probe mismatch) is raised. A healthy engine whose address answers from a
+        new process (its pod was recreated before a health check noticed) is left out before the push starts.
 
         Sleeping engines (colocated roles) are pushed to in order: their weights are resumed first, the
         push loads them, and their KV cache (and CUDA graphs) are resumed before they continue and are
@@ -69,6 +70,9 @@ class FleetPusher:
                 raise ValueError(f"a push to stale engines carries the current version {fleet.current_version!r}, "
                                  f"not {version!r}")
             records = [r for r in fleet.records if r.state in targets]
+            if not stale_only:
+                gone = await fleet.drop_restarted([r for r in records if r.state is EngineState.HEALTHY])
+                records = [r for r in records if all(r is not g for g in gone)]
             fleet.set_current_version(version)
             fleet.begin_weight_update(records)
             return records
@@ -82,6 +86,8 @@ class FleetPusher:
         if stale_only and not records:
             self.loop.run(finish([]))
             raise WeightSyncError("no stale engine left to push to (it died or was synced meanwhile)")
+        if not records:
+            return self._pushed_to_none(version, finish)
         try:
             try:
                 report = self.sync.push(self.targets(records), shards, version, after_load=wake_rest)
@@ -91,16 +97,20 @@ class FleetPusher:
                 if not dead or (stale_only and not records):
                     raise
                 if not records:
-                    # Every engine died: the version stays current and the replacements come up stale; a
-                    # rollout starved of engines gets it pushed (`on_starved`) while the trainer holds it.
-                    self.loop.run(finish([]))
-                    return SyncReport(PushReport(version, self.sync.transport.name, ()), None, 0.0)
+                    return self._pushed_to_none(version, finish)
                 report = self.sync.push(self.targets(records), shards, version, after_load=wake_rest)
         except BaseException:
             self.loop.run(finish([]))
             raise
         self.loop.run(finish(records))
         return report
+
+    def _pushed_to_none(self, version: str, finish: Callable[[Sequence[EngineRecord]], Awaitable[None]]
+                        ) -> SyncReport:
+        # Every engine died: the version stays current and the replacements come up stale; a rollout
+        # starved of engines gets it pushed (`on_starved`) while the trainer holds it.
+        self.loop.run(finish([]))
+        return SyncReport(PushReport(version, self.sync.transport.name, ()), None, 0.0)
 
     def targets(self, records: Sequence[EngineRecord]) -> list[FleetEngine]:
         """The weight-sync view of fleet `records`: each engine with its id, TP size and vocabulary padding."""

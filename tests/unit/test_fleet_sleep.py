@@ -1,4 +1,5 @@
-"""The fleet's sleeping state: sleep/wake transitions, health checks, refused generation, push ordering."""
+"""The fleet's sleeping state: sleep/wake transitions, health checks, refused generation, push ordering; a push
+leaves out an engine whose address answers from a new process."""
 
 from __future__ import annotations
 
@@ -156,6 +157,33 @@ def test_a_push_to_sleeping_engines_resumes_weights_then_pushes_then_resumes_the
         engines.run(fleet.sleep())
         with pytest.raises(EngineError, match="weights are released"):
             engines.run(a.update_weights_from_tensor([], None, "2"))
+        engines.run(fleet.close())
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5.0)
+        loop.close()
+
+
+def test_a_push_leaves_out_an_engine_whose_address_answers_from_a_new_process():
+    # A pod recreated under its name before a health check noticed: healthy by every probe, but serving
+    # its initial weights and in no weight-update group. The push must not wait on it.
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        engines = EngineLoop(loop, timeout_s=10.0)
+        a, b = FakeEngine("a"), FakeEngine("b")
+        fleet = engines.run(_fleet(a, b))
+        pusher = FleetPusher(WeightSyncCoordinator(_TensorTransport(engines), engines), fleet, engines, 1, "reference")
+        assert pusher.push({}, "1").push.engines == ("a", "b")
+        b.version = "0"  # the new process at b's address
+        report = pusher.push({}, "2")
+        assert report.push.engines == ("a",)
+        assert b.log.count("update_weights") == 1
+        dead = [t for t in fleet.transitions if t.engine_id == "b" and t.new is S.DEAD]
+        assert len(dead) == 1 and "restarted behind the fleet" in dead[0].reason and "served '1'" in dead[0].reason
+        # An engine still serving what it was pushed is asked and pushed to as before.
+        assert pusher.push({}, "3").push.engines == ("a",) and a.version == "3"
         engines.run(fleet.close())
     finally:
         loop.call_soon_threadsafe(loop.stop)
