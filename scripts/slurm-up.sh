@@ -83,7 +83,7 @@ AuthType=auth/munge
 CredType=cred/munge
 # cred_expire also holds a requeued job back this long (default 120 s): a job relaunched sooner on
 # the node that just killed it is refused there ("Job credential revoked").
-AuthInfo=socket=$MUNGE/munge.socket,cred_expire=30
+AuthInfo=socket=$MUNGE/munge.socket,cred_expire=10
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -91,8 +91,9 @@ AccountingStorageType=accounting_storage/none
 JobCompType=jobcomp/none
 MpiDefault=none
 SchedulerType=sched/backfill
-# Heterogeneous jobs are started only by the backfill scheduler (default interval 30 s).
-SchedulerParameters=bf_interval=1
+# Heterogeneous jobs are started only by the backfill scheduler (default interval 30 s); the main loop, which
+# starts a requeued job once its hold ends, runs every 60 s by default.
+SchedulerParameters=bf_interval=1,sched_interval=2
 DependencyParameters=kill_invalid_depend
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core

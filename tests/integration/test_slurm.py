@@ -262,7 +262,7 @@ def test_usr1_checkpoints_requeues_and_a_killed_driver_requeues_too(slurm: Slurm
     slurm.run("scancel", "--batch", "--signal=USR1", str(job_id))
 
     # The script requeues the job after the driver's clean stop; Slurm holds a requeued job back for
-    # the credential lifetime (cred_expire=30 in the test cluster), then starts it again by itself.
+    # the credential lifetime (cred_expire=10 in the test cluster), then starts it again by itself.
     slurm.wait_job(job_id, lambda f: f.get("Restarts") == "1" and f.get("JobState") == "PENDING",
                    "the requeue", timeout_s=240, logs=run_dir / "logs")
     saved = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
