@@ -413,6 +413,7 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
                 routing_stats.reduce()
                 stats.update(routing_stats.metrics(self.routing.layer_ids, self.routing.top_k))
                 self.routing.clear()
+            stats["lr"] = self._set_step_lr(lr)
             if not self._all_finite(parts):
                 self._skip_nonfinite()
                 stats.update(skipped=1.0, grad_norm=float("nan"))
@@ -420,7 +421,6 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
                 stats.update(self._apply_step(lr, advance_schedule))
         elapsed = time.perf_counter() - t0
         stats.update(
-            lr=current_lr(self.optimizer) if lr is None else lr,
             tokens=float(batch.num_tokens),
             response_tokens=float(sum(batch.response_lengths)),
             loss_tokens=float(sum(batch.loss_token_counts)),
@@ -431,11 +431,19 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
         )
         return stats
 
+    def _set_step_lr(self, lr: float | None) -> float:
+        """Set the rate of the coming optimizer step and return it: `lr`, or the schedule's (RL steps)."""
+        if lr is not None:
+            set_lr(self.optimizer, lr)
+        else:
+            # The schedule's rate, set again: a step at a rate of its own (the SFT warm-up's) leaves that rate
+            # in the optimizer, and the first RL step after it would run at it.
+            self.scheduler.step(increment=0)
+        return current_lr(self.optimizer)
+
     def _apply_step(self, lr: float | None, advance_schedule: bool) -> dict[str, float]:
         """The optimizer step (and the RL schedule's), undone when the update guard finds it diverged."""
         self.offloader.ready_on_device(("optimizer",), "an optimizer step")
-        if lr is not None:
-            set_lr(self.optimizer, lr)
         if self.guard is not None:
             self.guard.prepare()
         _, grad_norm, _ = self.optimizer.step()

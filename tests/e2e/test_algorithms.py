@@ -33,6 +33,8 @@ def test_dapo_refill_trains_full_batches_with_several_clipped_updates(tmp_path: 
                    "rollout.dynamic_sampling=true", "rollout.max_sampling_rounds=6",
                    "algo.updates_per_rollout=4", "trainer.lr=2e-3", "trainer.lr_warmup_steps=0")
     assert [r["step"] for r in records] == [1, 2, 3]
+    # The RL steps run at trainer.lr's schedule (cosine from 2e-3, no warm-up), not at the SFT warm-up's 3e-3.
+    assert records[0]["lr"] == pytest.approx(2e-3) and records[1]["lr"] < 2e-3
     for r in records:
         # Every group trained on has signal; the batch is full unless the rounds ran out (then counted).
         assert r["algo/zero_signal_share"] == 0.0, r

@@ -204,9 +204,8 @@ def test_divergence_guard_bounds_steps_and_undoes_exactly(model_dir: Path, preci
         groups = [{k: v for k, v in g.items() if k != "params"} for o in guard._torch_optimizers()
                   for g in o.param_groups]
         model = {n: p.detach().clone() for n, p in actor.policy.model.named_parameters()}
-        for o in guard._torch_optimizers():
-            for g in o.param_groups:
-                g["lr"] = 1e3
+        # A learning rate off by orders of magnitude, from the schedule (every RL step sets the schedule's rate).
+        actor.scheduler.get_lr = lambda param_group: 1e3
         groups = [{**g, "lr": 1e3} for g in groups]
         stats = actor.train_step(batch)
         assert stats["skipped"] == 1.0 and stats["update_ratio"] > 0.5, stats
