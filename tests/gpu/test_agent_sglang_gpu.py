@@ -51,7 +51,7 @@ def test_agent_sessions_on_sglang_are_token_exact(tmp_path: Path) -> None:
         "rollout.engines=1", "rollout.prompts_per_step=4", "rollout.group_size=2", "rollout.max_new_tokens=120",
         "algo.drop_zero_signal=false", "trainer=gpu_bf16", "model.shape.hidden_size=256",
         "model.shape.ffn_hidden_size=512", "model.shape.num_attention_heads=4", "model.shape.num_kv_heads=2",
-        "cluster.placement=colocated", "rollout.async_steps=0", "rollout.sglang_args.base_gpu_id=0",
+        "cluster.placement=colocated", "rollout.async_steps=0", "+rollout.sglang_args.base_gpu_id=0",
         "rollout.sglang_args.mem_fraction_static=0.3", "weight_sync.max_probe_logp_diff=0.1",
     ]
     if os.environ.get("MILES_ENGINE_PYTHONPATH"):

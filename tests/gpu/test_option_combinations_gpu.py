@@ -60,8 +60,10 @@ def _weights(checkpoints: Path, out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_optimizer_cpu_offload_resumes_like_a_run_that_went_through(tmp_path: Path) -> None:
+    # The entropy term gives every step a gradient (a tiny model from random weights scores 0 on every sample,
+    # so its advantages are 0), and no rate warm-up: steps 1 and 2 both move the weights and the Adam moments.
     offload = ["trainer=gpu_bf16", "trainer.use_distributed_optimizer=true", "trainer.offload.optimizer_cpu=true",
-               "checkpoint.interval=1"]
+               "checkpoint.interval=1", "algo.entropy_coef=0.01", "trainer.lr_warmup_steps=0"]
     _train(tmp_path, "through", *offload, "experiment.steps=2")
     _train(tmp_path, "resumed", *offload, "experiment.steps=1")
     resumed = _train(tmp_path, "resumed", *offload, "experiment.steps=2")
@@ -94,7 +96,7 @@ def test_lora_with_an_fp8_trainer_trains_the_adapters_and_verifies_every_push(tm
                     reason="needs sglang (importable, or MILES_ENGINE_PYTHONPATH)")
 def test_the_hand_off_with_an_fp8_trainer_trains_and_verifies_every_push(tmp_path: Path) -> None:
     overrides = ["trainer=gpu_fp8", "rollout=sglang", "rollout.engines=1", "cluster.placement=colocated",
-                 "cluster.colocated_memory=handoff", "rollout.sglang_args.base_gpu_id=0",
+                 "cluster.colocated_memory=handoff", "+rollout.sglang_args.base_gpu_id=0",
                  "rollout.sglang_args.mem_fraction_static=0.3", "experiment.steps=3"]
     if os.environ.get("MILES_ENGINE_PYTHONPATH"):
         overrides.append(f"+rollout.engine_env.PYTHONPATH={os.environ['MILES_ENGINE_PYTHONPATH']}")
