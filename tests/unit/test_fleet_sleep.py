@@ -4,8 +4,7 @@ leaves out an engine whose address answers from a new process."""
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import pytest
 from fake_rollout_engine import FakeEngine
@@ -13,6 +12,7 @@ from fake_rollout_engine import FakeEngine
 from miles_lite.config.schema import FaultToleranceConfig
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.fleet import TRANSITIONS, EngineFleet, EngineHandle, EngineState, FleetAsleep
+from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.weight_sync.coordinator import WeightSyncCoordinator
 from miles_lite.weight_sync.fleet_push import FleetPusher
 from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, PushReport, TransportState
@@ -136,56 +136,46 @@ class _TensorTransport:
         self.state = TransportState.CLOSED
 
 
-def test_a_push_to_sleeping_engines_resumes_weights_then_pushes_then_resumes_the_kv_cache():
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        engines = EngineLoop(loop, timeout_s=10.0)
+@pytest.fixture
+def pushing() -> Iterator[tuple[EngineLoop, EngineFleet, FleetPusher, FakeEngine, FakeEngine]]:
+    """Engines a and b in a fleet on a running event loop, and a pusher loading versions into them."""
+    with EventLoopThread() as thread:
+        engines = EngineLoop(thread.loop, timeout_s=10.0)
         a, b = FakeEngine("a"), FakeEngine("b")
         fleet = engines.run(_fleet(a, b))
-        engines.run(fleet.sleep())
         pusher = FleetPusher(WeightSyncCoordinator(_TensorTransport(engines), engines), fleet, engines, 1, "reference")
-        report = pusher.push({}, "1")
-        assert report.push.engines == ("a", "b")
-        for engine in (a, b):
-            assert engine.log == ["release weights,kv_cache,cuda_graph", "resume weights", "update_weights",
-                                  "resume kv_cache,cuda_graph"]
-        assert [r.state for r in fleet.records] == [S.HEALTHY, S.HEALTHY] and fleet.current_version == "1"
-        assert pusher.wake_seconds > 0.0
-        # An engine asleep with its weights released refuses a load: the order is what makes the push work.
-        engines.run(fleet.sleep())
-        with pytest.raises(EngineError, match="weights are released"):
-            engines.run(a.update_weights_from_tensor([], None, "2"))
-        engines.run(fleet.close())
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5.0)
-        loop.close()
+        try:
+            yield engines, fleet, pusher, a, b
+        finally:
+            engines.run(fleet.close())
 
 
-def test_a_push_leaves_out_an_engine_whose_address_answers_from_a_new_process():
+def test_a_push_to_sleeping_engines_resumes_weights_then_pushes_then_resumes_the_kv_cache(pushing):
+    engines, fleet, pusher, a, b = pushing
+    engines.run(fleet.sleep())
+    report = pusher.push({}, "1")
+    assert report.push.engines == ("a", "b")
+    for engine in (a, b):
+        assert engine.log == ["release weights,kv_cache,cuda_graph", "resume weights", "update_weights",
+                              "resume kv_cache,cuda_graph"]
+    assert [r.state for r in fleet.records] == [S.HEALTHY, S.HEALTHY] and fleet.current_version == "1"
+    assert pusher.wake_seconds > 0.0
+    # An engine asleep with its weights released refuses a load: the order is what makes the push work.
+    engines.run(fleet.sleep())
+    with pytest.raises(EngineError, match="weights are released"):
+        engines.run(a.update_weights_from_tensor([], None, "2"))
+
+
+def test_a_push_leaves_out_an_engine_whose_address_answers_from_a_new_process(pushing):
     # A pod recreated under its name before a health check noticed: healthy by every probe, but serving
     # its initial weights and in no weight-update group. The push must not wait on it.
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    try:
-        engines = EngineLoop(loop, timeout_s=10.0)
-        a, b = FakeEngine("a"), FakeEngine("b")
-        fleet = engines.run(_fleet(a, b))
-        pusher = FleetPusher(WeightSyncCoordinator(_TensorTransport(engines), engines), fleet, engines, 1, "reference")
-        assert pusher.push({}, "1").push.engines == ("a", "b")
-        b.version = "0"  # the new process at b's address
-        report = pusher.push({}, "2")
-        assert report.push.engines == ("a",)
-        assert b.log.count("update_weights") == 1
-        dead = [t for t in fleet.transitions if t.engine_id == "b" and t.new is S.DEAD]
-        assert len(dead) == 1 and "restarted behind the fleet" in dead[0].reason and "served '1'" in dead[0].reason
-        # An engine still serving what it was pushed is asked and pushed to as before.
-        assert pusher.push({}, "3").push.engines == ("a",) and a.version == "3"
-        engines.run(fleet.close())
-    finally:
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(5.0)
-        loop.close()
+    _, fleet, pusher, a, b = pushing
+    assert pusher.push({}, "1").push.engines == ("a", "b")
+    b.version = "0"  # the new process at b's address
+    report = pusher.push({}, "2")
+    assert report.push.engines == ("a",)
+    assert b.log.count("update_weights") == 1
+    dead = [t for t in fleet.transitions if t.engine_id == "b" and t.new is S.DEAD]
+    assert len(dead) == 1 and "restarted behind the fleet" in dead[0].reason and "served '1'" in dead[0].reason
+    # An engine still serving what it was pushed is asked and pushed to as before.
+    assert pusher.push({}, "3").push.engines == ("a",) and a.version == "3"
