@@ -396,24 +396,23 @@ class EngineFleet(FleetMemory, FleetMembership):
         pod was recreated); one that passes both is alive and the failure was something else.
         """
         checked = await probe_live(records, self.cfg.health_timeout_s)
-        new = await restarted_among([r for r, ok in checked if ok], self.cfg.health_timeout_s,
-                                    pushed=self.current_version)
+        new = await self.drop_restarted([r for r, ok in checked if ok], pushed=self.current_version)
         failed = [rec for rec, ok in checked if not ok and rec.state in LIVE]
-        new = [rec for rec in new if rec.state in LIVE]
         for rec in failed:
             self._declare_dead(rec, f"failed a health check after a failed weight push: {rec.last_error}")
-        for rec in new:
-            self._declare_dead(rec, rec.last_error)
         return failed + new
 
-    async def drop_restarted(self, records: Sequence[EngineRecord]) -> list[EngineRecord]:
+    async def drop_restarted(self, records: Sequence[EngineRecord], *, pushed: str | None = None
+                             ) -> list[EngineRecord]:
         """Declare dead and return the `records` whose address answers from a new process (a pod recreated
-        under its name since the last health check; one `/model_info` each, concurrently).
+        under its name since the last health check; one `/model_info` each, concurrently). `pushed`: asked
+        after a failed push of that version (see `engine_health.restarted`).
 
-        Asked before a push: the new process is in no weight-update group, and the group member it
+        Asked before a push too: the new process is in no weight-update group, and the group member it
         replaced is gone, so the push would fail only when its surviving members' receive times out.
         """
-        new = [rec for rec in await restarted_among(records, self.cfg.health_timeout_s) if rec.state in LIVE]
+        new = [rec for rec in await restarted_among(records, self.cfg.health_timeout_s, pushed=pushed)
+               if rec.state in LIVE]
         for rec in new:
             self._declare_dead(rec, rec.last_error)
         return new
