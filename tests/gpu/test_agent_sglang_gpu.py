@@ -78,8 +78,9 @@ def test_agent_sessions_on_sglang_are_token_exact(tmp_path: Path) -> None:
                 assert turn["input"][:len(prev["input"]) + len(prev["output"])] == prev["input"] + prev["output"]
         assert ids == turns[-1]["input"] + turns[-1]["output"]
         assert sum(record["loss_mask"]) == sum(len(t["output"]) for t in turns)
-        # Step k's samples come from the weights pushed before step k (version k; the first push is 1).
-        assert record["weight_version"] == str(row["step"] + 1)
+        # Step k's samples come from the weights pushed before step k: version k - 1, the RL steps those weights
+        # had taken (docs/observability.md, "Weight versions").
+        assert record["weight_version"] == row["weight_version"] == str(row["step"] - 1)
     for step in read_metrics_file(tmp_path / "run"):
         assert step["rollout/agents_started"] == 8 and step["rollout/agents_failed"] == 0
         assert step["rollout/agent_timeouts"] == 0
