@@ -68,6 +68,8 @@ def test_agent_sessions_through_miles_lite_train_are_token_exact_and_survive_fau
             assert record["loss_mask"][start:start + len(turn["output"])] == [1] * len(turn["output"])
         assert ids == turns[-1]["input"] + turns[-1]["output"]
         assert sum(record["loss_mask"]) == sum(len(t["output"]) for t in turns)
+        # Step 1's sessions ran on the weights RL starts from: version 0 (docs/observability.md).
+        assert record["weight_version"] == row["weight_version"] == "0"
     by_role = {role: [a for a in agents if a["role"] == role] for role in ROLES}
     assert all(a["diverged"][0] == 400 and "messages[1] (user) differs" in a["diverged"][1]
                for a in by_role["diverge"])
