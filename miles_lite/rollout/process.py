@@ -25,10 +25,6 @@ child still dies with "address already in use" in its log, it is respawned on a 
 from __future__ import annotations
 
 import asyncio
-
-# getaddrinfo encodes a host name with the idna codec, importing it on first use; a first use in a thread
-# while another thread imports can fail with "LookupError: unknown encoding: idna". Loaded here, once.
-import encodings.idna  # noqa: F401
 import enum
 import os
 import signal
