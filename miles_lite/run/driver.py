@@ -438,6 +438,7 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         in_flight = rollouts.tag
         io.maybe_save_checkpoint(system, CursorAt(in_flight) if in_flight is not None else data, step)
     handoff.measure("train")
+    io.start_rollout_table(step, groups)
     with timer.phase("sync"):
         rollouts.pause()
         sync_report, sync_seconds = handoff.push(step)

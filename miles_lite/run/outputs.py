@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -106,6 +107,9 @@ class RunIO:
         # The evaluations before RL (`summary.json`'s `before`): every checkpoint carries them to a resume.
         self.before: dict[str, float] = {}
         self._restarts_seen = 0.0
+        # The rollout table of the step being pushed, written meanwhile (`start_rollout_table`).
+        self._table_thread: ThreadPoolExecutor | None = None
+        self._table_write: tuple[int, Future[Any]] | None = None
         # `miles_lite_checkpoint_step` follows the commits of background saves too (whichever process commits).
         self.commits = (CommitWatcher(cfg.checkpoint.dir, self.metrics.checkpoint_step)
                         if cfg.checkpoint.dir else None)
@@ -117,6 +121,8 @@ class RunIO:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        if self._table_thread is not None:  # a step that failed after its table was started still gets it
+            self._table_thread.shutdown(wait=True)
         if self.commits is not None:
             self.commits.stop()
         self.progress.__exit__(exc_type, *exc)
@@ -171,9 +177,22 @@ class RunIO:
         self._restarts_seen = max(restarts, self._restarts_seen)
         for sink in self.sinks:
             sink.log(step, stats)
-        if self.table is not None:
+        if self._table_write is not None and self._table_write[0] == step:
+            written, self._table_write = self._table_write[1], None
+            written.result()  # re-raises what the write raised
+        elif self.table is not None:
             self.table.write_groups(step, groups)
         self.progress.step_done(step, stats)
+
+    def start_rollout_table(self, step: int, groups: Sequence[Group]) -> None:
+        """Start writing step `step`'s rollout table on a thread of its own; `publish_step(step, ...)` waits for
+        it. Started before the weight push, whose waits on the engines (their load, their probe scores) leave
+        the driver's interpreter idle: the Parquet file is written there instead of after the push."""
+        if self.table is None:
+            return
+        if self._table_thread is None:
+            self._table_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout-table")
+        self._table_write = (step, self._table_thread.submit(self.table.write_groups, step, groups))
 
     def report_eval_sets(self, title: str, results: Sequence[Any], step: int, *, in_step: bool = False
                          ) -> dict[str, float]:

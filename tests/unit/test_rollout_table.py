@@ -71,3 +71,47 @@ def test_empty_completion_has_nan_mean_logprob() -> None:
     g.samples.append(Sample(prompt_index=0, prompt_ids=[1], response_ids=[], rollout_logprobs=[]))
     (row,) = rows_from_groups(1, [g])
     assert row.length == 0 and math.isnan(row.mean_logprob) and row.total == 0.0
+
+
+def test_a_table_started_before_the_push_is_written_by_publish_step(tmp_path: Path) -> None:
+    import threading
+
+    from miles_lite.config.compose import load_config
+    from miles_lite.run.outputs import RunIO
+
+    cfg = load_config([f"experiment.output_dir={tmp_path}", "observability.progress=false",
+                       "observability.metrics_enabled=false"])
+    writers: list[str] = []
+    with RunIO(cfg, tmp_path, "run") as io:
+        assert io.table is not None
+        write_groups = io.table.write_groups
+
+        def recorded(step: int, groups: list[Group]) -> Path | None:
+            writers.append(threading.current_thread().name)
+            return write_groups(step, groups)
+
+        io.table.write_groups = recorded  # type: ignore[method-assign]
+        io.start_rollout_table(1, [group(0, [0.0, 1.0])])
+        io.publish_step(1, {}, [group(0, [0.0, 1.0])], {})
+        assert read_rollouts(tmp_path)["total"].to_pylist() == [0.0, 1.0]
+        # Started and published: written once, on the writer's thread; a step not started is written in place.
+        io.publish_step(2, {}, [group(1, [7.0])], {})
+    assert writers[0].startswith("rollout-table") and writers[1] == threading.current_thread().name
+    assert read_rollouts(tmp_path)["total"].to_pylist() == [0.0, 1.0, 7.0]
+
+
+def test_a_failed_background_write_is_raised_by_publish_step(tmp_path: Path) -> None:
+    from miles_lite.config.compose import load_config
+    from miles_lite.run.outputs import RunIO
+
+    cfg = load_config([f"experiment.output_dir={tmp_path}", "observability.progress=false",
+                       "observability.metrics_enabled=false"])
+    with RunIO(cfg, tmp_path, "run") as io:
+        # Rows of another step than the one written: the writer refuses them, on its thread.
+        table = io.table
+        assert table is not None
+        rows = rows_from_groups(3, [group(0, [1.0])])
+        table.write_groups = lambda step, groups: table.write_step(step, rows)  # type: ignore[method-assign]
+        io.start_rollout_table(2, [group(0, [1.0])])
+        with pytest.raises(ValueError, match=r"carry step\(s\) \[3\] but are written as step 2"):
+            io.publish_step(2, {}, [], {})
