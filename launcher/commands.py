@@ -92,19 +92,20 @@ def weight_transport(job: JobSpec) -> str | None:
 def shares_volume(job: JobSpec) -> bool:
     """Whether engine pods mount the job's checkpoint volume too: the disk transport's shared directory, or the
     directory of pushed LoRA adapters each engine loads."""
-    return weight_transport(job) == "disk" or derived.pushes_adapters(job)
+    return weight_transport(job) == "disk" or derived.adapters_as_files(job)
 
 
 def _transport_problems(job: JobSpec) -> list[str]:
     transport = weight_transport(job)
     if derived.pushes_adapters(job):
-        # The adapter push writes files whatever the transport: only the volume matters.
-        if job.checkpoint.claim_name:
+        # The adapter push writes files (or sends the tensors in its requests) whatever the transport: only the
+        # volume matters.
+        if job.checkpoint.claim_name or not derived.adapters_as_files(job):
             return []
         return [f"spec.overrides: trainer.lora.rank={derived.lora_rank(job)} pushes each adapter version as a "
                 "directory the engine pods load, so trainer and engine pods need one shared volume; set "
-                "spec.checkpoint.volume.claimName to a ReadWriteMany PVC, or push merged weights "
-                "(weight_sync.lora=merged)"]
+                "spec.checkpoint.volume.claimName to a ReadWriteMany PVC, send the adapters inside the load "
+                "requests (weight_sync.lora=tensors), or push merged weights (weight_sync.lora=merged)"]
     if transport is None or transport == "distributed":
         return []
     where = "spec.overrides: weight_sync"
@@ -151,7 +152,7 @@ def resolved_overrides(job: JobSpec) -> list[str]:
         # Engine pods dial the trainer's weight-update rendezvous at trainer pod 0's Service name.
         f"cluster.advertise_address={trainer_head_host(job)}",
     ]
-    if derived.pushes_adapters(job):
+    if derived.adapters_as_files(job):
         managed.append(f"weight_sync.disk_dir={job.checkpoint.mount_path}/adapters")
     elif shares_volume(job):
         managed.append(f"weight_sync.disk_dir={job.checkpoint.mount_path}/weights")

@@ -6,8 +6,9 @@ A run the launcher starts derives these engine flags from its configuration (`mi
 `miles_lite.config.engine_launch`); engine pods are started by the operator, so it derives the same flags here:
 SGLang pods get `enable_lora`, `max_lora_rank`, `lora_target_modules` and `enable_return_routed_experts` in their
 `--sglang-args`, reference pods `--enable-lora --max-lora-rank R`. A flag set in `spec.rollout.sglangArgs` wins,
-and one that contradicts what the job needs is refused naming it. Adapter pushes write each version as a PEFT
-directory that every engine loads from its own filesystem, so the engine pods mount the job's volume.
+and one that contradicts what the job needs is refused naming it. Adapter pushes as files (`weight_sync.lora=adapter`,
+the default) write each version as a PEFT directory that every engine loads from its own filesystem, so the engine
+pods mount the job's volume; `weight_sync.lora=tensors` sends the adapter inside the load requests instead.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ def lora_targets(job: JobSpec) -> list[str]:
 
 
 def pushes_adapters(job: JobSpec) -> bool:
-    """Whether pushes carry LoRA adapters, which the engine pods load as files."""
+    """Whether pushes carry LoRA adapters (as files or inside the requests), which the engine pods load."""
+    return lora_rank(job) > 0 and (override_value(job, "weight_sync.lora") or "adapter") in ("adapter", "tensors")
+
+
+def adapters_as_files(job: JobSpec) -> bool:
+    """Whether pushes write each adapter version as a directory the engine pods load from their filesystem."""
     return lora_rank(job) > 0 and (override_value(job, "weight_sync.lora") or "adapter") == "adapter"
 
 

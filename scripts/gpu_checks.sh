@@ -5,13 +5,15 @@
 #
 # Parts: versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs lora
 # combinations (optimizer CPU offload with a resume, LoRA with FP8, the hand-off with FP8),
-# and, not in the default list, the colocated hand-off ones (colocated-0.5b resident-0.5b colocated-7b lora-7b) and
+# and, not in the default list, the colocated hand-off ones (colocated-0.5b resident-0.5b colocated-7b lora-7b
+# lora-7b-merged lora-7b-tensors) and
 # the RL step against the bare megatron-core step at the recipe's shape, with RoPE fused (the default on THD
 # rows) and unfused (speed-recipe speed-recipe-unfused).
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
 # `sitting` is the preset of one GPU sitting (about 20 minutes of device time with staging): the figures of the
 # GRPO step's speed first (generation against raw SGLang, the recipe test, the RL step against the bare one in
-# bf16 and FP8 with profiler traces, the 0.5B and 7B hand-offs, the 7B LoRA step with merged and adapter pushes,
+# bf16 and FP8 with profiler traces, the 0.5B and 7B hand-offs, the 7B LoRA step with merged, adapter-directory
+# and adapter-tensor pushes,
 # the guard at 7B width), then the SGLang checks (agents, auth, MoE, contract); every part bounded by its own
 # time, OUT_DIR/summary.md rewritten after each (scripts/gpu_summary.py), so a sitting cut short still brings
 # back what it measured. SITTING_PARTS overrides its list.
@@ -40,7 +42,7 @@ if [ "${parts[*]}" = sitting ]; then
   export GUARD_7B_CONFIGS=${GUARD_7B_CONFIGS:-bf16,fp8-delayed}
   # shellcheck disable=SC2206
   parts=(${SITTING_PARTS:-versions rollout recipe speed-recipe colocated-0.5b trainer-offload colocated-7b
-         lora-7b-merged guard-7b agent lora-7b rollout-default auth moe contract})
+         lora-7b-merged guard-7b agent lora-7b lora-7b-tensors rollout-default auth moe contract})
 fi
 failed=0
 # The GRPO parts' engines see SGLang installed apart, and push as the other GPU checks do.
@@ -71,7 +73,7 @@ part() {
 # rollout: the engine's start with decode graphs to 512 took 172 s on an H100, then 20 rounds at 256 and 512.
 declare -A sitting_limit=([versions]=60 [rollout]=480 [rollout-default]=150 [recipe]=420 [speed-recipe]=360
                           [colocated-0.5b]=330 [colocated-7b]=330 [lora-7b-merged]=330 [lora-7b]=330
-                          [guard-7b]=240 [trainer-offload]=120 [agent]=300 [combinations]=480 [auth]=240
+                          [lora-7b-tensors]=330 [guard-7b]=240 [trainer-offload]=120 [agent]=300 [combinations]=480 [auth]=240
                           [moe]=300 [contract]=300)
 part_limit() {
   if [ -n "${SITTING:-}" ] && [ -n "${sitting_limit[$1]:-}" ]; then echo "${sitting_limit[$1]}"
@@ -207,8 +209,13 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     # Whether a colocated LoRA GRPO step of the whole Qwen2.5-7B fits, its time and memory.
     lora-7b) grpo_part lora-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 --skip 1 \
                --out "$out/lora-7b.json" trainer.lora.rank=16 trainer.lora.alpha=32 ;;
+    # The same step pushing the adapter inside the load request (/load_lora_adapter_from_tensors), no directory.
+    lora-7b-tensors) grpo_part lora-7b-tensors "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 \
+                       --skip 1 --out "$out/lora-7b-tensors.json" trainer.lora.rank=16 trainer.lora.alpha=32 \
+                       weight_sync.lora=tensors ;;
     *) echo "unknown part $p (versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs" \
-            "lora combinations colocated-0.5b resident-0.5b colocated-7b lora-7b lora-7b-merged speed-recipe" \
+            "lora combinations colocated-0.5b resident-0.5b colocated-7b lora-7b lora-7b-merged lora-7b-tensors" \
+            "speed-recipe" \
             "speed-recipe-unfused rollout rollout-default trainer-offload; or the preset: sitting)"
        failed=$((failed + 1)) ;;
   esac

@@ -73,7 +73,7 @@ def speed_table(out: Path) -> list[str]:
 
 def grpo_table(out: Path) -> list[str]:
     lines = []
-    for name in ("colocated-0.5b", "colocated-7b", "lora-7b", "lora-7b-merged", "resident-0.5b"):
+    for name in ("colocated-0.5b", "colocated-7b", "lora-7b", "lora-7b-merged", "lora-7b-tensors", "resident-0.5b"):
         rep = _load(out / f"{name}.json")
         if not rep or not rep.get("spread"):
             continue

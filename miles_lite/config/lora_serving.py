@@ -1,5 +1,5 @@
-"""The engine flags a LoRA run's adapter pushes need (`trainer.lora.rank` > 0, `weight_sync.lora=adapter`), and
-what contradicts them in the flags the user set (`rollout.sglang_args` / `rollout.reference_args`).
+"""The engine flags a LoRA run's adapter pushes need (`trainer.lora.rank` > 0, `weight_sync.lora` adapter or
+tensors), and what contradicts them in the flags the user set (`rollout.sglang_args` / `rollout.reference_args`).
 
 SGLang (0.5.23: `srt/arg_groups/fields/lora.py`, `srt/lora/`) serves adapters loaded at run time only with
 `--enable-lora`; with no adapter at start it sizes its adapter memory pool from `--max-lora-rank` and
@@ -29,7 +29,7 @@ SGLANG_ALL_MODULES = frozenset({"all", "all-linear"})
 
 def serves_adapters(cfg: MilesConfig) -> bool:
     """True when the engines must load the trainer's adapters (LoRA with adapter pushes)."""
-    return cfg.trainer.lora.rank > 0 and cfg.weight_sync.lora == "adapter"
+    return cfg.trainer.lora.rank > 0 and cfg.weight_sync.lora in ("adapter", "tensors")
 
 
 def derived_lora_args(cfg: MilesConfig, engine: str) -> dict[str, Any]:
@@ -57,7 +57,8 @@ def lora_serving_problems(cfg: MilesConfig) -> list[str]:
     engine = cfg.rollout.backend
     field = "rollout.sglang_args" if engine == "sglang" else "rollout.reference_args"
     given = by_flag_name(cfg.rollout.sglang_args if engine == "sglang" else cfg.rollout.reference_args)
-    why = (f"trainer.lora.rank={lora.rank} with weight_sync.lora=adapter pushes adapters into the engines; ")
+    why = (f"trainer.lora.rank={lora.rank} with weight_sync.lora={cfg.weight_sync.lora} pushes adapters into the "
+           "engines; ")
     problems: list[str] = []
     if "enable_lora" in given and given["enable_lora"] is not True:
         problems.append(f"{field}.enable_lora={given['enable_lora']!r}: {why}drop it (it is set to true for you) "

@@ -316,9 +316,10 @@ class WeightSyncConfig:
     backend: str = one_of("auto", "nccl", "gloo")
     init_timeout_s: float = bounded(120.0, gt=0)
     # With trainer.lora.rank > 0: adapter (push only the adapter tensors as a PEFT adapter directory under
-    # `disk_dir` (default <run>/adapters), loaded by each engine under a new name per version) | merged
-    # (base + adapter weights through `transport`, as a full fine-tune pushes them).
-    lora: str = one_of("adapter", "merged")
+    # `disk_dir` (default <run>/adapters), loaded by each engine under a new name per version) | tensors (the
+    # adapter tensors inside the load request, /load_lora_adapter_from_tensors: no directory, engines on any
+    # machine) | merged (base + adapter weights through `transport`, as a full fine-tune pushes them).
+    lora: str = one_of("adapter", "merged", "tensors")
 
 
 @dataclass

@@ -89,7 +89,7 @@ class EngineFleetConfig:
 @dataclass(frozen=True)
 class WeightSyncSetup:
     """The weight push: `weight_sync.*`, plus what it needs of the trainer and the engines. `adapters` is the
-    trainer's LoRA config when pushes carry only adapters (`weight_sync.lora=adapter`), else None."""
+    trainer's LoRA config when pushes carry only adapters (`weight_sync.lora=adapter|tensors`), else None."""
 
     weight_sync: WeightSyncConfig
     trainer_tp: int

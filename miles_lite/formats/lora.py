@@ -9,7 +9,10 @@ projection's output gains `alpha / r * B @ A @ x`.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
+import pickle
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -153,3 +156,42 @@ def load_adapter_dir(path: str | Path) -> tuple[LoraSpec, dict[str, Tensor]]:
 
 def adapter_bytes(tensors: Iterable[Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def adapter_payload(adapter: Mapping[str, Tensor]) -> str:
+    """An adapter's tensors as `/load_lora_adapter_from_tensors` takes them: base64 of a pickled
+    `{PEFT name: CPU tensor}` whose bytes travel inside the request (SGLang's `MultiprocessingSerializer`
+    reads it; no shared memory, file or CUDA handle, so the engine may be on any machine)."""
+    pairs(adapter)  # refuses stray names before anything is sent
+    cpu = {str(n): t.detach().to("cpu", copy=True).contiguous() for n, t in adapter.items()}
+    return base64.b64encode(pickle.dumps(cpu, protocol=pickle.HIGHEST_PROTOCOL)).decode("ascii")
+
+
+class _TensorUnpickler(pickle.Unpickler):
+    """Unpickles plain containers of CPU tensors and nothing else: no class of the payload's choosing runs."""
+
+    ALLOWED = {("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2")}
+
+    def find_class(self, module: str, name: str) -> object:
+        if (module, name) == ("torch.storage", "_load_from_bytes"):
+            return _storage_from_bytes
+        if (module, name) in self.ALLOWED:
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"a LoRA adapter payload may hold tensors only, not {module}.{name}")
+
+
+def _storage_from_bytes(data: bytes) -> object:
+    return torch.load(io.BytesIO(data), weights_only=True)
+
+
+def read_adapter_payload(payload: str | bytes) -> dict[str, Tensor]:
+    """Inverse of `adapter_payload`; ValueError for anything that is not a `{PEFT name: tensor}` mapping."""
+    try:
+        data = _TensorUnpickler(io.BytesIO(base64.b64decode(payload, validate=True))).load()
+    except (pickle.UnpicklingError, ValueError, EOFError, TypeError, RuntimeError) as exc:
+        raise ValueError(f"cannot decode the adapter payload: {exc}") from None
+    if not isinstance(data, Mapping) or not all(isinstance(k, str) and isinstance(v, Tensor) for k, v in data.items()):
+        raise ValueError("an adapter payload must decode to a mapping of PEFT tensor names to tensors")
+    tensors = dict(data)
+    pairs(tensors)
+    return tensors

@@ -98,6 +98,10 @@ class RolloutEngine(Protocol):
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
         """Load a PEFT adapter directory under a name requests can pick (`lora_name` below)."""
 
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config: dict[str, Any],
+                                             payloads: list[str]) -> dict[str, Any]:
+        """Load an adapter sent in the request (its PEFT config and one tensor payload per engine TP rank)."""
+
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """Drop a loaded adapter."""
 

@@ -414,6 +414,14 @@ class HttpEngine:
         return await self._post_checked("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path},
                                         self.request_timeout_s)
 
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config: dict[str, Any],
+                                             payloads: list[str]) -> dict[str, Any]:
+        """`/load_lora_adapter_from_tensors`: load adapter `lora_name` from the request itself (`config`: its
+        `adapter_config.json`; `payloads`: one `formats.lora.adapter_payload` per engine TP rank)."""
+        return await self._post_checked("/load_lora_adapter_from_tensors", {
+            "lora_name": lora_name, "config_dict": config, "serialized_named_tensors": payloads,
+        }, self.request_timeout_s)
+
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
         """`/unload_lora_adapter`: drop adapter `lora_name`."""
         return await self._post_checked("/unload_lora_adapter", {"lora_name": lora_name})

@@ -250,7 +250,8 @@ class System:
         return report, time.perf_counter() - start
 
     def _push_source(self) -> Any:
-        """What a push carries: the trainer's adapters (LoRA, `weight_sync.lora=adapter`), else its weight shards."""
+        """What a push carries: the trainer's adapters (LoRA, `weight_sync.lora=adapter|tensors`), else its weight
+        shards."""
         assert self.trainer is not None
         return self.trainer.adapter_tensors if serves_adapters(self.cfg) else self.trainer.weight_shards
 

@@ -1,12 +1,18 @@
 """Adapter-only weight push for LoRA runs: only the adapter tensors move, never the frozen base.
 
-Each push publishes the trainer's adapters as a PEFT directory `<root>/v<version>/` (written into a
-temporary directory, then renamed: an engine never reads half a version), then, on every engine and
-as SGLang's LoRA serving API has it: `/load_lora_adapter` under a new name, `/update_weight_version`,
-the engine's client switches its requests' `lora_path` to the new name, and the adapter it served
-before is unloaded (`/unload_lora_adapter`). A request already running keeps the adapter it started
-with (the engines resolve a name once, at submission). Older version directories are removed after a
-successful push. The engines must see `<root>` (same machine, or a shared file system).
+Each push serves the trainer's adapters under a new name on every engine, as SGLang's LoRA serving API has
+it, in one of two ways (`weight_sync.lora`):
+
+- `adapter`: a PEFT directory `<root>/v<version>/` (written into a temporary directory, then renamed: an
+  engine never reads half a version) that each engine loads (`/load_lora_adapter`); the engines must see
+  `<root>` (same machine, or a shared file system). Older version directories are removed after a
+  successful push.
+- `tensors`: the adapter's tensors inside the request (`/load_lora_adapter_from_tensors`, with its
+  `adapter_config.json`): nothing is written to disk, and engines on any machine can load it.
+
+Then `/update_weight_version`, the engine's client switches its requests' `lora_path` to the new name, and the
+adapter it served before is unloaded (`/unload_lora_adapter`). A request already running keeps the adapter it
+started with (the engines resolve a name once, at submission).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
-from miles_lite.formats.lora import LoraSpec, adapter_bytes, save_adapter_dir
+from miles_lite.formats.lora import LoraSpec, adapter_bytes, adapter_payload, save_adapter_dir
 from miles_lite.weight_sync.disk import VERSION_DIR, version_dir
 from miles_lite.weight_sync.transport import (
     EngineLoop,
@@ -35,26 +41,35 @@ def adapter_name(version: str, attempt: int) -> str:
     return f"policy-v{version}-{attempt}"
 
 
+# How a push hands adapters to the engines (`weight_sync.lora`, besides `merged`).
+ADAPTER_VIAS = ("adapter", "tensors")
+
+
 class AdapterTransport(WeightTransport):
-    """Pushes LoRA adapters as PEFT directories that each engine loads by name (see the module docstring).
+    """Pushes LoRA adapters that each engine loads by name (see the module docstring).
 
     Args:
         spec: the adapters' rank, alpha and targets (written into `adapter_config.json`).
         root: directory the versions are published under (`weight_sync.disk_dir`, default `<run>/adapters`).
         loop: the rollout event loop the engine calls run on.
         base_model: the base's HF directory, recorded in `adapter_config.json` (None for a generated model).
+        via: `adapter` (a PEFT directory under `root`) or `tensors` (inside the request; `root` is not used).
     """
 
-    name = "lora_adapter"
-
-    def __init__(self, spec: LoraSpec, root: Path, loop: EngineLoop, base_model: str | None = None) -> None:
+    def __init__(self, spec: LoraSpec, root: Path, loop: EngineLoop, base_model: str | None = None,
+                 via: str = "adapter") -> None:
         super().__init__()
+        if via not in ADAPTER_VIAS:
+            raise ValueError(f"weight_sync.lora={via!r}: adapters are pushed as {' or '.join(ADAPTER_VIAS)}")
         self.spec = spec
         self.root = Path(root)
         self.loop = loop
         self.base_model = base_model
+        self.via = via
+        self.name = "lora_adapter" if via == "adapter" else "lora_tensors"
         self._attempts = 0
         self._published: str | None = None
+        self._payload: tuple[str, str] | None = None  # (version, payload) of the last push from tensors
 
     def connect(self, fleet_engines: Sequence[FleetEngine]) -> None:
         self._require(TransportState.NEW, TransportState.CONNECTED, TransportState.FAILED)
@@ -75,7 +90,7 @@ class AdapterTransport(WeightTransport):
         return final
 
     def push(self, named_shards: ShardSource, version: str) -> PushReport:
-        """Publish `named_shards` (one entry: `{PEFT name: full tensor}`) and switch every engine to it."""
+        """Hand `named_shards` (one entry: `{PEFT name: full tensor}`) to every engine and switch it to them."""
         self._require(TransportState.CONNECTED)
         report = PushReport(version, self.name, tuple(f.engine_id for f in self.fleet))
         try:
@@ -85,24 +100,34 @@ class AdapterTransport(WeightTransport):
                                       f"got {len(shards)} entries")
             tensors = dict(shards[0])
             with report.phase("transfer"):
-                path = self._publish(version, tensors)
+                source = self._publish(version, tensors) if self.via == "adapter" else self._serialize(version, tensors)
             report.bytes = adapter_bytes(tensors.values())
             report.buckets = 1
             self._attempts += 1
             name = adapter_name(version, self._attempts)
             with report.phase("load"):
-                self._switch(name, str(path.resolve()), version)
+                self._switch(name, source, version)
         except BaseException:
             self.state = TransportState.FAILED
             raise
-        self._prune(version)
+        if self.via == "adapter":
+            self._prune(version)
         return report
 
-    def _switch(self, name: str, path: str, version: str) -> None:
+    def _serialize(self, version: str, tensors: dict) -> str:
+        if self._payload is None or self._payload[0] != version:  # the same version again: the same tensors
+            self._payload = (version, adapter_payload(tensors))
+        return self._payload[1]
+
+    def _switch(self, name: str, source: Path | str, version: str) -> None:
         loop = self.loop
+        config = self.spec.peft_config(self.base_model)
 
         async def load(f: FleetEngine) -> None:
-            await f.engine.load_lora_adapter(name, path)
+            if isinstance(source, Path):
+                await f.engine.load_lora_adapter(name, str(source.resolve()))
+            else:  # every engine TP rank gets the whole adapter and keeps its own slices
+                await f.engine.load_lora_adapter_from_tensors(name, config, [source] * f.spec.tp)
             await f.engine.update_weight_version(version, abort_all_requests=False)
 
         loop.gather({f.engine_id: loop.submit(load(f)) for f in self.fleet})

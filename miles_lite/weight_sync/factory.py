@@ -27,7 +27,7 @@ def build_transport(cfg: WeightSyncSetup, trainer: WeightSource, loop: EngineLoo
         spec = lora_spec(cfg.adapters)
         assert spec is not None
         root = Path(ws.disk_dir) if ws.disk_dir else run_dir / "adapters"
-        return AdapterTransport(spec, root, loop, base_model=cfg.base_model)
+        return AdapterTransport(spec, root, loop, base_model=cfg.base_model, via=ws.lora)
     # Dense tensors are resharded from the TP ranks; each routed expert comes whole from a sender on its EP rank.
     specs = specs_from_layouts(trainer.layouts(), cfg.dtype, trainer.expert_senders())
     if ws.transport == "disk":

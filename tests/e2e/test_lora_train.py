@@ -1,6 +1,7 @@
-"""`miles-lite train` with LoRA adapters on reference engines: adapter-only pushes (async rollouts) and merged
-pushes, each verified by the probe, the run's checkpoint holding only adapters, the base bit-identical after
-training, and a stopped run resumed by a new process ending on the straight run's adapters bit for bit."""
+"""`miles-lite train` with LoRA adapters on reference engines: adapter-only pushes (as directories and inside
+the requests; async rollouts) and merged pushes, each verified by the probe, the run's checkpoint holding only
+adapters, the base bit-identical after training, and a stopped run resumed by a new process ending on the
+straight run's adapters bit for bit."""
 
 from __future__ import annotations
 
@@ -69,6 +70,22 @@ def test_adapter_push_moves_only_the_adapter(tmp_path: Path) -> None:
         "adapter_config.json", "adapter_model.safetensors"}
     log = "".join(p.read_text() for p in (run / "logs").glob("reference-*.log"))
     assert "--enable-lora" in log
+
+
+def test_tensor_push_sends_the_adapter_inside_the_load_requests(tmp_path: Path) -> None:
+    # weight_sync.lora=tensors: no adapter directory anywhere; each engine loads every version from the request.
+    run = _train(tmp_path, "tensors", "weight_sync.lora=tensors", "rollout.async_steps=1", "rollout.max_staleness=1")
+    reader = CheckpointReader(newest_complete(run / "checkpoints"))  # type: ignore[arg-type]
+    adapter_bytes = sum(reader.global_tensor(n).numel() * 4 for n in reader.global_names("model/"))
+    steps = _metrics(run)
+    assert [m["step"] for m in steps] == [1, 2]
+    for m in steps:
+        assert m["sync/bytes"] == adapter_bytes and m["sync/probe_logp_diff_mean"] < 1e-5, m
+    assert not (run / "adapters").exists()
+    log = "".join(p.read_text() for p in (run / "logs").glob("reference-*.log"))
+    loaded = [line for line in log.splitlines() if "loaded LoRA adapter" in line]
+    # The warm-up's weights, then one version per step, each from the request's tensors.
+    assert len(loaded) >= 3 and all("from the request's tensors" in line for line in loaded), loaded
 
 
 def test_colocated_handoff_keeps_the_engines_base_and_verifies_every_adapter_push(tmp_path: Path) -> None:

@@ -31,7 +31,14 @@ from engine_contract import (  # noqa: E402
 
 from miles_lite.config.lora_serving import with_lora_serving  # noqa: E402
 from miles_lite.config.schema import MilesConfig  # noqa: E402
-from miles_lite.formats.lora import TARGETS, LoraSpec, merged_state, save_adapter_dir, tensor_name  # noqa: E402
+from miles_lite.formats.lora import (  # noqa: E402
+    TARGETS,
+    LoraSpec,
+    adapter_payload,
+    merged_state,
+    save_adapter_dir,
+    tensor_name,
+)
 from miles_lite.rollout.engine import EngineError  # noqa: E402
 from miles_lite.rollout.http_client import HttpEngine  # noqa: E402
 from miles_lite.trainer.hf_convert import read_hf_state, save_hf_checkpoint  # noqa: E402
@@ -114,6 +121,60 @@ def test_adapters_load_serve_per_request_and_unload(kind: str, tmp_path: Path) -
             await client.close()
 
         run(scenario())
+
+
+@pytest.mark.parametrize("kind", ENGINE_KINDS)
+def test_an_adapter_sent_as_tensors_serves_like_its_merged_model(kind: str, tmp_path: Path) -> None:
+    """`/load_lora_adapter_from_tensors` (`weight_sync.lora=tensors`): the payload the push sends, nothing on disk."""
+    model = save_tiny_qwen2(str(tmp_path / "base"), seed=0)
+    base = read_hf_state(model)
+    adapter = _adapter(base, seed=3)
+    merged = str(save_hf_checkpoint(merged_state(base, adapter, SPEC), json.loads((Path(model) / "config.json")
+                                                                                  .read_text()), tmp_path / "merged"))
+    want = hf_logprobs(merged, TOKENS, 2)
+
+    with running_engine(kind, model, str(tmp_path / "logs"), **_lora_engine_args(kind, 8)) as launched:
+        client = launched.client
+
+        async def scenario() -> None:
+            payloads = [adapter_payload(adapter)]  # one per engine TP rank (engine_tp=1 here)
+            answer = await client.load_lora_adapter_from_tensors("t1", SPEC.peft_config(model), payloads)
+            assert "t1" in answer["loaded_adapters"]
+            user = HttpEngine("c-t1", client.url)
+            user.lora_name = "t1"
+            scores = await user.score(TOKENS, 2)
+            assert max(abs(a - b) for a, b in zip(scores, want, strict=True)) < tolerance(launched)
+            # A second version under a new name while the first serves, then the first unloaded: a push's steps.
+            await client.load_lora_adapter_from_tensors("t2", SPEC.peft_config(model), payloads)
+            await client.unload_lora_adapter("t1")
+            user.lora_name = "t2"
+            assert max(abs(a - b) for a, b in zip(await user.score(TOKENS, 2), want, strict=True)) < tolerance(launched)
+            with pytest.raises(EngineError, match="t2"):  # a name in service is not loaded over
+                await client.load_lora_adapter_from_tensors("t2", SPEC.peft_config(model), payloads)
+            await user.close()
+            await client.close()
+
+        run(scenario())
+
+
+def test_a_tensor_payload_runs_nothing_but_tensors(tmp_path: Path) -> None:
+    """The reference engine unpickles adapter payloads with tensors only: a payload naming any other callable
+    is refused before anything of it runs."""
+    import base64
+    import pickle
+
+    class Boom:
+        def __reduce__(self) -> tuple:
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    model = save_tiny_qwen2(str(tmp_path / "base"), seed=0)
+    with running_engine("reference", model, str(tmp_path / "logs"), **_lora_engine_args("reference", 8)) as launched:
+        client = launched.client
+        evil = base64.b64encode(pickle.dumps({tensor_name(0, "q_proj", "A"): Boom()})).decode()
+        with pytest.raises(EngineError, match="tensors only, not posix.system"):
+            run(client.load_lora_adapter_from_tensors("x", SPEC.peft_config(model), [evil]))
+        run(client.close())
+    assert not (tmp_path / "ran").exists()
 
 
 def test_lora_path_needs_enable_lora(tmp_path: Path) -> None:

@@ -32,6 +32,7 @@ class FakeEngine:
         self.closed = False
         self._abort_all = 0
         self.adapters: dict[str, str] = {}
+        self.tensor_loads: list[tuple[str, dict[str, Any], list[dict[str, Any]]]] = []
         self.lora_name: str | None = None
         self._abort_rids: set[str] = set()
         # Memory tags released (sleeping while any is), and every control call in order (for ordering tests).
@@ -138,6 +139,14 @@ class FakeEngine:
 
     async def load_lora_adapter(self, lora_name: str, lora_path: str) -> dict[str, Any]:
         self.adapters[lora_name] = lora_path
+        return {"success": True, "loaded_adapters": dict(self.adapters)}
+
+    async def load_lora_adapter_from_tensors(self, lora_name: str, config: dict[str, Any],
+                                             payloads: list[str]) -> dict[str, Any]:
+        from miles_lite.formats.lora import read_adapter_payload
+
+        self.adapters[lora_name] = "__tensor__"
+        self.tensor_loads.append((lora_name, config, [read_adapter_payload(p) for p in payloads]))
         return {"success": True, "loaded_adapters": dict(self.adapters)}
 
     async def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:

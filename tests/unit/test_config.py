@@ -227,7 +227,7 @@ def test_schema_choices_match_the_algorithms_they_name() -> None:
     assert allowed["algo.is_level"] == {e.value for e in ISLevel} | {"none"}
     assert allowed["algo.kl_estimator"] <= {e.value for e in KLEstimator}
     assert allowed["trainer.moe_token_dispatcher"] == {"auto", "alltoall", "allgather"}
-    assert allowed["weight_sync.lora"] == {"adapter", "merged"}
+    assert allowed["weight_sync.lora"] == {"adapter", "merged", "tensors"}
     assert allowed["rollout.plugin_pool"] == {"threads", "processes"}
     assert allowed["rollout.session_divergence"] == {"refuse", "branch"}
     assert len(allowed) == 28

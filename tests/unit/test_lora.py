@@ -20,8 +20,10 @@ from miles_lite.formats.lora import (
     MODULE_PATHS,
     TARGETS,
     LoraSpec,
+    adapter_payload,
     load_adapter_dir,
     merged_state,
+    read_adapter_payload,
     save_adapter_dir,
     tensor_name,
 )
@@ -122,6 +124,52 @@ def test_adapter_push_loads_switches_and_unloads(tmp_path: Path, loop: EngineLoo
     spec, tensors = load_adapter_dir(tmp_path / "v2")
     name = tensor_name(0, "q_proj", "A")
     assert spec.rank == 2 and torch.equal(tensors[name], adapter[name])
+
+
+def test_adapter_payload_round_trip_and_refusals() -> None:
+    import base64
+    import os
+    import pickle
+
+    adapter = {tensor_name(1, "down_proj", "A"): torch.randn(2, 8).to(torch.bfloat16),
+               tensor_name(1, "down_proj", "B"): torch.randn(6, 2)}
+    back = read_adapter_payload(adapter_payload(adapter))
+    assert set(back) == set(adapter) and all(torch.equal(back[n], t) and back[n].dtype == t.dtype
+                                             for n, t in adapter.items())
+    # Views of a larger tensor travel as their own values, not their base's storage.
+    wide = torch.randn(4, 8)
+    view = {tensor_name(0, "q_proj", "A"): wide[:2], tensor_name(0, "q_proj", "B"): torch.zeros(6, 2)}
+    assert read_adapter_payload(adapter_payload(view))[tensor_name(0, "q_proj", "A")].untyped_storage().nbytes() == 64
+    with pytest.raises(ValueError, match="lora_A or lora_B"):
+        adapter_payload({tensor_name(0, "q_proj", "A"): torch.zeros(2, 8)})
+
+    class Run:
+        def __reduce__(self) -> tuple:
+            return (os.getcwd, ())
+
+    for bad, message in ((base64.b64encode(pickle.dumps({"x": Run()})).decode(), "tensors only, not posix.getcwd"),
+                         (base64.b64encode(pickle.dumps([1, 2])).decode(), "mapping of PEFT tensor names"),
+                         ("not base64!", "cannot decode the adapter payload")):
+        with pytest.raises(ValueError, match=message):
+            read_adapter_payload(bad)
+
+
+def test_tensor_push_sends_each_version_in_the_requests(tmp_path: Path, loop: EngineLoop) -> None:
+    engines = [FakeEngine("e0"), FakeEngine("e1")]
+    transport = AdapterTransport(SPEC, tmp_path / "unused", loop, base_model="/models/base", via="tensors")
+    transport.connect([FleetEngine(e, EngineSpec(e.engine_id, tp, 1)) for e, tp in zip(engines, (1, 2), strict=True)])
+    adapter = {tensor_name(0, "q_proj", "A"): torch.randn(2, 8), tensor_name(0, "q_proj", "B"): torch.zeros(6, 2)}
+    report = transport.push([adapter], "1")
+    assert report.transport == "lora_tensors" and report.bytes == (16 + 12) * 4
+    transport.push([adapter], "2")
+    for engine, tp in zip(engines, (1, 2), strict=True):
+        assert engine.lora_name == "policy-v2-2" and list(engine.adapters) == ["policy-v2-2"] and engine.version == "2"
+        (name, config, per_rank), _ = engine.tensor_loads[-1], engine.tensor_loads[0]
+        assert name == "policy-v2-2" and config == SPEC.peft_config("/models/base") and len(per_rank) == tp
+        assert all(torch.equal(rank[n], t) for rank in per_rank for n, t in adapter.items())
+    assert not (tmp_path / "unused").exists()  # nothing written
+    with pytest.raises(ValueError, match="weight_sync.lora='files'"):
+        AdapterTransport(SPEC, tmp_path, loop, via="files")
 
 
 def _sglang_lora_cfg(rank: int = 16, **sglang_args: object) -> MilesConfig:

@@ -138,7 +138,8 @@ def _engine_command(objs: list[dict]) -> list[str]:
 def test_lora_adapter_pushes_put_the_adapters_on_a_volume_the_engine_pods_mount():
     # The adapters are files each engine loads: without a volume both roles mount, the job is refused.
     with pytest.raises(SpecError, match=r"trainer.lora.rank=16 pushes each adapter version as a directory the "
-                                        r"engine pods load.*spec.checkpoint.volume.claimName.*weight_sync.lora=merged"):
+                                        r"engine pods load.*spec.checkpoint.volume.claimName.*"
+                                        r"weight_sync.lora=tensors.*weight_sync.lora=merged"):
         render(example("tiny-cpu.yaml", image="i:1", overrides=["experiment=tiny_cpu", "trainer.lora.rank=16"]))
     objs = render(example("tiny-cpu.yaml", image="i:1", overrides=["experiment=tiny_cpu", "trainer.lora.rank=16"],
                           checkpoint={"volume": {"claimName": "shared"}}))
@@ -153,6 +154,13 @@ def test_lora_adapter_pushes_put_the_adapters_on_a_volume_the_engine_pods_mount(
                             overrides=["trainer.lora.rank=16", "weight_sync.lora=merged"]))
     assert "--enable-lora" not in _engine_command(merged)[2]
     assert not any(line.startswith("weight_sync.disk_dir") for line in overrides(merged))
+    # Adapters inside the load requests: no volume needed, the LoRA flags still.
+    tensors = render(example("tiny-cpu.yaml", image="i:1",
+                             overrides=["trainer.lora.rank=16", "weight_sync.lora=tensors"]))
+    assert "--enable-lora --max-lora-rank 16 " in _engine_command(tensors)[2]
+    assert not any(line.startswith("weight_sync.disk_dir") for line in overrides(tensors))
+    for pod in kinds(tensors, "Pod"):
+        assert "checkpoints" not in {v["name"] for v in pod["spec"]["volumes"]}
 
 
 def test_sglang_engine_pods_get_the_flags_lora_and_routing_replay_need():

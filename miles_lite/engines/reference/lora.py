@@ -1,5 +1,6 @@
 """LoRA adapters on the reference engine, as SGLang serves them: loaded by name from a PEFT directory
-(`/load_lora_adapter`), unloaded by name, chosen per request (`lora_path`), several in one batch.
+(`/load_lora_adapter`) or from the request's tensors (`/load_lora_adapter_from_tensors`), unloaded by name,
+chosen per request (`lora_path`), several in one batch.
 
 Each loaded adapter is an immutable `LoadedAdapter`; a request holds the one it named from submission
 to its end, so unloading a name never changes what a running request computes. The base weights are
@@ -18,7 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from miles_lite.formats.lora import LoraSpec, load_adapter_dir, pairs
+from miles_lite.formats.lora import LoraSpec, load_adapter_dir, pairs, read_adapter_payload
+
+# The path an adapter loaded from a request's tensors reports (SGLang's `LoRARef.lora_path` for them).
+TENSOR_PATH = "__tensor__"
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,11 +54,27 @@ class LoraAdapters:
 
     def load(self, name: str, path: str) -> LoadedAdapter:
         """Read PEFT directory `path` as adapter `name`; ValueError names what does not fit the model."""
+        self._check_name(name)
+        spec, tensors = load_adapter_dir(path)
+        return self.add(name, path, spec, tensors)
+
+    def load_tensors(self, name: str, config: dict[str, Any], payload: str) -> LoadedAdapter:
+        """Adapter `name` from a request: its `adapter_config.json` and `formats.lora.adapter_payload` (the
+        path SGLang reports for such adapters, `__tensor__`, stands for it)."""
+        self._check_name(name)
+        if not isinstance(config, dict):
+            raise ValueError("config_dict must be the adapter's adapter_config.json object")
+        return self.add(name, TENSOR_PATH, LoraSpec.from_peft_config(config), read_adapter_payload(payload))
+
+    def _check_name(self, name: str) -> None:
         if not name:
             raise ValueError("lora_name is required")
         if name in self._loaded:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it or pick another name")
-        spec, tensors = load_adapter_dir(path)
+
+    def add(self, name: str, path: str, spec: LoraSpec, tensors: dict[str, Tensor]) -> LoadedAdapter:
+        """Serve `tensors` (PEFT names) as adapter `name`; ValueError names what does not fit the model."""
+        self._check_name(name)
         if self.max_rank is not None and spec.rank > self.max_rank:
             raise ValueError(f"adapter rank {spec.rank} exceeds --max-lora-rank {self.max_rank}")
         dtype = next(self.model.parameters()).dtype

@@ -23,6 +23,7 @@ from aiohttp import web
 from miles_lite.engines.reference import http_io
 from miles_lite.engines.reference import request_fields as rf
 from miles_lite.engines.reference.http_io import bad_request, json_error, json_result, read_body, split_batch
+from miles_lite.engines.reference.lora_routes import LoraRoutes
 from miles_lite.engines.reference.memory import EngineMemory, MemoryRequestError, requested_tags
 from miles_lite.engines.reference.model import ReferenceModel, deserialize_named_tensors, read_safetensors
 from miles_lite.engines.reference.ranks import EngineRanks
@@ -84,7 +85,7 @@ class ServerOptions:
             raise ValueError(f"--idle-timeout-s must be > 0 seconds, got {self.idle_timeout_s}")
 
 
-class ReferenceServer:
+class ReferenceServer(LoraRoutes):
     """The aiohttp application around one `ReferenceModel` and its `Scheduler`."""
 
     def __init__(self, opts: ServerOptions) -> None:
@@ -127,6 +128,7 @@ class ReferenceServer:
             ("*", "/release_memory_occupation", self.release_memory_occupation),
             ("*", "/resume_memory_occupation", self.resume_memory_occupation),
             ("POST", "/load_lora_adapter", self.load_lora_adapter),
+            ("POST", "/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors),
             ("POST", "/unload_lora_adapter", self.unload_lora_adapter),
         ]
         for method, path, handler in routes:
@@ -307,32 +309,6 @@ class ReferenceServer:
         except ValueError as exc:
             return json_error(str(exc))
         return web.json_response(values)
-
-    # ---- LoRA adapters (SGLang's LoRAUpdateOutput answers) --------------------------------------------------
-
-    def _lora_result(self, success: bool, error: str | None = None) -> web.Response:
-        return web.json_response({"success": success, "error_message": error,
-                                  "loaded_adapters": self.model.lora.loaded()}, status=200 if success else 400)
-
-    async def load_lora_adapter(self, request: web.Request) -> web.Response:
-        """Load a PEFT directory (`lora_path`) as adapter `lora_name`; the base weights are not touched."""
-        body = await self._body(request)
-        if not self.opts.enable_lora:
-            return self._lora_result(False, "LoRA is not enabled: start the engine with --enable-lora")
-        try:
-            await self.scheduler.run_on_model(self.model.lora.load, str(body.get("lora_name") or ""),
-                                              str(body.get("lora_path") or ""))
-        except (ValueError, FileNotFoundError, KeyError) as exc:
-            return self._lora_result(False, f"Failed to load LoRA adapter: {exc}")
-        return self._lora_result(True)
-
-    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
-        body = await self._body(request)
-        try:
-            self.model.lora.unload(str(body.get("lora_name") or ""))
-        except ValueError as exc:
-            return self._lora_result(False, str(exc))
-        return self._lora_result(True)
 
     # ---- weights ---------------------------------------------------------------------------------------------
 
