@@ -60,6 +60,11 @@ class EngineHandle:
     # Where the server runs (a `cluster.engine_actor.EngineLocation` on Ray; None for a local child).
     location: object | None = None
 
+    @property
+    def local_child(self) -> bool:
+        """Whether the server is a child process this one started (no other party can start one at its address)."""
+        return self.pid is not None and self.location is None
+
 
 # launcher(slot_index, incarnation) -> a started engine that answers /health_generate.
 Launcher = Callable[[int, int], Awaitable[EngineHandle]]

@@ -179,3 +179,34 @@ def test_a_push_leaves_out_an_engine_whose_address_answers_from_a_new_process(pu
     assert len(dead) == 1 and "restarted behind the fleet" in dead[0].reason and "served '1'" in dead[0].reason
     # An engine still serving what it was pushed is asked and pushed to as before.
     assert pusher.push({}, "3").push.engines == ("a",) and a.version == "3"
+
+
+def test_a_push_asks_only_engines_started_elsewhere_whether_they_were_replaced():
+    # A local child's address answers from no other process: its version is asked once, by the push's own
+    # check after the load; an attached engine (a pod, a URL) is asked before the push too.
+    with EventLoopThread() as thread:
+        engines = EngineLoop(thread.loop, timeout_s=10.0)
+        child, attached = FakeEngine("child"), FakeEngine("attached")
+        asked: list[str] = []
+        for engine in (child, attached):
+            def counted(engine: FakeEngine = engine, answer=engine.weight_version):
+                asked.append(engine.engine_id)
+                return answer()
+            engine.weight_version = counted  # type: ignore[method-assign]
+
+        async def fleet_of_both() -> EngineFleet:
+            fleet = EngineFleet(_ft(), None)
+            await fleet.add_engine(EngineHandle(child, pid=4321))
+            await fleet.add_engine(EngineHandle(attached))
+            return fleet
+
+        fleet = engines.run(fleet_of_both())
+        pusher = FleetPusher(WeightSyncCoordinator(_TensorTransport(engines), engines), fleet, engines, 1, "reference")
+        try:
+            assert [r.handle.local_child for r in fleet.records] == [True, False]
+            pusher.push({}, "1")
+            asked.clear()
+            assert pusher.push({}, "2").push.engines == ("child", "attached")
+            assert sorted(asked) == ["attached", "attached", "child"], asked
+        finally:
+            engines.run(fleet.close())
