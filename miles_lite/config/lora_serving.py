@@ -27,9 +27,13 @@ SGLANG_LORA_MODULE: dict[str, str] = {"q_proj": "qkv_proj", "k_proj": "qkv_proj"
 SGLANG_ALL_MODULES = frozenset({"all", "all-linear"})
 
 
+# The `weight_sync.lora` values that push adapters only (a PEFT directory, or the tensors inside the request).
+ADAPTER_PUSHES = ("adapter", "tensors")
+
+
 def serves_adapters(cfg: MilesConfig) -> bool:
     """True when the engines must load the trainer's adapters (LoRA with adapter pushes)."""
-    return cfg.trainer.lora.rank > 0 and cfg.weight_sync.lora in ("adapter", "tensors")
+    return cfg.trainer.lora.rank > 0 and cfg.weight_sync.lora in ADAPTER_PUSHES
 
 
 def derived_lora_args(cfg: MilesConfig, engine: str) -> dict[str, Any]:

@@ -66,8 +66,12 @@ async def restarted(rec: EngineRecord, timeout_s: float, *, pushed: str | None =
     the one recorded for the engine. Asked of healthy engines outside a push; `pushed`: asked after a
     failed push of that version, which the engine may report too. An answer that arrives after the record
     changed (a push landed meanwhile) says nothing, nor does a failure to answer (the health probe judges
-    that). The reason is kept in `rec.last_error`.
+    that). The reason is kept in `rec.last_error`. Only engines something else starts (attached by URL, pods,
+    Ray actors) can be replaced this way: a local child's address answers from no other process, so it is not
+    asked (one version query less per push and per health check).
     """
+    if rec.handle.local_child:
+        return False
     recorded = rec.version
 
     def comparable() -> bool:

@@ -22,6 +22,7 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from miles_lite.config.lora_serving import ADAPTER_PUSHES
 from miles_lite.formats.lora import LoraSpec, adapter_bytes, adapter_payload, save_adapter_dir
 from miles_lite.weight_sync.disk import VERSION_DIR, version_dir
 from miles_lite.weight_sync.transport import (
@@ -41,10 +42,6 @@ def adapter_name(version: str, attempt: int) -> str:
     return f"policy-v{version}-{attempt}"
 
 
-# How a push hands adapters to the engines (`weight_sync.lora`, besides `merged`).
-ADAPTER_VIAS = ("adapter", "tensors")
-
-
 class AdapterTransport(WeightTransport):
     """Pushes LoRA adapters that each engine loads by name (see the module docstring).
 
@@ -59,8 +56,8 @@ class AdapterTransport(WeightTransport):
     def __init__(self, spec: LoraSpec, root: Path, loop: EngineLoop, base_model: str | None = None,
                  via: str = "adapter") -> None:
         super().__init__()
-        if via not in ADAPTER_VIAS:
-            raise ValueError(f"weight_sync.lora={via!r}: adapters are pushed as {' or '.join(ADAPTER_VIAS)}")
+        if via not in ADAPTER_PUSHES:
+            raise ValueError(f"weight_sync.lora={via!r}: adapters are pushed as {' or '.join(ADAPTER_PUSHES)}")
         self.spec = spec
         self.root = Path(root)
         self.loop = loop

@@ -42,8 +42,7 @@ class FleetPusher:
         then health-checked at once, the dead ones go to the fleet for replacement, and the push is
         made again to the others (once); with none left, the report names no engine. A failure on live
         engines (a dropped update, a probe mismatch) is raised. A healthy engine whose address answers from a
-        new process (its pod was recreated before a health check noticed) is left out before the push starts
-        (asked of engines this process did not start itself).
+        new process (its pod was recreated before a health check noticed) is left out before the push starts.
 
         Sleeping engines (colocated roles) are pushed to in order: their weights are resumed first, the
         push loads them, and their KV cache (and CUDA graphs) are resumed before they continue and are
@@ -72,10 +71,7 @@ class FleetPusher:
                                  f"not {version!r}")
             records = [r for r in fleet.records if r.state in targets]
             if not stale_only:
-                # Only engines something else starts (attached by URL, pods, Ray actors) can be replaced behind
-                # the fleet; a local child's address answers from no other process (one version query saved).
-                gone = await fleet.drop_restarted([r for r in records if r.state is EngineState.HEALTHY
-                                                   and not r.handle.local_child])
+                gone = await fleet.drop_restarted([r for r in records if r.state is EngineState.HEALTHY])
                 records = [r for r in records if all(r is not g for g in gone)]
             fleet.set_current_version(version)
             fleet.begin_weight_update(records)

@@ -56,7 +56,7 @@ class LoraAdapters:
         """Read PEFT directory `path` as adapter `name`; ValueError names what does not fit the model."""
         self._check_name(name)
         spec, tensors = load_adapter_dir(path)
-        return self.add(name, path, spec, tensors)
+        return self._add(name, path, spec, tensors)
 
     def load_tensors(self, name: str, config: dict[str, Any], payload: str) -> LoadedAdapter:
         """Adapter `name` from a request: its `adapter_config.json` and `formats.lora.adapter_payload` (the
@@ -64,7 +64,7 @@ class LoraAdapters:
         self._check_name(name)
         if not isinstance(config, dict):
             raise ValueError("config_dict must be the adapter's adapter_config.json object")
-        return self.add(name, TENSOR_PATH, LoraSpec.from_peft_config(config), read_adapter_payload(payload))
+        return self._add(name, TENSOR_PATH, LoraSpec.from_peft_config(config), read_adapter_payload(payload))
 
     def _check_name(self, name: str) -> None:
         if not name:
@@ -72,9 +72,9 @@ class LoraAdapters:
         if name in self._loaded:
             raise ValueError(f"a LoRA adapter named {name!r} is already loaded; unload it or pick another name")
 
-    def add(self, name: str, path: str, spec: LoraSpec, tensors: dict[str, Tensor]) -> LoadedAdapter:
-        """Serve `tensors` (PEFT names) as adapter `name`; ValueError names what does not fit the model."""
-        self._check_name(name)
+    def _add(self, name: str, path: str, spec: LoraSpec, tensors: dict[str, Tensor]) -> LoadedAdapter:
+        """Serve `tensors` (PEFT names) as adapter `name` (checked by the caller, before reading them); ValueError
+        names what does not fit the model."""
         if self.max_rank is not None and spec.rank > self.max_rank:
             raise ValueError(f"adapter rank {spec.rank} exceeds --max-lora-rank {self.max_rank}")
         dtype = next(self.model.parameters()).dtype

@@ -85,7 +85,7 @@ class ServerOptions:
             raise ValueError(f"--idle-timeout-s must be > 0 seconds, got {self.idle_timeout_s}")
 
 
-class ReferenceServer(LoraRoutes):
+class ReferenceServer:
     """The aiohttp application around one `ReferenceModel` and its `Scheduler`."""
 
     def __init__(self, opts: ServerOptions) -> None:
@@ -127,9 +127,7 @@ class ReferenceServer(LoraRoutes):
             ("*", "/get_weights_by_name", self.get_weights_by_name),
             ("*", "/release_memory_occupation", self.release_memory_occupation),
             ("*", "/resume_memory_occupation", self.resume_memory_occupation),
-            ("POST", "/load_lora_adapter", self.load_lora_adapter),
-            ("POST", "/load_lora_adapter_from_tensors", self.load_lora_adapter_from_tensors),
-            ("POST", "/unload_lora_adapter", self.unload_lora_adapter),
+            *LoraRoutes(self.model.lora, self.scheduler, opts.enable_lora, opts.tp, self._body).routes(),
         ]
         for method, path, handler in routes:
             self.app.router.add_route(method, path, handler)
