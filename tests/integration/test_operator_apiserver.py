@@ -255,7 +255,9 @@ def test_operator_renders_heals_and_reports(api: KubeApi, operator: KopfRunner):
     done = job_status(api, "tiny")
     assert done["completionTime"] and {c["type"]: c["status"] for c in done["conditions"]}["Complete"] == "True"
     wait_for(lambda: api.get("v1", "Pod", NS, "tiny-rollout-0") is None, "engines stopped")
-    assert api.get("batch/v1", "Job", NS, "tiny-trainer")["spec"]["parallelism"] == 0
+    # The workers are scaled down by their own patch, which may land after the engines are gone.
+    wait_for(lambda: api.get("batch/v1", "Job", NS, "tiny-trainer")["spec"]["parallelism"] == 0,
+             "trainer workers scaled to zero")
 
 
 def test_engine_budget_exhausted_fails_the_job(api: KubeApi, operator: KopfRunner):
