@@ -13,6 +13,7 @@ from miles_lite.cluster.rank import TrainerRank
 from miles_lite.config.views import TrainerRoleConfig
 from miles_lite.net.ports import LOCAL_HOST, free_port, node_address, url_host
 from miles_lite.trainer.layout import ParamLayout
+from miles_lite.trainer.offload import OverlapRoom
 from miles_lite.types import TrainBatch
 
 
@@ -68,8 +69,11 @@ class LocalTrainer:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.rank.export_hf_state_dict()
 
-    def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
-        return self.rank.offload(parts)
+    def offload(self, parts: tuple[str, ...], room: OverlapRoom | None = None) -> dict[str, float]:
+        return self.rank.offload(parts, room)
+
+    def finish_offload(self) -> dict[str, float]:
+        return self.rank.finish_offload()
 
     def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
         return self.rank.onload(parts)

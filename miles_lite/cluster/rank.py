@@ -16,6 +16,7 @@ from miles_lite.checkpoint.driver_state import DriverState
 from miles_lite.checkpoint.run_state import RankCheckpointer
 from miles_lite.config.views import TrainerRoleConfig
 from miles_lite.trainer.layout import ParamLayout
+from miles_lite.trainer.offload import OverlapRoom
 from miles_lite.types import TrainBatch
 
 
@@ -138,8 +139,11 @@ class TrainerRank:
     def export_hf_state_dict(self) -> dict[str, torch.Tensor]:
         return self.actor.export_hf_state_dict()
 
-    def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
-        return self.actor.offload(parts)
+    def offload(self, parts: tuple[str, ...], room: OverlapRoom | None = None) -> dict[str, float]:
+        return self.actor.offload(parts, room)
+
+    def finish_offload(self) -> dict[str, float]:
+        return self.actor.finish_offload()
 
     def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
         return self.actor.onload(parts)

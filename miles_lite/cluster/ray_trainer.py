@@ -31,6 +31,7 @@ from miles_lite.cluster.rank import RankCoords, TrainerRank, expert_senders, wei
 from miles_lite.config.schema import ClusterConfig
 from miles_lite.config.views import TrainerRoleConfig
 from miles_lite.trainer.layout import ParamLayout
+from miles_lite.trainer.offload import OverlapRoom
 from miles_lite.types import TrainBatch
 
 # After one rank raised, how long the others may take to finish the same call before the gang is
@@ -328,9 +329,19 @@ class RayTrainerGroup:
         """Full HF tensors gathered over TP (on CPU), from global rank 0."""
         return self._all("export_hf_state_dict")
 
-    def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
-        """Move `parts` of every rank's state to host memory; rank 0's bytes and seconds."""
-        return self._all("offload", tuple(parts))
+    def offload(self, parts: tuple[str, ...], room: OverlapRoom | None = None) -> dict[str, float]:
+        """Move `parts` of every rank's state to host memory; rank 0's bytes and seconds. With `room`, each rank
+        decides for its own device whether its copies stay in flight; `deferred` says whether any rank's did."""
+        if room is None:
+            return self._all("offload", tuple(parts))
+        self._require_ready()
+        refs = {rank: a.offload.remote(tuple(parts), room) for rank, a in enumerate(self.actors)}
+        answers = self._collect(refs, "offload")
+        return {**answers[0], "deferred": max(a["deferred"] for a in answers)}
+
+    def finish_offload(self) -> dict[str, float]:
+        """Every rank finishes its own offload in flight; rank 0's seconds."""
+        return self._all("finish_offload")
 
     def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
         """Bring offloaded `parts` back on every rank; rank 0's bytes and seconds."""

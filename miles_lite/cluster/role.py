@@ -12,6 +12,7 @@ import torch
 
 from miles_lite.checkpoint.async_ckpt import SaveStats
 from miles_lite.checkpoint.driver_state import DriverState
+from miles_lite.trainer.offload import OverlapRoom
 from miles_lite.types import TrainBatch
 from miles_lite.weight_sync.senders import WeightSource
 
@@ -41,8 +42,13 @@ class TrainerRole(WeightSource, Protocol):
     def restore_checkpoint(self, path: str) -> DriverState | None:
         """Load checkpoint `path` on every rank (resharding to this TP/DP); the driver state it holds."""
 
-    def offload(self, parts: tuple[str, ...]) -> dict[str, float]:
-        """Move `parts` (params, grads, optimizer) of every rank's state to host memory; rank 0's bytes and seconds."""
+    def offload(self, parts: tuple[str, ...], room: OverlapRoom | None = None) -> dict[str, float]:
+        """Move `parts` (params, grads, optimizer) of every rank's state to host memory; rank 0's bytes and seconds.
+        With `room`, each rank whose device keeps that room leaves the copies of the parts it keeps in flight (see
+        `trainer/offload.py`); `deferred` is 1.0 when any rank did, and `finish_offload` must then follow."""
+
+    def finish_offload(self) -> dict[str, float]:
+        """Every rank waits for the copies its offload left in flight and frees their memory; rank 0's seconds."""
 
     def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
         """Bring offloaded `parts` back to every rank's device; rank 0's seconds and `<part>_bytes` of each part

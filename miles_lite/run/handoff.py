@@ -17,7 +17,13 @@ Who holds the device is a state machine:
 - `push`: the trainer drops its gradient buffers and offloads its optimizer state, the push resumes the engines'
   weights, loads the new version and resumes their KV cache (`time/engine_wake_seconds`) before the probe
   verification; then the trainer offloads its parameters. The parameters stay on the device through the
-  push because the push reads them and the verification scores the probe with them.
+  push because the push reads them and the verification scores the probe with them. The optimizer state's
+  copies overlap the push where the device has room: they are queued before it, run while the engines resume
+  their weights and load the new version, and are waited for (their memory freed) just before the engines
+  resume their KV cache, which needs that memory (`time/offload_overlapped`: 1.0 when they did). The room is
+  `overlap_room`'s bound on the weights the engines resume on a trainer device, checked by each trainer rank
+  against its free device memory once the gradients are freed; a rank without it offloads first, as before.
+  `time/offload_seconds` counts the host time of every offload call, the wait for those copies included.
 
 With `colocated_memory=resident` (or disaggregated placement) every transition is a no-op and `push` is a
 plain weight push, so the driver runs one loop for all placements. Each step also reports the memory per
@@ -27,14 +33,17 @@ phase (`memory/<phase>_*`, see `TrainerRole.memory_stats`) when the roles are co
 from __future__ import annotations
 
 import enum
+import math
 import time
 from typing import Any
 
 from miles_lite.config.colocation import hands_off
 from miles_lite.config.lora_serving import serves_adapters
 from miles_lite.config.offload import OFFLOAD_PARTS
+from miles_lite.config.schema import MilesConfig
 from miles_lite.rollout.engine import MEMORY_TAGS
 from miles_lite.run.system import System
+from miles_lite.trainer.offload import OverlapRoom
 from miles_lite.weight_sync.coordinator import SyncReport
 
 
@@ -42,6 +51,23 @@ class Holder(enum.Enum):
     BOTH = "both"
     ENGINES = "engines"
     TRAINER = "trainer"
+
+
+def overlap_room(cfg: MilesConfig, weights_resumed: bool) -> OverlapRoom:
+    """What a trainer device must keep free for its optimizer offload to overlap a push (see the module docstring).
+
+    A bound, not an estimate. A trainer rank holds at least 1/(tp * pp * ep) of the model's weights, so the model
+    is at most that many times its resident parameters (fewer bytes still where the trainer keeps fp32 weights
+    and the engines serve bf16). An engine holds 1/engine_tp of the model on each device it spans, and one device
+    holds a rank of at most every engine, or of ceil(engines / trainer ranks) engines per device an engine spans
+    (engines start round-robin over the trainer's devices), whichever is fewer: no even spread is assumed.
+    Engines that keep their weights asleep (adapter-only pushes) resume none. The push stages up to two buckets
+    on the trainer's side (one filling, one in flight).
+    """
+    trainer, rollout = cfg.trainer, cfg.rollout
+    ranks = min(rollout.engines, math.ceil(rollout.engines / trainer.world_size) * rollout.engine_tp)
+    scale = trainer.tp * trainer.pp * trainer.ep * ranks / rollout.engine_tp if weights_resumed else 0.0
+    return OverlapRoom(weights_scale=scale, staging_bytes=(2 * cfg.weight_sync.bucket_mib) << 20)
 
 
 class Handoff:
@@ -55,9 +81,13 @@ class Handoff:
         # What the engines release to sleep (see the module docstring on adapter-only pushes).
         adapters_only = serves_adapters(system.cfg)
         self.sleep_tags = tuple(t for t in MEMORY_TAGS if t != "weights") if adapters_only else MEMORY_TAGS
+        self.room = overlap_room(system.cfg, weights_resumed="weights" in self.sleep_tags)
+        # Whether trainer ranks have offload copies in flight that must finish before the engines' KV cache wakes.
+        self._leaving = False
         # The engines started while the trainer's state waited in host memory (`System.start`).
         self.holder = Holder.ENGINES if self.enabled and system.offloaded_at_start else Holder.BOTH
         self._seconds: dict[str, float] = {}
+        self._flags: dict[str, float] = {}
         self._memory: dict[str, float] = {}
 
     def _add(self, name: str, seconds: float) -> None:
@@ -89,17 +119,33 @@ class Handoff:
 
     def push(self, version: int) -> tuple[SyncReport, float]:
         """Push the trainer's weights as `version` (`System.push_weights`), handing the device to the engines
-        around it; the report and the push's wall seconds (the trainer's offloads are not in them)."""
-        assert self.system.pusher is not None
+        around it; the report and the push's wall seconds (the trainer's offloads are not in them, but for the
+        wait for an overlapped one's copies, made inside the push)."""
+        assert self.system.pusher is not None and self.system.trainer is not None
         if not self.enabled:
             return self.system.push_weights(version)
         self.for_training()  # a push from `both` (warm-up, resume) puts the engines to sleep first
-        self._offload(tuple(p for p in self.parts if p != "params"))
-        report, seconds = self.system.push_weights(version)
+        rest = tuple(p for p in self.parts if p != "params")
+        if rest:
+            moved = self.system.trainer.offload(rest, self.room)
+            self._add("offload", moved["seconds"])
+            self._leaving = moved.get("deferred", 0.0) > 0.0
+            self._flags["offload_overlapped"] = 1.0 if self._leaving else 0.0
+        try:
+            report, seconds = self.system.push_weights(version, self._finish_offload if self._leaving else None)
+        finally:
+            self._finish_offload()  # a push that never reached the engines' KV wake (no engine left, a failure)
         self._add("engine_wake", self.system.pusher.wake_seconds)
         self._offload(tuple(p for p in self.parts if p == "params"))
         self.holder = Holder.ENGINES
         return report, seconds
+
+    def _finish_offload(self) -> None:
+        """The offload copies left in flight landed and their memory freed, once (before the engines' KV wake)."""
+        if self._leaving:
+            assert self.system.trainer is not None
+            self._leaving = False
+            self._add("offload", self.system.trainer.finish_offload()["seconds"])
 
     def measure(self, phase: str) -> None:
         """Record the memory at the end of `phase` (colocated runs only)."""
@@ -108,8 +154,10 @@ class Handoff:
                 self._memory[f"memory/{phase}_{key}"] = value
 
     def stats(self) -> dict[str, Any]:
-        """This step's transition seconds (`time/<transition>_seconds`) and memory per phase; then reset."""
+        """This step's transition seconds (`time/<transition>_seconds`), whether its push overlapped the
+        optimizer offload (`time/offload_overlapped`) and memory per phase; then reset."""
         out: dict[str, Any] = {f"time/{k}_seconds": v for k, v in self._seconds.items()}
+        out.update({f"time/{k}": v for k, v in self._flags.items()})
         out.update(self._memory)
-        self._seconds, self._memory = {}, {}
+        self._seconds, self._flags, self._memory = {}, {}, {}
         return out

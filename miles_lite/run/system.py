@@ -237,15 +237,15 @@ class System:
 
     # ---- the calls the driver makes ---------------------------------------------------------------
 
-    def push_weights(self, version: int) -> tuple[SyncReport, float]:
+    def push_weights(self, version: int, before_wake: Callable[[], None] | None = None) -> tuple[SyncReport, float]:
         """Push the trainer's weights as `version`, the RL optimizer steps they have taken (0 before the first
         step, warm-up included; a re-push of unchanged weights carries the same version): see
-        `FleetPusher.push`. The report and the wall seconds of the whole push."""
+        `FleetPusher.push` (and its `before_wake`). The report and the wall seconds of the whole push."""
         assert self.pusher is not None and self.trainer is not None
         if version < 0:
             raise ValueError(f"a weight version counts RL steps; got {version}")
         start = time.perf_counter()
-        report = self.pusher.push(self._push_source(), str(version))
+        report = self.pusher.push(self._push_source(), str(version), before_wake=before_wake)
         self.version, self.pushed = version, True
         return report, time.perf_counter() - start
 

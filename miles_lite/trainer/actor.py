@@ -34,7 +34,7 @@ from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, Upda
 from miles_lite.trainer.hf_convert import mark_tensor_parallel
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
 from miles_lite.trainer.lora import attach_lora
-from miles_lite.trainer.offload import actor_offload, memory_stats
+from miles_lite.trainer.offload import OverlapRoom, actor_offload, memory_stats
 from miles_lite.trainer.optim import build_optimizer, build_scheduler, current_lr, set_lr, wrap_ddp
 from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batches, split_for_data_parallel
 from miles_lite.trainer.parallel import ParallelInfo, init_parallel, shutdown_parallel
@@ -148,21 +148,25 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
 
     # ---- offload (colocated roles) --------------------------------------------------------------
 
-    def offload(self, parts: tuple[str, ...] = OFFLOAD_PARTS) -> dict[str, float]:
-        """Move `parts` of the trainer's state to host memory (see `trainer/offload.py`); bytes and seconds."""
+    def offload(self, parts: tuple[str, ...] = OFFLOAD_PARTS, room: OverlapRoom | None = None) -> dict[str, float]:
+        """Move `parts` of the trainer's state to host memory (see `trainer/offload.py`); bytes and seconds. With
+        `room`, the copies may stay in flight while the device keeps that room (`deferred`; `finish_offload`)."""
         self._require_ready()
-        stats = self.offloader.offload(parts)
-        return {**{f"{p}_bytes": float(b) for p, b in stats.bytes.items()}, "seconds": stats.seconds}
+        keep_free = room.bytes_needed(self.offloader.part_bytes("params")) if room is not None else 0
+        return self.offloader.offload(parts, wait=room is None, keep_free=keep_free).report()
+
+    def finish_offload(self) -> dict[str, float]:
+        """Wait for the copies an offload left in flight and free their device memory; seconds."""
+        self._require_ready()
+        return {"seconds": self.offloader.settle()}
 
     def onload(self, parts: tuple[str, ...] = OFFLOAD_PARTS) -> dict[str, float]:
         """Bring offloaded `parts` back to the device; bytes and seconds."""
         self._require_ready()
-        stats = self.offloader.onload(parts)
-        return {**{f"{p}_bytes": float(b) for p, b in stats.bytes.items()}, "seconds": stats.seconds}
+        return self.offloader.onload(parts).report()
 
     def memory_stats(self, reset_peak: bool = True) -> dict[str, float]:
-        """Trainer state in compute memory; on a GPU also the peak allocation since the last call (see
-        `trainer/offload.py`)."""
+        """Trainer state in compute memory; on a GPU also the peak allocation since the last call (`offload.py`)."""
         return memory_stats(self.offloader, self.policy.device, reset_peak)
 
     # ---- batches --------------------------------------------------------------------------------

@@ -18,8 +18,23 @@ round-trips bit for bit (gradients aside, see above). On a CPU build the same pa
 freed and restored in host memory (there is no device memory to give to an engine, but the bookkeeping and the
 exactness are the same).
 
-Each part is RESIDENT or OFFLOADED; offloading an offloaded part or onloading a resident one is a no-op, so
-the driver may ask for "everything resident" without tracking what was moved.
+Each part is RESIDENT, LEAVING or OFFLOADED:
+
+    RESIDENT ──offload──> OFFLOADED ──onload──> RESIDENT
+        └──offload(wait=False)──> LEAVING ──settle──┘
+
+Offloading an offloaded part or onloading a resident one is a no-op, so the driver may ask for "everything
+resident" without tracking what was moved. An offload with `wait=False` leaves the copies of its kept parts in
+flight (LEAVING): on a GPU they are queued on the offload's own stream, after the work queued on the compute
+stream, and the part's storages stay allocated until `settle` waits for them, frees the storages and hands the
+memory to the driver, so the device-to-host copies run while the engines resume their weights and load a push
+(`run/handoff.py`). It does so only while the device keeps `keep_free` bytes free once the dropped parts are gone
+(see `OverlapRoom`), else it completes as a waiting offload does. On a CPU build the copies are made at once but
+the part still goes through LEAVING to `settle`, so both builds run the same bookkeeping. Whatever needs a
+leaving part (an onload, another offload, `require_resident`, `ready_on_device`, `resident_bytes`) settles it
+first: no reader ever sees a part half gone. Dropped parts are freed at once either way (there is no copy to
+wait for; the wait for kernels still reading them comes before any copy is queued, so it does not wait for
+those).
 
 On a GPU an onload does not wait for its copies: they run on a stream of their own, and whatever reads a part
 waits for that part's copies first: `require_resident` (log-probs, the weight push, checkpoints) on the host,
@@ -29,6 +44,7 @@ forward and backward run on the parameters that came back first.
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -43,11 +59,31 @@ from miles_lite.config.offload import OFFLOAD_PARTS
 
 class PartState(enum.Enum):
     RESIDENT = "resident"
+    LEAVING = "leaving"  # copied (or being copied) to the host, the device storage not freed yet: see `settle`
     OFFLOADED = "offloaded"
 
 
 # Parts whose values no one reads across a hand-off: their storage is freed, not copied, and comes back zeroed.
 DROPPED_PARTS = frozenset({"grads"})
+# What `OverlapRoom` adds to its bound of the engines' weights: a factor for what the bound leaves out (vocabulary
+# padding, weights the engines keep in another layout) and bytes for allocator rounding and the engines' own
+# workspaces while they resume.
+OVERLAP_MARGIN = 1.25
+OVERLAP_SLACK_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class OverlapRoom:
+    """What must stay free on a trainer device while its offload overlaps a weight push: the engines resume their
+    weights there, at most `weights_scale` times the rank's resident parameter bytes (`run/handoff.py` derives
+    it from the layout; 0 when they keep their weights), and the push stages up to `staging_bytes` of them
+    on the trainer's side."""
+
+    weights_scale: float
+    staging_bytes: int
+
+    def bytes_needed(self, param_bytes: int) -> int:
+        return int(param_bytes * self.weights_scale * OVERLAP_MARGIN) + self.staging_bytes + OVERLAP_SLACK_BYTES
 
 
 @dataclass
@@ -62,10 +98,17 @@ class _Moved:
 
 @dataclass
 class MoveStats:
-    """What one offload or onload moved: bytes per part and wall seconds."""
+    """What one offload or onload moved: bytes per part and wall seconds; `deferred`, for an offload that was
+    free not to wait: whether it left parts LEAVING (their copies in flight until `settle`)."""
 
     bytes: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+    deferred: bool | None = None
+
+    def report(self) -> dict[str, float]:
+        """`<part>_bytes`, `seconds` (and `deferred`, 1.0 or 0.0, when set) as floats."""
+        out = {**{f"{p}_bytes": float(b) for p, b in self.bytes.items()}, "seconds": self.seconds}
+        return out if self.deferred is None else {**out, "deferred": float(self.deferred)}
 
 
 def _storages(tensors: Iterable[Tensor | None]) -> dict[int, tuple[torch.UntypedStorage, torch.device]]:
@@ -98,10 +141,13 @@ class TrainerOffload:
         self.pin = torch.cuda.is_available()
         # part -> the CUDA event after its onload copies (until a host wait saw them land).
         self._pending: dict[str, Any] = {}
+        # LEAVING part -> the CUDA event after its offload copies (None: they are done, on a CPU build).
+        self._leaving: dict[str, Any] = {}
         self._copy_stream: Any = None
 
     def offloaded(self) -> frozenset[str]:
-        return frozenset(p for p, s in self.states.items() if s is PartState.OFFLOADED)
+        """The parts away from compute memory, or on their way (LEAVING)."""
+        return frozenset(p for p, s in self.states.items() if s is not PartState.RESIDENT)
 
     def require_resident(self, parts: Sequence[str], what: str) -> None:
         """Raise naming the offloaded `parts` that `what` needs on the device; wait (on the host) for the copies
@@ -112,7 +158,8 @@ class TrainerOffload:
                 event.synchronize()
 
     def check_resident(self, parts: Sequence[str], what: str) -> None:
-        """Raise naming the offloaded `parts` that `what` needs on the device."""
+        """Raise naming the offloaded `parts` that `what` needs on the device (one still leaving settles first)."""
+        self.settle(parts)
         away = [p for p in parts if self.states[p] is PartState.OFFLOADED]
         if away:
             raise RuntimeError(f"{what} needs the trainer's {', '.join(away)} on the device, and they are offloaded "
@@ -134,37 +181,93 @@ class TrainerOffload:
                 keys |= set(_storages(self.collectors[other]()))
         return keys
 
+    def _collect(self, part: str) -> list[_Moved]:
+        """The storages `part` would move now, each once (host buffers not made yet)."""
+        skip = self._claimed_elsewhere(part)
+        return [_Moved(storage, None, device, storage.nbytes())
+                for key, (storage, device) in _storages(self.collectors[part]()).items() if key not in skip]
+
+    def part_bytes(self, part: str) -> int:
+        """Device bytes `part` holds now (0 unless it is resident)."""
+        if self.states[part] is not PartState.RESIDENT or part not in self.collectors:
+            return 0
+        return sum(m.nbytes for m in self._collect(part))
+
     @torch.no_grad()
-    def offload(self, parts: Sequence[str]) -> MoveStats:
-        """Move `parts` (those resident) to host memory, freeing their device storage."""
+    def offload(self, parts: Sequence[str], wait: bool = True, keep_free: int = 0) -> MoveStats:
+        """Move `parts` (those resident) to host memory, freeing their device storage. `wait=False`: leave the
+        copies of the kept parts in flight, those parts LEAVING until `settle`, if the device keeps `keep_free`
+        bytes free once the dropped parts are gone (else, and for the dropped parts, as with `wait=True`)."""
         start = time.perf_counter()
-        stats = MoveStats()
-        self.require_resident([p for p in _checked(parts) if self.states[p] is PartState.RESIDENT], "an offload")
-        for part in _checked(parts):
-            if self.states[part] is PartState.OFFLOADED or part not in self.collectors:
-                continue
-            skip = self._claimed_elsewhere(part)
-            moved, nbytes = [], 0
-            for key, (storage, device) in _storages(self.collectors[part]()).items():
-                if key in skip:
-                    continue
-                host = None
-                if part not in DROPPED_PARTS:
-                    host = torch.empty(storage.nbytes(), dtype=torch.uint8,
-                                       pin_memory=self.pin and device.type == "cuda")
-                    host.untyped_storage().copy_(storage, non_blocking=True)
-                moved.append(_Moved(storage, host, device, storage.nbytes()))
-                nbytes += storage.nbytes()
-            _synchronize(moved)  # the copies (and any kernel still reading a dropped part) land before it goes
-            for m in moved:
-                m.storage.resize_(0)
+        stats = MoveStats(deferred=None if wait else False)
+        parts = _checked(parts)
+        self.settle(parts)  # a part still leaving is gone once settled: offloading it again is a no-op
+        self.require_resident([p for p in parts if self.states[p] is PartState.RESIDENT], "an offload")
+        todo = [p for p in parts if self.states[p] is PartState.RESIDENT and p in self.collectors]
+        # Dropped parts go first and at once: their wait for kernels still reading them would otherwise wait for
+        # the copies queued before it too.
+        dropped = {p: self._collect(p) for p in todo if p in DROPPED_PARTS}
+        every = [m for ms in dropped.values() for m in ms]
+        _synchronize(every)
+        for part, moved in dropped.items():
+            self._gone(part, moved)
+            stats.bytes[part] = sum(m.nbytes for m in moved)
+        hand_back = any(m.device.type == "cuda" for m in every)
+        kept = {p: self._collect(p) for p in todo if p not in DROPPED_PARTS}
+        if not wait and hand_back:
+            torch.cuda.empty_cache()  # before the room is measured, and where the engines can take it
+            hand_back = False
+        leave = not wait and _room(kept, keep_free)
+        for m in (m for ms in kept.values() for m in ms):
+            # All made before any copy is queued: a new pinned block may wait for the device.
+            m.host = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=self.pin and m.device.type == "cuda")
+        stream = self._copy_stream_after_compute() if leave and _any_cuda(kept) else None
+        for part, moved in kept.items():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                for m in moved:
+                    m.host.untyped_storage().copy_(m.storage, non_blocking=True)
+            stats.bytes[part] = sum(m.nbytes for m in moved)
             self._moved[part] = moved
-            self.states[part] = PartState.OFFLOADED
-            stats.bytes[part] = nbytes
-        if any(m.device.type == "cuda" for ms in self._moved.values() for m in ms):
+            if leave:
+                self.states[part] = PartState.LEAVING
+                self._leaving[part] = _record(stream)
+                stats.deferred = True
+        if not leave:
+            _synchronize([m for ms in kept.values() for m in ms])  # the copies land before the storages go
+            for part, moved in kept.items():
+                self._gone(part, moved)
+            hand_back = hand_back or _any_cuda(kept)
+        if hand_back:
             torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where the engines can take them
         stats.seconds = time.perf_counter() - start
         return stats
+
+    def _gone(self, part: str, moved: list[_Moved]) -> None:
+        """`part`'s storages freed (their bytes on the host or dropped): OFFLOADED."""
+        for m in moved:
+            m.storage.resize_(0)
+        self._moved[part] = moved
+        self.states[part] = PartState.OFFLOADED
+
+    def settle(self, parts: Sequence[str] = OFFLOAD_PARTS) -> float:
+        """Finish the offload of `parts` still LEAVING: wait for their copies, free their storages and hand the
+        memory to the driver (a no-op for the others); the seconds spent."""
+        start = time.perf_counter()
+        leaving = [p for p in _checked(parts) if self.states[p] is PartState.LEAVING]
+        for part in leaving:
+            if (event := self._leaving.pop(part)) is not None:
+                event.synchronize()
+            self._gone(part, self._moved[part])
+        if any(m.device.type == "cuda" for p in leaving for m in self._moved[p]):
+            torch.cuda.empty_cache()
+        return time.perf_counter() - start
+
+    def _copy_stream_after_compute(self) -> Any:
+        """The offload's own stream, after the work already queued on the compute stream."""
+        if self._copy_stream is None:
+            self._copy_stream = torch.cuda.Stream()
+        self._copy_stream.wait_stream(torch.cuda.current_stream())
+        return self._copy_stream
 
     @torch.no_grad()
     def onload(self, parts: Sequence[str] = OFFLOAD_PARTS) -> MoveStats:
@@ -172,6 +275,7 @@ class TrainerOffload:
         offload's own stream and this returns once they are queued (see the module docstring)."""
         start = time.perf_counter()
         stats = MoveStats()
+        self.settle(parts)
         for part in _checked(parts):
             if self.states[part] is PartState.RESIDENT:
                 continue
@@ -197,19 +301,16 @@ class TrainerOffload:
     def _copy_in(self, moved: Sequence[_Moved]) -> Any:
         """Queue the host-to-device copies of `moved` on the offload's stream, after the work already queued on
         the compute stream (the storages' new allocations); the event marking their end."""
-        if self._copy_stream is None:
-            self._copy_stream = torch.cuda.Stream()
-        self._copy_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._copy_stream):
+        stream = self._copy_stream_after_compute()
+        with torch.cuda.stream(stream):
             for m in moved:
                 if m.host is not None:
                     m.storage.copy_(m.host.untyped_storage(), non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._copy_stream)
-        return done
+        return _record(stream)
 
     def resident_bytes(self) -> int:
         """Bytes of the trainer's parts held in compute memory now (what an engine cannot use)."""
+        self.settle()
         seen: dict[int, int] = {}
         for part, collect in self.collectors.items():
             if self.states[part] is PartState.RESIDENT:
@@ -232,6 +333,26 @@ def _zero(storage: torch.UntypedStorage, device: torch.device) -> None:
 def _synchronize(moved: Sequence[_Moved]) -> None:
     if any(m.device.type == "cuda" for m in moved):
         torch.cuda.synchronize()
+
+
+def _any_cuda(moved: dict[str, list[_Moved]]) -> bool:
+    return any(m.device.type == "cuda" for ms in moved.values() for m in ms)
+
+
+def _record(stream: Any) -> Any:
+    """An event after the work queued on `stream` so far (None without a stream: the copies are done)."""
+    if stream is None:
+        return None
+    done = torch.cuda.Event()
+    done.record(stream)
+    return done
+
+
+def _room(moved: dict[str, list[_Moved]], keep_free: int) -> bool:
+    """Whether the device of `moved` has `keep_free` bytes free now (host memory always has the room: the
+    storages stay where they are)."""
+    device = next((m.device for ms in moved.values() for m in ms if m.device.type == "cuda"), None)
+    return device is None or torch.cuda.mem_get_info(device)[0] >= keep_free
 
 
 def actor_offload(actor: Any) -> TrainerOffload:

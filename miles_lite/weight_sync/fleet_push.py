@@ -34,7 +34,8 @@ class FleetPusher:
         # Seconds the last push spent waking sleeping engines (weights before it, the rest after the load).
         self.wake_seconds = 0.0
 
-    def push(self, shards: ShardSource, version: str, *, stale_only: bool = False) -> SyncReport:
+    def push(self, shards: ShardSource, version: str, *, stale_only: bool = False,
+             before_wake: Callable[[], None] | None = None) -> SyncReport:
         """Push `shards` as `version` to the healthy and stale engines (`stale_only`: to the stale ones,
         bringing replacements to the version the healthy ones serve; `version` must be the current one).
 
@@ -46,7 +47,9 @@ class FleetPusher:
 
         Sleeping engines (colocated roles) are pushed to in order: their weights are resumed first, the
         push loads them, and their KV cache (and CUDA graphs) are resumed before they continue and are
-        verified (`wake_seconds`).
+        verified (`wake_seconds`). `before_wake` runs once the engines hold the new version, just before that
+        resume (the colocated trainer frees memory there for it; `run/handoff.py`); it may run again if the
+        push is made again, and not at all if the push reaches no engine or fails before the load.
         """
         fleet = self.fleet
         self.wake_seconds = 0.0
@@ -59,6 +62,8 @@ class FleetPusher:
             self.wake_seconds += time.perf_counter() - start
 
         def wake_rest() -> None:
+            if before_wake is not None:
+                before_wake()
             self.loop.run(wake([t for t in MEMORY_TAGS if t != "weights"]))
 
         if not stale_only and fleet.sleeping():

@@ -3,6 +3,7 @@ recipe, and FP8 SFT tracking bf16 on a learnable task (skipped without CUDA or T
 
 from __future__ import annotations
 
+import math
 import random
 import socket
 from collections.abc import Iterator
@@ -252,3 +253,43 @@ def test_offload_round_trip_keeps_training_bit_identical_on_the_gpu(model_dir: P
         assert [s[key] for s in moved_stats] == pytest.approx([s[key] for s in still_stats], rel=1e-3), key
     diff = max(abs(a - b) for ra, rb in zip(moved_lp, still_lp, strict=True) for a, b in zip(ra, rb, strict=True))
     assert diff < 1e-2, diff
+
+
+def test_a_deferred_offload_frees_only_when_settled_and_round_trips_exactly(model_dir: Path) -> None:
+    """The offload a weight push overlaps: the optimizer state's copies queued on the offload's stream, its
+    device memory held until `finish_offload` and freed there; onloaded, every tensor is what it was, bit for bit.
+    Without the room asked for, the same call completes before it returns."""
+    from miles_lite.trainer.offload import OverlapRoom, PartState
+
+    actor = make_actor(model_dir, "bf16")
+    try:
+        actor.train_step(ragged_batch(1))
+        off = actor.offloader
+
+        def state() -> list[torch.Tensor]:
+            return [t.detach().cpu() for t in (*off.collectors["optimizer"](), *actor.policy.model.parameters())]
+
+        before = state()
+        torch.cuda.synchronize()
+        moved = actor.offload(("grads", "optimizer"), OverlapRoom(weights_scale=1.0, staging_bytes=0))
+        assert moved["deferred"] == 1.0 and moved["optimizer_bytes"] > 0 and moved["grads_bytes"] > 0
+        assert off.states["optimizer"] is PartState.LEAVING and off.states["grads"] is PartState.OFFLOADED
+        held = torch.cuda.memory_allocated()
+        assert actor.finish_offload()["seconds"] >= 0.0
+        assert off.states["optimizer"] is PartState.OFFLOADED
+        assert held - torch.cuda.memory_allocated() >= moved["optimizer_bytes"]
+        actor.onload(("grads", "optimizer"))
+        off.require_resident(("optimizer",), "comparing the state")
+        after = state()
+        assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+        # No room: the copies land and the memory goes before the call returns.
+        held = torch.cuda.memory_allocated()
+        moved = actor.offload(("grads", "optimizer"), OverlapRoom(weights_scale=1.0, staging_bytes=1 << 60))
+        assert moved["deferred"] == 0.0 and off.states["optimizer"] is PartState.OFFLOADED
+        assert held - torch.cuda.memory_allocated() >= moved["optimizer_bytes"]
+        actor.onload(("grads", "optimizer"))
+        stats = actor.train_step(ragged_batch(2))
+        assert math.isfinite(stats["loss/total"]) and math.isfinite(stats["grad_norm"])
+    finally:
+        actor.close()
