@@ -165,13 +165,40 @@ class LoraAdapters(nn.Module):
             if norm_weight is not None:
                 # TE's fused norm+linear: the base normalises inside; the adapter sees the same input.
                 x = _rms_norm(x, norm_weight, self.config.layernorm_epsilon)
-            deltas = {t: self._delta(layer, t, x) for t in targets}
-            delta = self._fuse(path, deltas)
-            if isinstance(output, tuple):
-                return (output[0] + delta.to(output[0].dtype), *output[1:])
-            return output + delta.to(output.dtype)
+            base = output[0] if isinstance(output, tuple) else output
+            if self.training and self.lora.dropout > 0.0:
+                # PEFT draws a mask per projection: one delta per target, laid out as the fused layer's rows.
+                delta = self._fuse(path, {t: self._delta(layer, t, x) for t in targets})
+                out = base + delta.to(base.dtype)
+            else:
+                out = self._add_fused(layer, path, targets, x, base)
+            return (out, *output[1:]) if isinstance(output, tuple) else out
 
         return hook
+
+    def _add_fused(self, layer: int, path: str, targets: list[str], x: Tensor, base: Tensor) -> Tensor:
+        """`base` plus the fused layer's adapters in two GEMMs: x @ [A_q; A_k; A_v]^T, then one GEMM with the
+        B's laid out block-diagonally in the fused layer's row order, accumulated into `base` (addmm). Per
+        target it would be a delta as wide as each projection's output, then a copy to lay them out and an add:
+        at 7B width those passes over the activations cost more than the adapters' own FLOPs."""
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
+
+        pairs = [self.layers[layer][t] for t in targets]
+        a = pairs[0].lora_A if len(pairs) == 1 else torch.cat([p.lora_A for p in pairs])
+        z = x @ a.t()
+        if self.tp_size > 1:
+            z = (reduce_from_tensor_model_parallel_region(z, self.tp_group) if targets[0] in ROW_PARALLEL
+                 else copy_to_tensor_model_parallel_region(z, self.tp_group))
+        r, width = self.lora.rank, len(pairs) * self.lora.rank
+        blocks = {t: nn.functional.pad(p.lora_B, (j * r, width - (j + 1) * r)) for j, (t, p) in
+                  enumerate(zip(targets, pairs, strict=True))}
+        b = fuse_rows(path, blocks, self._local_out, self.spec, self.tp_size, dim=0) * self.lora.scale
+        out = torch.addmm(base.reshape(-1, base.shape[-1]), z.reshape(-1, width).to(base.dtype),
+                          b.t().to(base.dtype))
+        return out.view(base.shape)
 
     def _dropout(self, x: Tensor, row_parallel: bool) -> Tensor:
         p = self.lora.dropout

@@ -117,6 +117,49 @@ def scenario_recompute(rank: int, world_size: int, hf_path: str, ckpt_dir: str) 
     return out
 
 
+def scenario_fused(rank: int, world_size: int, hf_path: str, ckpt_dir: str) -> dict[str, Any]:
+    """Each adapted layer's output and the adapters' gradients through the fused GEMMs (`_add_fused`) and
+    through one delta per projection laid out afterwards (the dropout path), with some projections of each
+    fused layer left out, random B's and TP = `world_size`."""
+    from miles_lite.trainer.actor import TrainerActor
+    from miles_lite.trainer.lora import FUSED
+
+    cfg = _config(hf_path, ckpt_dir, world_size)
+    cfg.trainer.lora.targets = ["q_proj", "v_proj", "up_proj", "down_proj"]
+    actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
+    lora = actor.lora
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in lora.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    out: dict[str, Any] = {}
+    layer = actor.policy.model.decoder.layers[1]
+    for path in FUSED:
+        targets = [t for t in FUSED[path] if t in lora.lora.targets]
+        if not targets:
+            continue
+        module = layer.get_submodule(path)
+        width = module.weight.shape[1] * (world_size if targets[0] in ("o_proj", "down_proj") else 1)
+        x = torch.randn(3, 2, width // (world_size if targets[0] in ("o_proj", "down_proj") else 1),
+                        generator=gen)
+        base = torch.randn(3, 2, module.weight.shape[0], generator=gen)
+        results = []
+        names = [f"{t}.{w}" for t in targets for w in ("lora_A", "lora_B")]
+        params = [getattr(lora.layers[1][t], w) for t in targets for w in ("lora_A", "lora_B")]
+        for fused in (True, False):
+            xi, bi = x.clone().requires_grad_(True), base.clone().requires_grad_(True)
+            if fused:
+                y = lora._add_fused(1, path, targets, xi, bi)
+            else:
+                y = bi + lora._fuse(path, {t: lora._delta(1, t, xi) for t in targets})
+            loss = (y * torch.linspace(-1, 1, y.numel()).view(y.shape)).sum()
+            gx, gb, *gp = torch.autograd.grad(loss, [xi, bi, *params])
+            results.append((y.detach(), gx, gb, dict(zip(names, gp, strict=True))))
+        out[path] = results
+    actor.close()
+    return out
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("lora_trainer")
@@ -235,3 +278,19 @@ def test_full_activation_recompute_trains_the_adapters_alike(runs: dict[str, Any
     # B starts at zero, so A's gradient is zero; every B must receive one, through every recomputed layer.
     b_grads = {n: g for n, g in recomputed.items() if n.endswith("lora_B")}
     assert b_grads and all(float(g.abs().max()) > 0 for g in b_grads.values()), sorted(b_grads)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_fused_adapter_gemms_equal_one_delta_per_projection(runs: dict[str, Any], tp: int) -> None:
+    # Without dropout the adapters of a fused layer run as two GEMMs accumulated into its output; with dropout
+    # each projection keeps its own mask. Both must be the same function with the same gradients.
+    root = runs["root"]
+    got = run_ranks(scenario_fused, tp, root / f"fused{tp}", hf_path=str(runs["hf"]), ckpt_dir=str(root / "f"))[0]
+    assert set(got) == {"self_attention.linear_qkv", "mlp.linear_fc1", "mlp.linear_fc2"}
+    for path, ((y, gx, gb, grads), (y0, gx0, gb0, grads0)) in got.items():
+        assert torch.allclose(y, y0, rtol=1e-5, atol=1e-6), path
+        assert torch.allclose(gx, gx0, rtol=1e-5, atol=1e-6) and torch.equal(gb, gb0), path
+        assert set(grads) == set(grads0) and grads
+        for name, g in grads.items():
+            assert float(g.abs().max()) > 0, (path, name)
+            assert torch.allclose(g, grads0[name], rtol=1e-5, atol=1e-6), (path, name)
