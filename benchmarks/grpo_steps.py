@@ -192,6 +192,7 @@ def step_row(m: dict[str, Any]) -> dict[str, Any]:
                logp_abs_diff_mean=m.get("mismatch/logp_abs_diff_mean"),
                probe_logp_diff_mean=m.get("sync/probe_logp_diff_mean"), sync_gb_per_s=m.get("sync/gb_per_s"))
     row.update({f"{t}_s": m.get(f"time/{t}_seconds") for t in TRANSITIONS})
+    row["offload_overlapped"] = m.get("time/offload_overlapped")
     for phase in MEMORY_PHASES:
         for key, short in MEMORY_KEYS.items():
             row[f"{phase}_{short}_gib"] = _gib(m.get(f"memory/{phase}_{key}"))
@@ -237,6 +238,8 @@ def print_row(r: dict[str, Any]) -> None:
           + f" {r['train_tokens_per_s'] or 0:11,.0f}"
           + f" {r['logp_abs_diff_mean'] or 0:9.4f} {r['probe_logp_diff_mean'] or 0:7.4f}", flush=True)
     moves = ", ".join(f"{t} {r[f'{t}_s']:.2f} s" for t in TRANSITIONS if r.get(f"{t}_s") is not None)
+    if r.get("offload_overlapped") is not None:
+        moves += f" (the optimizer's offload {'overlapped' if r['offload_overlapped'] else 'before'} the push)"
     memory = "; ".join(
         f"{p} " + "/".join("-" if r[f"{p}_{s}_gib"] is None else f"{r[f'{p}_{s}_gib']:.1f}"
                            for s in MEMORY_KEYS.values())
