@@ -202,18 +202,19 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
     colocated-7b) grpo_part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
                     --steps 3 --skip 1 --out "$out/colocated-7b.json" ;;
     lora) lora_parts ;;
-    # The 7B LoRA parts train without activation recompute: the full-parameter step recomputes because its
-    # optimizer state fills the device; LoRA's base, adapters and activations of a 4096-token micro-batch fit.
+    # The 7B LoRA parts spend the memory LoRA saves on speed: no activation recompute (the full-parameter step
+    # recomputes because its optimizer state fills the device) and the frozen base stays on the device while
+    # the engine generates (its 15 GB would go out and back every step).
     # The 7B LoRA step pushing the adapters merged into the base (engines serve at base speed).
     lora-7b-merged) grpo_part lora-7b-merged "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 \
-                      --skip 1 --no-recompute --out "$out/lora-7b-merged.json" trainer.lora.rank=16 trainer.lora.alpha=32 \
+                      --skip 1 --no-recompute --offload grads --out "$out/lora-7b-merged.json" trainer.lora.rank=16 trainer.lora.alpha=32 \
                       weight_sync.lora=merged ;;
     # Whether a colocated LoRA GRPO step of the whole Qwen2.5-7B fits, its time and memory.
     lora-7b) grpo_part lora-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 --skip 1 \
-               --no-recompute --out "$out/lora-7b.json" trainer.lora.rank=16 trainer.lora.alpha=32 ;;
+               --no-recompute --offload grads --out "$out/lora-7b.json" trainer.lora.rank=16 trainer.lora.alpha=32 ;;
     # The same step pushing the adapter inside the load request (/load_lora_adapter_from_tensors), no directory.
     lora-7b-tensors) grpo_part lora-7b-tensors "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff --steps 3 \
-                       --skip 1 --no-recompute --out "$out/lora-7b-tensors.json" trainer.lora.rank=16 trainer.lora.alpha=32 \
+                       --skip 1 --no-recompute --offload grads --out "$out/lora-7b-tensors.json" trainer.lora.rank=16 trainer.lora.alpha=32 \
                        weight_sync.lora=tensors ;;
     *) echo "unknown part $p (versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs" \
             "lora combinations colocated-0.5b resident-0.5b colocated-7b lora-7b lora-7b-merged lora-7b-tensors" \
