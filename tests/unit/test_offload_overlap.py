@@ -242,7 +242,7 @@ def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wa
     assert "time/offload_overlapped" not in handoff.stats()  # reset with the step
 
 
-def test_without_room_the_push_runs_in_todays_order() -> None:
+def test_without_room_the_optimizer_leaves_before_the_push() -> None:
     handoff, log, _ = _handoff(room=False)
     handoff.push(3)
     assert log == ["engines sleep", "onload", "offload grads,optimizer", "wake weights", "load", "wake kv cache",
