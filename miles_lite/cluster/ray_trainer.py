@@ -239,9 +239,13 @@ class RayTrainerGroup:
 
     def _all(self, method: str, *args: Any) -> Any:
         """Run `method(*args)` on every rank; rank 0's result."""
+        return self._every(method, *args)[0]
+
+    def _every(self, method: str, *args: Any) -> list[Any]:
+        """Run `method(*args)` on every rank; every rank's result, in rank order."""
         self._require_ready()
         refs = {rank: getattr(actor, method).remote(*args) for rank, actor in enumerate(self.actors)}
-        return self._collect(refs, method)[0]
+        return self._collect(refs, method)
 
     # ---- the TrainerRole calls -----------------------------------------------------------------
 
@@ -334,9 +338,7 @@ class RayTrainerGroup:
         decides for its own device whether its copies stay in flight; `deferred` says whether any rank's did."""
         if room is None:
             return self._all("offload", tuple(parts))
-        self._require_ready()
-        refs = {rank: a.offload.remote(tuple(parts), room) for rank, a in enumerate(self.actors)}
-        answers = self._collect(refs, "offload")
+        answers = self._every("offload", tuple(parts), room)
         return {**answers[0], "deferred": max(a["deferred"] for a in answers)}
 
     def finish_offload(self) -> dict[str, float]:

@@ -87,16 +87,20 @@ class Handoff:
         # The engines started while the trainer's state waited in host memory (`System.start`).
         self.holder = Holder.ENGINES if self.enabled and system.offloaded_at_start else Holder.BOTH
         self._seconds: dict[str, float] = {}
-        self._flags: dict[str, float] = {}
+        self._overlapped: float | None = None  # this step's `time/offload_overlapped`, once its push offloaded
         self._memory: dict[str, float] = {}
 
     def _add(self, name: str, seconds: float) -> None:
         self._seconds[name] = self._seconds.get(name, 0.0) + seconds
 
-    def _offload(self, parts: tuple[str, ...]) -> None:
+    def _offload(self, parts: tuple[str, ...], room: OverlapRoom | None = None) -> dict[str, float]:
+        """Offload `parts` (timed); with `room`, their copies may stay in flight (the answer's `deferred`)."""
         assert self.system.trainer is not None
-        if parts:
-            self._add("offload", self.system.trainer.offload(parts)["seconds"])
+        if not parts:
+            return {}
+        moved = self.system.trainer.offload(parts, room)
+        self._add("offload", moved["seconds"])
+        return moved
 
     def for_generation(self) -> None:
         """Before generating: the trainer's state off the device (nothing when the engines hold it already)."""
@@ -127,10 +131,8 @@ class Handoff:
         self.for_training()  # a push from `both` (warm-up, resume) puts the engines to sleep first
         rest = tuple(p for p in self.parts if p != "params")
         if rest:
-            moved = self.system.trainer.offload(rest, self.room)
-            self._add("offload", moved["seconds"])
-            self._leaving = moved.get("deferred", 0.0) > 0.0
-            self._flags["offload_overlapped"] = 1.0 if self._leaving else 0.0
+            self._leaving = self._offload(rest, self.room)["deferred"] > 0.0
+            self._overlapped = float(self._leaving)
         try:
             report, seconds = self.system.push_weights(version, self._finish_offload if self._leaving else None)
         finally:
@@ -157,7 +159,8 @@ class Handoff:
         """This step's transition seconds (`time/<transition>_seconds`), whether its push overlapped the
         optimizer offload (`time/offload_overlapped`) and memory per phase; then reset."""
         out: dict[str, Any] = {f"time/{k}_seconds": v for k, v in self._seconds.items()}
-        out.update({f"time/{k}": v for k, v in self._flags.items()})
+        if self._overlapped is not None:
+            out["time/offload_overlapped"] = self._overlapped
         out.update(self._memory)
-        self._seconds, self._flags, self._memory = {}, {}, {}
+        self._seconds, self._overlapped, self._memory = {}, None, {}
         return out

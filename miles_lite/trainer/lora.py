@@ -181,17 +181,9 @@ class LoraAdapters(nn.Module):
         B's laid out block-diagonally in the fused layer's row order, accumulated into `base` (addmm). Per
         target it would be a delta as wide as each projection's output, then a copy to lay them out and an add:
         at 7B width those passes over the activations cost more than the adapters' own FLOPs."""
-        from megatron.core.tensor_parallel.mappings import (
-            copy_to_tensor_model_parallel_region,
-            reduce_from_tensor_model_parallel_region,
-        )
-
         pairs = [self.layers[layer][t] for t in targets]
         a = pairs[0].lora_A if len(pairs) == 1 else torch.cat([p.lora_A for p in pairs])
-        z = x @ a.t()
-        if self.tp_size > 1:
-            z = (reduce_from_tensor_model_parallel_region(z, self.tp_group) if targets[0] in ROW_PARALLEL
-                 else copy_to_tensor_model_parallel_region(z, self.tp_group))
+        z = self._across_tp(x @ a.t(), targets[0] in ROW_PARALLEL)
         r, width = self.lora.rank, len(pairs) * self.lora.rank
         blocks = {t: nn.functional.pad(p.lora_B, (j * r, width - (j + 1) * r)) for j, (t, p) in
                   enumerate(zip(targets, pairs, strict=True))}
@@ -211,18 +203,23 @@ class LoraAdapters(nn.Module):
         return x * keep / (1.0 - p)
 
     def _delta(self, layer: int, target: str, x: Tensor) -> Tensor:
+        pair = self.layers[layer][target]
+        row = target in ROW_PARALLEL
+        z = self._across_tp(self._dropout(x, row) @ pair.lora_A.t(), row)
+        return (z @ pair.lora_B.t()) * self.lora.scale
+
+    def _across_tp(self, z: Tensor, row_parallel: bool) -> Tensor:
+        """The rank-r activation `A x` across TP ranks: summed for a row-parallel base (each rank holds part of
+        the input), a copy-to-TP region for a column-parallel one (A's gradient summed in the backward)."""
+        if self.tp_size == 1:
+            return z
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
         )
 
-        pair = self.layers[layer][target]
-        row = target in ROW_PARALLEL
-        z = self._dropout(x, row) @ pair.lora_A.t()
-        if self.tp_size > 1:
-            z = (reduce_from_tensor_model_parallel_region(z, self.tp_group) if row
-                 else copy_to_tensor_model_parallel_region(z, self.tp_group))
-        return (z @ pair.lora_B.t()) * self.lora.scale
+        return (reduce_from_tensor_model_parallel_region(z, self.tp_group) if row_parallel
+                else copy_to_tensor_model_parallel_region(z, self.tp_group))
 
     def _fuse(self, path: str, deltas: Mapping[str, Tensor]) -> Tensor:
         """The fused layer's local output from per-projection deltas along the last dim (zeros: untargeted)."""

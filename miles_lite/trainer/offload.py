@@ -207,12 +207,12 @@ class TrainerOffload:
         # Dropped parts go first and at once: their wait for kernels still reading them would otherwise wait for
         # the copies queued before it too.
         dropped = {p: self._collect(p) for p in todo if p in DROPPED_PARTS}
-        every = [m for ms in dropped.values() for m in ms]
-        _synchronize(every)
+        _synchronize([m for ms in dropped.values() for m in ms])
         for part, moved in dropped.items():
             self._gone(part, moved)
             stats.bytes[part] = sum(m.nbytes for m in moved)
-        hand_back = any(m.device.type == "cuda" for m in every)
+        # Whether device memory was freed and not yet handed back to the driver (`empty_cache`).
+        hand_back = _any_cuda(dropped)
         kept = {p: self._collect(p) for p in todo if p not in DROPPED_PARTS}
         if not wait and hand_back:
             torch.cuda.empty_cache()  # before the room is measured, and where the engines can take it
@@ -253,12 +253,12 @@ class TrainerOffload:
         """Finish the offload of `parts` still LEAVING: wait for their copies, free their storages and hand the
         memory to the driver (a no-op for the others); the seconds spent."""
         start = time.perf_counter()
-        leaving = [p for p in _checked(parts) if self.states[p] is PartState.LEAVING]
-        for part in leaving:
+        leaving = {p: self._moved[p] for p in _checked(parts) if self.states[p] is PartState.LEAVING}
+        for part, moved in leaving.items():
             if (event := self._leaving.pop(part)) is not None:
                 event.synchronize()
-            self._gone(part, self._moved[part])
-        if any(m.device.type == "cuda" for p in leaving for m in self._moved[p]):
+            self._gone(part, moved)
+        if _any_cuda(leaving):
             torch.cuda.empty_cache()
         return time.perf_counter() - start
 

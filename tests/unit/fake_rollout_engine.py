@@ -8,10 +8,12 @@ Modes: "ok", "error" (answers an EngineError), "dead" (connection refused), "han
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from miles_lite.rollout.engine import EngineError
 from miles_lite.types import Generation, SamplingParams
+from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, PushReport, TransportState
 
 
 class FakeEngine:
@@ -155,3 +157,26 @@ class FakeEngine:
 
     async def close(self) -> None:
         self.closed = True
+
+
+class TensorTransport:
+    """A weight transport that loads a version into each engine with `update_weights_from_tensor` (what a real
+    transport does), carrying no tensors."""
+
+    name = "fake"
+
+    def __init__(self, loop: EngineLoop) -> None:
+        self.loop = loop
+        self.state = TransportState.NEW
+        self.fleet: Sequence[FleetEngine] = ()
+
+    def connect(self, fleet: Sequence[FleetEngine]) -> None:
+        self.fleet, self.state = fleet, TransportState.CONNECTED
+
+    def push(self, named_shards: object, version: str) -> PushReport:
+        self.loop.gather({f.engine_id: self.loop.submit(f.engine.update_weights_from_tensor([], None, version))
+                          for f in self.fleet})
+        return PushReport(version, self.name, tuple(f.engine_id for f in self.fleet))
+
+    def close(self) -> None:
+        self.state = TransportState.CLOSED

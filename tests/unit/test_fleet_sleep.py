@@ -4,10 +4,10 @@ leaves out an engine whose address answers from a new process."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
 import pytest
-from fake_rollout_engine import FakeEngine
+from fake_rollout_engine import FakeEngine, TensorTransport
 
 from miles_lite.config.schema import FaultToleranceConfig
 from miles_lite.rollout.engine import EngineError
@@ -15,7 +15,7 @@ from miles_lite.rollout.fleet import TRANSITIONS, EngineFleet, EngineHandle, Eng
 from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.weight_sync.coordinator import WeightSyncCoordinator
 from miles_lite.weight_sync.fleet_push import FleetPusher
-from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, PushReport, TransportState
+from miles_lite.weight_sync.transport import EngineLoop
 
 S = EngineState
 ALL = ["weights", "kv_cache", "cuda_graph"]
@@ -114,28 +114,6 @@ def test_an_engine_that_cannot_resume_is_declared_dead_and_replaced():
     asyncio.run(main())
 
 
-class _TensorTransport:
-    """Loads a version into each engine with `update_weights_from_tensor` (what a real transport does)."""
-
-    name = "fake"
-
-    def __init__(self, loop: EngineLoop) -> None:
-        self.loop = loop
-        self.state = TransportState.NEW
-        self.fleet: Sequence[FleetEngine] = ()
-
-    def connect(self, fleet: Sequence[FleetEngine]) -> None:
-        self.fleet, self.state = fleet, TransportState.CONNECTED
-
-    def push(self, named_shards: object, version: str) -> PushReport:
-        self.loop.gather({f.engine_id: self.loop.submit(f.engine.update_weights_from_tensor([], None, version))
-                          for f in self.fleet})
-        return PushReport(version, self.name, tuple(f.engine_id for f in self.fleet))
-
-    def close(self) -> None:
-        self.state = TransportState.CLOSED
-
-
 @pytest.fixture
 def pushing() -> Iterator[tuple[EngineLoop, EngineFleet, FleetPusher, FakeEngine, FakeEngine]]:
     """Engines a and b in a fleet on a running event loop, and a pusher loading versions into them."""
@@ -143,7 +121,7 @@ def pushing() -> Iterator[tuple[EngineLoop, EngineFleet, FleetPusher, FakeEngine
         engines = EngineLoop(thread.loop, timeout_s=10.0)
         a, b = FakeEngine("a"), FakeEngine("b")
         fleet = engines.run(_fleet(a, b))
-        pusher = FleetPusher(WeightSyncCoordinator(_TensorTransport(engines), engines), fleet, engines, 1, "reference")
+        pusher = FleetPusher(WeightSyncCoordinator(TensorTransport(engines), engines), fleet, engines, 1, "reference")
         try:
             yield engines, fleet, pusher, a, b
         finally:
@@ -201,7 +179,7 @@ def test_a_push_asks_only_engines_started_elsewhere_whether_they_were_replaced()
             return fleet
 
         fleet = engines.run(fleet_of_both())
-        pusher = FleetPusher(WeightSyncCoordinator(_TensorTransport(engines), engines), fleet, engines, 1, "reference")
+        pusher = FleetPusher(WeightSyncCoordinator(TensorTransport(engines), engines), fleet, engines, 1, "reference")
         try:
             assert [r.handle.local_child for r in fleet.records] == [True, False]
             pusher.push({}, "1")

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from fake_rollout_engine import FakeEngine
+from fake_rollout_engine import FakeEngine, TensorTransport
 
 from miles_lite.config.compose import load_config
 from miles_lite.config.schema import FaultToleranceConfig
@@ -27,7 +27,7 @@ from miles_lite.trainer.offload import (
 )
 from miles_lite.weight_sync.coordinator import WeightSyncCoordinator
 from miles_lite.weight_sync.fleet_push import FleetPusher
-from miles_lite.weight_sync.transport import EngineLoop, PushReport, TransportState
+from miles_lite.weight_sync.transport import EngineLoop
 
 S = PartState
 
@@ -261,24 +261,6 @@ def test_a_push_that_fails_before_the_kv_wake_still_settles_the_offload() -> Non
 # ---- where the fleet's push calls it ------------------------------------------------------------------
 
 
-class _LoadingTransport:
-    name = "fake"
-
-    def __init__(self, loop: EngineLoop) -> None:
-        self.loop, self.state, self.fleet = loop, TransportState.NEW, ()
-
-    def connect(self, fleet: Any) -> None:
-        self.fleet, self.state = fleet, TransportState.CONNECTED
-
-    def push(self, named_shards: object, version: str) -> PushReport:
-        self.loop.gather({f.engine_id: self.loop.submit(f.engine.update_weights_from_tensor([], None, version))
-                          for f in self.fleet})
-        return PushReport(version, self.name, tuple(f.engine_id for f in self.fleet))
-
-    def close(self) -> None:
-        self.state = TransportState.CLOSED
-
-
 def test_the_fleet_push_calls_before_wake_after_the_load_and_before_the_kv_cache_resumes() -> None:
     ft = FaultToleranceConfig(health_interval_s=0.05, health_timeout_s=0.2, failure_threshold=1,
                               max_engine_restarts=2, request_retries=3)
@@ -292,7 +274,7 @@ def test_the_fleet_push_calls_before_wake_after_the_load_and_before_the_kv_cache
             return fleet
 
         fleet = loop.run(fleet_of_a())
-        pusher = FleetPusher(WeightSyncCoordinator(_LoadingTransport(loop), loop), fleet, loop, 1, "reference")
+        pusher = FleetPusher(WeightSyncCoordinator(TensorTransport(loop), loop), fleet, loop, 1, "reference")
         try:
             loop.run(fleet.sleep())
             pusher.push({}, "1", before_wake=lambda: a.log.append("before wake"))
