@@ -87,7 +87,7 @@ def test_an_intruder_cannot_take_a_members_place(intruder_key: str | None) -> No
     # answer (a wrong key: refused at once; no key: it cannot be admitted and times out), and the group forms
     # with it. Waiting for that answer, not a delay, keeps the store open while the intruder tries: a group
     # formed first closes its store, and the intruder would never reach it.
-    results = _run([(0, key, 120.0), (1, intruder, 20.0 if intruder is None else 90.0)], world=2,
+    results = _run([(0, key, 120.0), (1, intruder, 8.0 if intruder is None else 90.0)], world=2,
                    then=[(1, key, 60.0)])
     joined = [r for r in results if r[2] == "joined"]
     assert sorted((r[0], r[1]) for r in joined) == [(0, key), (1, key)]
