@@ -104,29 +104,35 @@ class HttpEngine:
 
     async def _request(self, method: str, path: str, payload: dict[str, Any] | None, timeout_s: float,
                        expect_json: bool = True) -> Any:
-        for attempt in (1, 2):
+        try:
             try:
-                async with self._get_session().request(
-                    method, f"{self.url}{path}", json=payload, timeout=aiohttp.ClientTimeout(total=timeout_s),
-                ) as resp:
-                    text = await resp.text()
-                    if resp.status != 200:
-                        raise EngineError(f"{self.engine_id} {path}: HTTP {resp.status}: {text[:500]}")
-                break
-            except aiohttp.ServerDisconnectedError as exc:
-                # A pooled connection the server closed while this request went out on it (seen on one H100 with
-                # 256 requests at once, the keep-alive limit notwithstanding): the server never took the request,
-                # so it goes once more, on a new connection. A server that is gone fails the second try too.
-                if attempt == 2:
-                    raise EngineError(f"{self.engine_id} {path}: {type(exc).__name__}: {exc}") from exc
-            except (aiohttp.ClientError, TimeoutError) as exc:
-                raise EngineError(f"{self.engine_id} {path}: {type(exc).__name__}: {exc}") from exc
+                text = await self._send(self._get_session(), method, path, payload, timeout_s)
+            except aiohttp.ServerDisconnectedError:
+                # A pooled connection the server closed while this request went out on it (seen on one H100
+                # with 256 requests at once, the keep-alive limit notwithstanding): the server never took the
+                # request, so it goes once more, on a new connection of its own (the pool may hold more the
+                # server has closed). A server that is gone fails the second try too.
+                async with aiohttp.ClientSession(headers=self._headers,
+                                                 connector=aiohttp.TCPConnector(force_close=True)) as fresh:
+                    text = await self._send(fresh, method, path, payload, timeout_s)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            raise EngineError(f"{self.engine_id} {path}: {type(exc).__name__}: {exc}") from exc
         if not expect_json:
             return text
         try:
             return json.loads(text)
         except ValueError as exc:
             raise EngineError(f"{self.engine_id} {path}: answer is not JSON: {text[:200]!r}") from exc
+
+    async def _send(self, session: aiohttp.ClientSession, method: str, path: str, payload: dict[str, Any] | None,
+                    timeout_s: float) -> str:
+        """One request through `session`; the answer's body (EngineError on a status other than 200)."""
+        async with session.request(method, f"{self.url}{path}", json=payload,
+                                   timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            text = await resp.text()
+            if resp.status != 200:
+                raise EngineError(f"{self.engine_id} {path}: HTTP {resp.status}: {text[:500]}")
+            return text
 
     async def _post_checked(self, path: str, payload: dict[str, Any], timeout_s: float | None = None) -> dict:
         """POST a weight/control call; SGLang answers {"success": bool, "message": str}."""

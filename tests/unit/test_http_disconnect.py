@@ -53,3 +53,45 @@ def test_a_dropped_connection_is_tried_once_more(drops: int, answered: bool) -> 
     ok, requests = asyncio.run(main())
     assert ok is answered
     assert requests == min(drops + 1, 2)
+
+
+def test_the_second_try_goes_out_on_a_new_connection_not_another_pooled_one() -> None:
+    """A server that closed its idle keep-alive connections drops every request reused on one: two pooled
+    connections are stale, so a second try through the pool would meet the other one."""
+
+    async def main() -> tuple[list[int], list[int], int]:
+        served: set[int] = set()  # client ports that carried an answered request
+        dropped: list[int] = []
+
+        async def update(request: web.Request) -> web.StreamResponse:
+            assert request.transport is not None
+            port = request.transport.get_extra_info("peername")[1]
+            if port in served:  # as closed by the server: the request goes unanswered
+                dropped.append(port)
+                request.transport.close()
+                await asyncio.sleep(0.05)
+            served.add(port)
+            await asyncio.sleep(0.05)  # concurrent requests open connections of their own
+            return web.json_response({"success": True, "message": "ok"})
+
+        app = web.Application()
+        app.router.add_post("/update_weight_version", update)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        engine = HttpEngine("e0", f"http://127.0.0.1:{port}")
+        try:
+            await asyncio.gather(engine.update_weight_version("1"), engine.update_weight_version("2"))
+            pooled = sorted(served)
+            await engine.update_weight_version("3")
+            return pooled, dropped, len(served)
+        finally:
+            await engine.close()
+            await runner.cleanup()
+
+    pooled, dropped, ports = asyncio.run(main())
+    assert len(pooled) == 2
+    assert len(dropped) == 1 and dropped[0] in pooled  # the first try went out on a pooled connection
+    assert ports == 3  # the second on a new one
