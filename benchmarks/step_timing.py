@@ -48,7 +48,9 @@ def time_interleaved(fns: dict[str, Any], warmup: int, steps: int) -> dict[str, 
 
 def profile_steps(fns: dict[str, Any], out_dir: Path, steps: int = 2) -> dict[str, str]:
     """A torch profiler trace of `steps` calls of each of `fns` (after the timed runs), and the table of the
-    30 costliest operators by device time; returns {name: table}. Traces go to `out_dir/<name>.json.gz`."""
+    30 costliest operators by device time; returns {name: table}. Traces go to `out_dir/<name>.json.gz`, the
+    tables to `out_dir/<name>.txt`, and the 30 costliest by host time to `out_dir/<name>.host.txt` (a step bound
+    by the host shows there what it spends its time on)."""
     from torch.profiler import ProfilerActivity, profile
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -64,6 +66,8 @@ def profile_steps(fns: dict[str, Any], out_dir: Path, steps: int = 2) -> dict[st
         key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         tables[name] = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
         (out_dir / f"{name}.txt").write_text(tables[name])
+        (out_dir / f"{name}.host.txt").write_text(prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
     return tables
 
 

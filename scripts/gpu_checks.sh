@@ -16,7 +16,8 @@
 # and adapter-tensor pushes,
 # the guard at 7B width), then the SGLang checks (agents, auth, MoE, contract); every part bounded by its own
 # time, OUT_DIR/summary.md rewritten after each (scripts/gpu_summary.py), so a sitting cut short still brings
-# back what it measured. SITTING_PARTS overrides its list.
+# back what it measured. SITTING_PARTS overrides its list; scripts/gpu_sitting.sh runs a sitting detached and
+# packs what it has written at any point.
 # Runs `python3` (PYTHON overrides it) from the repository root, which goes first on PYTHONPATH; SGLang,
 # TransformerEngine and megatron-core must import there, or set MILES_ENGINE_PYTHONPATH to SGLang installed
 # apart (then MILES_TEST_TRANSPORT=ipc_handles if its torch is another build). Each part writes
