@@ -193,6 +193,9 @@ def step_row(m: dict[str, Any]) -> dict[str, Any]:
                probe_logp_diff_mean=m.get("sync/probe_logp_diff_mean"), sync_gb_per_s=m.get("sync/gb_per_s"))
     row.update({f"{t}_s": m.get(f"time/{t}_seconds") for t in TRANSITIONS})
     row["offload_overlapped"] = m.get("time/offload_overlapped")
+    # The push's own phases (weight_sync/coordinator.py): where the sync's seconds beyond the transitions go.
+    row["sync_phases"] = {k.removeprefix("sync/phase_").removesuffix("_seconds"): v
+                          for k, v in m.items() if k.startswith("sync/phase_")}
     for phase in MEMORY_PHASES:
         for key, short in MEMORY_KEYS.items():
             row[f"{phase}_{short}_gib"] = _gib(m.get(f"memory/{phase}_{key}"))
@@ -222,13 +225,16 @@ SPREAD_KEYS = (*PHASES, "step_s", *(f"{t}_s" for t in TRANSITIONS),
 
 
 def spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """min / median / max over `rows` of each phase's seconds, the step time, each transition's seconds and
-    each memory figure (those the rows have)."""
+    """min / median / max over `rows` of each phase's seconds, the step time, each transition's seconds,
+    each memory figure and each of the push's own phases (`sync_<phase>`; those the rows have)."""
     out = {}
     for key in SPREAD_KEYS:
         vals = sorted(float(r[key]) for r in rows if r.get(key) is not None)
         if vals:
             out[key] = {"min": vals[0], "median": statistics.median(vals), "max": vals[-1], "n": len(vals)}
+    for phase in sorted({p for r in rows for p in r.get("sync_phases", {})}):
+        vals = sorted(r["sync_phases"][phase] for r in rows if phase in r.get("sync_phases", {}))
+        out[f"sync_{phase}"] = {"min": vals[0], "median": statistics.median(vals), "max": vals[-1], "n": len(vals)}
     return out
 
 
@@ -246,6 +252,8 @@ def print_row(r: dict[str, Any]) -> None:
         for p in MEMORY_PHASES if any(r.get(f"{p}_{s}_gib") is not None for s in MEMORY_KEYS.values()))
     if moves or memory:
         print(f"     hand-off: {moves or 'none'}; GiB used/trainer peak/trainer state: {memory or '-'}", flush=True)
+    if r.get("sync_phases"):
+        print("     push: " + ", ".join(f"{k} {v:.3f} s" for k, v in r["sync_phases"].items()), flush=True)
 
 
 class StepReport:

@@ -157,7 +157,8 @@ class RunIO:
         self.metrics.sync_done(transport, seconds, int(report.push.bytes), int(report.push.version or 0)
                                if str(report.push.version).isdigit() else 0, probe)
         self.last_sync = {"sync/seconds": seconds, "sync/bytes": float(report.push.bytes),
-                          "sync/gb_per_s": report.push.gb_per_s, "sync/paused_seconds": report.paused_s}
+                          "sync/gb_per_s": report.push.gb_per_s, "sync/paused_seconds": report.paused_s,
+                          **{f"sync/phase_{k}_seconds": v for k, v in report.phases.items()}}
         if probe is not None:
             self.last_sync["sync/probe_logp_diff_mean"] = probe
             self.last_sync["sync/probe_logp_diff_max"] = report.verify.logp_diff_max

@@ -1,5 +1,10 @@
 """One weight push, start to end: pause -> flush -> push -> version check -> continue -> verify.
 
+Each push reports the seconds of its phases (`SyncReport.phases`, the run's `sync/phase_<name>_seconds`):
+`probe_before` (the engines' probe scores under their old weights), `pause` (pause and flush), `load` (the
+transport's push), `check` (every engine's version), `after_load` (the caller's hook: the hand-off's wait for
+its offload and the engines' KV-cache resume), `resume` and `verify` (the probe on the new weights).
+
 Connecting to a new fleet (the first push of a trainer, or after an engine was replaced) also continues
 every engine: a trainer that died mid-push leaves its engines paused, and its replacement takes them over.
 
@@ -16,7 +21,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from miles_lite.weight_sync.transport import (
     EngineLoop,
@@ -41,11 +46,25 @@ class SyncState(enum.Enum):
 
 @dataclass
 class SyncReport:
-    """A push's transport report, verification (None when disabled) and the pause window in seconds."""
+    """A push's transport report, verification (None when disabled), the pause window and each phase in seconds."""
 
     push: PushReport
     verify: VerifyReport | None
     paused_s: float
+    phases: dict[str, float] = field(default_factory=dict)
+
+
+class PhaseClock:
+    """Seconds of consecutive phases: `lap(name)` adds the time since the previous lap to `name`."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> None:
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
 
 
 class WeightSyncCoordinator:
@@ -80,27 +99,34 @@ class WeightSyncCoordinator:
                 # node). Paused, it would hold every request, this push's own probe first.
                 self._each(fleet, "resume")
             self.state = SyncState.PAUSING
+            clock = PhaseClock()
             if self.verifier is not None:
                 self.verifier.before_push(fleet, version)
+            clock.lap("probe_before")
             start = time.perf_counter()
             try:
                 self._each(fleet, "pause")
                 self._each(fleet, "flush_cache")
+                clock.lap("pause")
                 self.state = SyncState.PUSHING
                 push = self.transport.push(named_shards, version)
+                clock.lap("load")
                 self.state = SyncState.CHECKING
                 versions = self.loop.gather({f.engine_id: self.loop.submit(f.engine.weight_version()) for f in fleet})
                 wrong = {eid: v for eid, v in versions.items() if str(v) != version}
                 if wrong:
                     raise WeightSyncError(f"after pushing version {version}, engines report {wrong}")
+                clock.lap("check")
                 if after_load is not None:
                     after_load()
+                    clock.lap("after_load")
             except BaseException:
                 self.state = SyncState.FAILED
                 self._resume_quietly(fleet)
                 raise
             self.state = SyncState.RESUMING
             self._each(fleet, "resume")
+            clock.lap("resume")
             paused_s = time.perf_counter() - start
             verify = None
             if self.verifier is not None:
@@ -111,8 +137,9 @@ class WeightSyncCoordinator:
                 except BaseException:
                     self.state = SyncState.FAILED
                     raise
+                clock.lap("verify")
             self.state = SyncState.IDLE
-            return SyncReport(push, verify, paused_s)
+            return SyncReport(push, verify, paused_s, clock.phases)
 
     def _resume_quietly(self, fleet: Sequence[FleetEngine]) -> None:
         # Engines keep serving after a failed push; the push's own error is what the caller sees.
