@@ -41,6 +41,7 @@ from typing import Any
 from miles_lite.config.engine_launch import with_decode_graphs
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.engines.fleet_launch import start_fleet
+from miles_lite.net import startup_heap
 from miles_lite.rollout.fleet import EngineFleet
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.trainer.tiny_hf import QWEN25_05B_SHAPE, QWEN25_VOCAB, make_tiny_hf_model
@@ -126,6 +127,7 @@ async def measure_variant(variant: str, args: argparse.Namespace, sizes: list[in
     started = time.perf_counter()
     fleet = await start_fleet(rollout, ft, model_dir, f"{log_dir}/{variant}", engines=1)
     startup_s = time.perf_counter() - started
+    startup_heap.settle(collect=True)  # as `miles-lite train` once started: full collections skip the libraries
     manager = RolloutManager(fleet, rollout, ft)
     runs: list[Run] = []
     try:
@@ -190,6 +192,7 @@ async def measure(args: argparse.Namespace, model_dir: str, log_dir: str) -> dic
 
 
 def main() -> None:
+    startup_heap.pause()  # the driver's collector policy (`miles_lite.net.startup_heap`), settled once started
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="sglang", choices=("sglang", "reference"))
     parser.add_argument("--requests", default="256,512", help="comma-separated request counts per pass")

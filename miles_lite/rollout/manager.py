@@ -333,11 +333,12 @@ class RolloutManager:
         rid = f"r{self._calls}-p{spec.prompt_index}-s{slot.sample_index}-{next(self._request_ids)}"
         started = time.monotonic()
         try:
-            gen = await asyncio.wait_for(
-                lease.engine.generate(list(spec.prompt_ids) + slot.response_ids, params, rid=rid,
-                                      **({"return_routed_experts": True} if self.routing is not None else {})),
-                self.cfg.request_timeout_s,
-            )
+            # A timeout scope, not `wait_for`: on Python 3.11 `wait_for` wraps the request in a task of its own (a
+            # task, a future and a timer more per request, and two more loop turns before the answer is read).
+            async with asyncio.timeout(self.cfg.request_timeout_s):
+                gen = await lease.engine.generate(
+                    list(spec.prompt_ids) + slot.response_ids, params, rid=rid,
+                    **({"return_routed_experts": True} if self.routing is not None else {}))
             if len(gen.output_ids) != len(gen.output_logprobs):
                 raise ValueError(f"{len(gen.output_ids)} output ids but {len(gen.output_logprobs)} logprobs")
             if gen.finish_reason == "abort" and not gen.output_ids and self.state is ManagerState.RUNNING:
@@ -364,9 +365,10 @@ class RolloutManager:
         stats.engines_used[lease.engine_id] = stats.engines_used.get(lease.engine_id, 0) + 1
         if gen.output_ids or gen.finish_reason != "abort":
             # An abort that produced nothing leaves no trace (its version did not write any token).
-            slot.append(replace(gen, engine_id=gen.engine_id or lease.engine_id))
+            slot.append(gen if gen.engine_id else replace(gen, engine_id=lease.engine_id))
         if gen.finish_reason != "abort":
-            slot.done = not await self._environment_reply(spec, slot, sampling.max_new_tokens)
+            slot.done = self.environment is None or not await self._environment_reply(spec, slot,
+                                                                                      sampling.max_new_tokens)
 
     async def _environment_reply(self, spec: PromptSpec, slot: Slot, budget: int) -> bool:
         """After a finished model turn, append the environment's reply; True if the model goes on."""
