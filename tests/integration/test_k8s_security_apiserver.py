@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client, config
-from services.kube_apiserver import ControlPlane, apiserver_binary, start_control_plane
+from services.kube_apiserver import ControlPlane, ready_apiserver, start_control_plane
 from test_kubernetes_pods import kubectl_binary
 
 from launcher.handlers import utc_now
@@ -47,7 +47,7 @@ def _missing(reason: str) -> None:
 
 @pytest.fixture(scope="module")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    if apiserver_binary() is None:
+    if ready_apiserver() is None:
         _missing("kube-apiserver is not built (scripts/build-kube-apiserver.sh)")
     cp = start_control_plane(tmp_path_factory.mktemp("kube"), authorization="RBAC")
     try:

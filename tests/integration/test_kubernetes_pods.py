@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import yaml
 from kubernetes import client, config
-from services.kube_apiserver import ControlPlane, apiserver_binary, start_control_plane
+from services.kube_apiserver import ControlPlane, ready_apiserver, start_control_plane
 from services.podman_node import PodmanNode, container_logs, podman, volume_path
 
 from launcher.kube import KubeApi
@@ -77,7 +77,7 @@ def image() -> str:
 
 @pytest.fixture(scope="module")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    if apiserver_binary() is None:
+    if ready_apiserver() is None:
         _missing("kube-apiserver is not built (scripts/build-kube-apiserver.sh)")
     cp = start_control_plane(tmp_path_factory.mktemp("kube"))
     try:

@@ -19,7 +19,7 @@ import yaml
 from kopf.testing import KopfRunner
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
-from services.kube_apiserver import ControlPlane, apiserver_binary, start_control_plane
+from services.kube_apiserver import ControlPlane, ready_apiserver, start_control_plane
 
 from launcher.crd_schema import apply_defaults, load_crd, openapi_schema
 from launcher.handlers import build_registry, build_settings
@@ -44,7 +44,7 @@ WAIT_S = 45.0
 
 @pytest.fixture(scope="module")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    if apiserver_binary() is None:
+    if ready_apiserver() is None:
         reason = ("kube-apiserver is not built (run scripts/build-kube-apiserver.sh; about 5-9 minutes once, "
                   "cached in ${MILES_LITE_CACHE:-/var/cache/miles-lite}/kube-apiserver)")
         if os.environ.get("CI"):

@@ -41,6 +41,15 @@ def apiserver_binary() -> Path | None:
     return path if path.is_file() and os.access(path, os.X_OK) else None
 
 
+def ready_apiserver() -> Path | None:
+    """The binary, once there is one: while `scripts/test.sh` builds it in the background for a whole-suite run
+    (it sets MILES_LITE_KUBE_APISERVER_BUILDING), the build's lock is waited for (a failed build fails here
+    with its log). None when it is not built and no build runs."""
+    if apiserver_binary() is None and os.environ.get("MILES_LITE_KUBE_APISERVER_BUILDING"):
+        build_apiserver()
+    return apiserver_binary()
+
+
 def build_apiserver(timeout_s: float = 1800.0) -> Path:
     """Run scripts/build-kube-apiserver.sh (a no-op when the binary is cached) and return the binary path."""
     done = subprocess.run([str(BUILD_SCRIPT)], capture_output=True, text=True, timeout=timeout_s)
