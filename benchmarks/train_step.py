@@ -185,6 +185,9 @@ def bare_lm_step(actor: TrainerActor, ids: torch.Tensor, micro_batch_tokens: int
     losses = []
     with cpu_compat.device_mode():
         actor.policy.model.train()
+        # As the RL step does: TE quantizes the FP8 weights again at the first micro-batch (their cast is part of
+        # a step's cost), instead of reusing the copies the last RL step made of weights it has since updated.
+        actor.policy.model.set_is_first_microbatch()
         ddp.zero_grad_buffer()
         actor.optimizer.zero_grad()
         for mb in ids.split(rows):

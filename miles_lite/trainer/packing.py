@@ -14,6 +14,7 @@ sees it depends on the layer spec:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -138,11 +139,13 @@ class PackedMicroBatch:
             `(logit_pos, targets)`, both `[R]` int64 with R = sum of response lengths, in sequence
             order: the logits at row position `logit_pos[j]` predict token `targets[j]`.
         """
-        pos: list[Tensor] = []
-        starts = self.cu_seqlens.tolist()
-        for start, length, plen in zip(starts, self.lengths, self.prompt_lengths, strict=False):
-            pos.append(torch.arange(start + plen - 1, start + length - 1))
-        logit_pos = torch.cat(pos) if pos else torch.zeros(0, dtype=torch.long)
+        # Sequence i's j-th response token is predicted at row position start_i + plen_i - 1 + j; a handful of
+        # whole-micro-batch ops instead of one `arange` per sequence (this runs once per micro-batch).
+        plens = torch.tensor(self.prompt_lengths, dtype=torch.long)
+        resp = torch.tensor(self.lengths, dtype=torch.long) - plens
+        first = self.cu_seqlens[: len(self.lengths)].long() + plens - 1
+        flat_start = torch.cumsum(resp, 0) - resp
+        logit_pos = torch.arange(int(resp.sum())) + torch.repeat_interleave(first - flat_start, resp)
         return logit_pos, self.tokens[0, logit_pos + 1]
 
 
@@ -154,7 +157,7 @@ def pack(tokens: Sequence[Sequence[int]], prompt_lengths: Sequence[int], indices
     """
     if not indices:
         raise ValueError("pack() needs at least one sequence")
-    lengths, plens, flat, positions = [], [], [], []
+    lengths, plens, flat = [], [], []
     for i in indices:
         seq, plen = tokens[i], prompt_lengths[i]
         if not 1 <= plen <= len(seq):
@@ -165,13 +168,15 @@ def pack(tokens: Sequence[Sequence[int]], prompt_lengths: Sequence[int], indices
         lengths.append(len(seq))
         plens.append(plen)
         flat.extend(seq)
-        positions.extend(range(len(seq)))
+    lens = torch.tensor(lengths, dtype=torch.long)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.int32), 0)
+    cu[1:] = torch.cumsum(lens, 0)
+    # Positions restart at 0 for each sequence: the row index minus its sequence's start.
+    positions = torch.arange(len(flat)) - torch.repeat_interleave(cu[:-1].long(), lens)
     return PackedMicroBatch(
         seq_indices=tuple(indices),
         tokens=torch.tensor([flat], dtype=torch.long),
-        position_ids=torch.tensor([positions], dtype=torch.long),
+        position_ids=positions[None],
         cu_seqlens=cu,
         lengths=tuple(lengths),
         prompt_lengths=tuple(plens),
@@ -188,23 +193,50 @@ def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+@dataclass(frozen=True)
+class PaddedLayout:
+    """Where the elements of a flat ragged tensor `[sum(lengths), ...]` go in its right-padded `[B, W, ...]` form
+    (W = the longest length): one flat index, so padding is one kernel forward and one backward, where a copy per
+    row (`pad_sequence`) costs B kernels forward and B full-size `CopySlices` nodes in the backward, for every
+    micro-batch of a step.
+
+    Attributes:
+        rows / width: B and W.
+        index: `[sum(lengths)]` int64, each element's row-major position in `[B * W]` (packed order).
+    """
+
+    rows: int
+    width: int
+    index: Tensor
+
+    @staticmethod
+    def of(lengths: Sequence[int], device: torch.device | str | None = None) -> PaddedLayout:
+        """The layout of `lengths`, its index built on the host and sent to `device` (default: stays on the host)."""
+        lens = torch.tensor(list(lengths), dtype=torch.long)
+        width = int(lens.max()) if len(lens) else 0
+        row_start = torch.arange(len(lens)) * width - (torch.cumsum(lens, 0) - lens)
+        index = torch.arange(int(lens.sum())) + torch.repeat_interleave(row_start, lens)
+        return PaddedLayout(len(lens), width, index if device is None else to_device(index, device))
+
+    def pad(self, values: Tensor) -> Tensor:
+        """`values [sum(lengths), ...]` -> `[B, W, ...]`, zeros in the padding (autograd-safe)."""
+        tail = tuple(values.shape[1:])
+        flat = values.new_zeros((self.rows * self.width, *tail))
+        return flat.index_copy(0, self.index, values).view(self.rows, self.width, *tail)
+
+    def mask(self) -> Tensor:
+        """`[B, W]` float32 on the index's device: 1.0 at the real elements, 0.0 in the padding."""
+        flat = torch.zeros(self.rows * self.width, dtype=torch.float32, device=self.index.device)
+        return flat.index_fill_(0, self.index, 1.0).view(self.rows, self.width)
+
+
 def to_padded(values: Tensor, lengths: Sequence[int]) -> tuple[Tensor, Tensor]:
     """Flat per-token values `[sum(lengths)]` -> padded `[B, max_len]` values (autograd-safe) and a float mask."""
-    from torch.nn.utils.rnn import pad_sequence
-
-    parts = list(values.split(list(lengths)))
-    out = pad_sequence(parts, batch_first=True) if parts else values.new_zeros((0, 0))
-    width = out.shape[1] if out.dim() == 2 else 0
-    lens = to_device(torch.tensor(list(lengths)), values.device)
-    mask = (torch.arange(width, device=values.device)[None, :] < lens[:, None]).float()
-    return out, mask
+    layout = PaddedLayout.of(lengths, values.device)
+    return layout.pad(values), layout.mask()
 
 
 def padded_floats(rows: Sequence[Sequence[float]], dtype: torch.dtype = torch.float32) -> Tensor:
-    """Ragged float lists -> `[B, max_len]` zero-padded tensor."""
-    width = max((len(r) for r in rows), default=0)
-    out = torch.zeros((len(rows), width), dtype=dtype)
-    for b, row in enumerate(rows):
-        if row:
-            out[b, : len(row)] = torch.tensor(list(row), dtype=dtype)
-    return out
+    """Ragged float lists -> `[B, max_len]` zero-padded tensor (on the host)."""
+    layout = PaddedLayout.of([len(r) for r in rows])
+    return layout.pad(torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=dtype))

@@ -18,7 +18,7 @@ from miles_lite.algo.device_stats import DeviceStats
 from miles_lite.algo.losses import total_loss_terms
 from miles_lite.algo.mismatch import mismatch_terms
 from miles_lite.config.schema import AlgoConfig
-from miles_lite.trainer.packing import PackedMicroBatch, padded_floats, to_device, to_padded
+from miles_lite.trainer.packing import PackedMicroBatch, PaddedLayout, padded_floats, to_device, to_padded
 from miles_lite.types import TrainBatch
 
 
@@ -97,8 +97,10 @@ def rl_micro_loss(
     `algo.is_*`, taken between that old policy and the engine's log-probs.
     """
     idx = mb.seq_indices
-    logp, mask = to_padded(logp_flat, mb.response_lengths)
-    mask = response_mask(mb, batch, mask)
+    # One layout (one index on the device) pads both the log-probs and the entropies.
+    layout = PaddedLayout.of(mb.response_lengths, logp_flat.device)
+    logp = layout.pad(logp_flat)
+    mask = response_mask(mb, batch, layout.mask())
     old_rows = _rows(batch.old_logprobs, idx)
     dev = logp.device
     old = logp.detach() if old_rows is None else to_device(padded_floats(old_rows), dev)
@@ -114,7 +116,7 @@ def rl_micro_loss(
     teacher = _rows(teacher_logprobs, idx)
     ref_t = to_device(padded_floats(ref), dev) if ref is not None else None
     teacher_t = to_device(padded_floats(teacher), dev) if teacher is not None else None
-    entropy = to_padded(entropy_flat, mb.response_lengths)[0] if entropy_flat is not None else None
+    entropy = layout.pad(entropy_flat) if entropy_flat is not None else None
     loss, stats = total_loss_terms(
         logp, old, adv, mask, loss_config(algo),
         ref_logp=ref_t if algo.kl_coef else None,

@@ -7,7 +7,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from miles_lite.trainer.packing import pack, padded_floats, plan_micro_batches, split_for_data_parallel, to_padded
+from miles_lite.trainer.packing import (
+    PaddedLayout,
+    pack,
+    padded_floats,
+    plan_micro_batches,
+    split_for_data_parallel,
+    to_padded,
+)
 
 
 @settings(max_examples=60, deadline=None)
@@ -104,3 +111,67 @@ def test_to_padded_round_trips_and_keeps_gradients() -> None:
 
 def test_padded_floats() -> None:
     assert padded_floats([[1.0, 2.0], [], [3.0]]).tolist() == [[1.0, 2.0], [0.0, 0.0], [3.0, 0.0]]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=0, max_size=12))
+def test_padded_layout_matches_pad_sequence_values_and_gradients(lengths: list[int]) -> None:
+    from torch.nn.utils.rnn import pad_sequence
+
+    total = sum(lengths)
+    values = torch.randn(total, dtype=torch.float64, requires_grad=True)
+    padded, mask = to_padded(values, lengths)
+    ref = pad_sequence(list(values.split(lengths)), batch_first=True) if lengths else values.new_zeros((0, 0))
+    assert padded.shape == ref.shape and torch.equal(padded, ref)
+    assert mask.dtype == torch.float32
+    assert mask.tolist() == [[float(j < n) for j in range(ref.shape[1])] for n in lengths]
+    if total:
+        weights = torch.randn(ref.shape, dtype=torch.float64)
+        (grad,) = torch.autograd.grad((padded * weights).sum(), values)
+        (ref_grad,) = torch.autograd.grad((ref * weights).sum(), values)
+        assert torch.equal(grad, ref_grad)
+    rows = [[float(v) for v in torch.randn(n).tolist()] for n in lengths]
+    ref_rows = torch.zeros(ref.shape)
+    for b, row in enumerate(rows):
+        ref_rows[b, : len(row)] = torch.tensor(row)
+    assert torch.equal(padded_floats(rows), ref_rows)
+
+
+def _graph_nodes(t: torch.Tensor) -> int:
+    seen, todo = set(), [t.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        todo.extend(next_fn for next_fn, _ in node.next_functions)
+    return len(seen)
+
+
+def test_padding_costs_the_same_for_any_number_of_rows() -> None:
+    # Padding runs for every micro-batch of a step: its autograd graph (and so its backward's kernel launches)
+    # must not grow with the sequences in the micro-batch, as a copy per row did.
+    def nodes(rows: int) -> int:
+        values = torch.randn(rows * 5, requires_grad=True)
+        return _graph_nodes(PaddedLayout.of([5] * rows).pad(values))
+
+    assert nodes(2) == nodes(64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 12), st.integers(0, 11)), min_size=1, max_size=10), st.data())
+def test_pack_positions_and_response_positions_match_a_per_sequence_reference(
+    shapes: list[tuple[int, int]], data: st.DataObject
+) -> None:
+    lengths = [n for n, _ in shapes]
+    plens = [min(max(1, p), n) for n, p in shapes]
+    tokens = [[100 * i + j for j in range(n)] for i, n in enumerate(lengths)]
+    order = data.draw(st.permutations(range(len(lengths))))
+    mb = pack(tokens, plens, order)
+    assert mb.position_ids.tolist() == [[j for i in order for j in range(lengths[i])]]
+    starts = mb.cu_seqlens.tolist()
+    ref = [start + p - 1 + j for start, i in zip(starts, order, strict=False) for p in [plens[i]]
+           for j in range(lengths[i] - p)]
+    logit_pos, targets = mb.response_positions()
+    assert logit_pos.dtype == torch.long and logit_pos.tolist() == ref
+    assert targets.tolist() == [tok for i in order for tok in tokens[i][plens[i]:]]
