@@ -252,8 +252,9 @@ def _wait_for_step(slurm: SlurmCluster, job_id: int, run_dir: Path, pattern: str
 def test_usr1_checkpoints_requeues_and_a_killed_driver_requeues_too(slurm: SlurmCluster,
                                                                     job_env: dict[str, str]) -> None:
     # Enough steps that the signal, sent once step 1 is logged, lands mid-run and the second attempt reaches its
-    # kill three steps after its resume, even on an idle machine (a step takes about a second there).
-    steps = 16
+    # kill three steps after its resume, even on an idle machine (a step takes about a second there) and when the
+    # signal lands late (at step 10 of 16 on a loaded machine, which left the kill too late for the run's end).
+    steps = 24
     job_id, run_dir = _submit(slurm, job_env, ["--nodes=1", "--gres=gpu:2"], "slurm/train.sh",
                               [f"experiment.steps={steps}", "checkpoint.interval=2", *SHORT_RUN])
     trainer_log = run_dir / "logs/trainer.log"
