@@ -226,15 +226,15 @@ SPREAD_KEYS = (*PHASES, "step_s", *(f"{t}_s" for t in TRANSITIONS),
 
 def spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """min / median / max over `rows` of each phase's seconds, the step time, each transition's seconds,
-    each memory figure and each of the push's own phases (`sync_<phase>`; those the rows have)."""
+    each memory figure and each of the push's own phases (`push_<phase>`; those the rows have)."""
     out = {}
     for key in SPREAD_KEYS:
         vals = sorted(float(r[key]) for r in rows if r.get(key) is not None)
         if vals:
             out[key] = {"min": vals[0], "median": statistics.median(vals), "max": vals[-1], "n": len(vals)}
-    for phase in sorted({p for r in rows for p in r.get("sync_phases", {})}):
+    for phase in dict.fromkeys(p for r in rows for p in r.get("sync_phases", {})):  # in push order
         vals = sorted(r["sync_phases"][phase] for r in rows if phase in r.get("sync_phases", {}))
-        out[f"sync_{phase}"] = {"min": vals[0], "median": statistics.median(vals), "max": vals[-1], "n": len(vals)}
+        out[f"push_{phase}"] = {"min": vals[0], "median": statistics.median(vals), "max": vals[-1], "n": len(vals)}
     return out
 
 

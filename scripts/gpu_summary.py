@@ -92,6 +92,23 @@ def grpo_table(out: Path) -> list[str]:
     return lines
 
 
+def push_table(out: Path) -> list[str]:
+    """Each GRPO run's push phases (`push_<phase>` in its spread, weight_sync/coordinator.py), in push order."""
+    lines = []
+    for name in ("colocated-0.5b", "colocated-7b", "lora-7b", "lora-7b-merged", "lora-7b-tensors", "resident-0.5b"):
+        rep = _load(out / f"{name}.json")
+        sp = (rep or {}).get("spread") or {}
+        phases = [k for k in sp if k.startswith("push_")]
+        if not phases:
+            continue
+        if not lines:
+            lines = ["| run | phase | seconds, median (min-max) |", "|---|---|---:|"]
+        for key in phases:
+            v = sp[key]
+            lines.append(f"| {name} | {key[len('push_'):]} | {v['median']:.3f} ({v['min']:.3f}-{v['max']:.3f}) |")
+    return lines
+
+
 def guard_table(out: Path) -> list[str]:
     rep = _load(out / "guard-7b.json")
     if not rep:
@@ -108,6 +125,7 @@ def summary(out: Path) -> str:
     sections = [("Parts", parts_table(out)), ("Generation (tokens/s, median (min-max))", rollout_table(out)),
                 ("RL step against the bare megatron-core step, recipe shape", speed_table(out)),
                 ("GRPO steps (seconds, median (min-max) after the warm-up steps)", grpo_table(out)),
+                ("The push's phases", push_table(out)),
                 ("Divergence guard at 7B width", guard_table(out))]
     text = ["# GPU sitting"]
     for title, lines in sections:

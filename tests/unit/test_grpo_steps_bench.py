@@ -69,3 +69,25 @@ def test_the_result_file_follows_the_run_step_by_step(tmp_path: Path) -> None:
     assert result["status"] == "failed: stopped" and [r["step"] for r in result["steps"]] == [1, 2]
     assert result["spread"]["train"] == {"min": 1.0, "median": 1.5, "max": 2.0, "n": 2}
     assert result["spread"]["engine_wake_s"]["n"] == 2 and "onload_s" not in result["spread"]
+
+
+def test_the_push_phases_reach_the_row_the_spread_and_the_sitting_summary(tmp_path: Path) -> None:
+    from grpo_steps import spread, step_row
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from gpu_summary import push_table
+
+    records = [{"step": s, "time/sync_seconds": 0.4, "sync/phase_wake_weights_seconds": 0.02,
+                "sync/phase_load_seconds": 0.1 * s, "sync/phase_verify_seconds": 0.05,
+                "memory/sync_device_used_bytes": 2.0**30} for s in (1, 2, 3)]
+    rows = [step_row(m) for m in records]
+    assert rows[1]["sync_phases"] == {"wake_weights": 0.02, "load": 0.2, "verify": 0.05}
+    sp = spread(rows)
+    assert sp["sync_used_gib"]["median"] == 1.0
+    assert [k for k in sp if k.startswith("push_")] == ["push_wake_weights", "push_load", "push_verify"]
+    assert sp["push_load"]["median"] == pytest.approx(0.2) and sp["push_load"]["max"] == pytest.approx(0.3)
+    (tmp_path / "colocated-0.5b.json").write_text(json.dumps({"status": "done", "steps": rows, "spread": sp}))
+    table = push_table(tmp_path)
+    # In push order, the memory figures of the sync phase (`sync_used_gib`) not taken for push phases.
+    assert [line.split(" | ")[1] for line in table[2:]] == ["wake_weights", "load", "verify"]
+    assert "| colocated-0.5b | load | 0.200 (0.100-0.300) |" in table
