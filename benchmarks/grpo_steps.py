@@ -227,15 +227,11 @@ SPREAD_KEYS = (*PHASES, "step_s", *(f"{t}_s" for t in TRANSITIONS),
 def spread(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """min / median / max over `rows` of each phase's seconds, the step time, each transition's seconds,
     each memory figure and each of the push's own phases (`push_<phase>`; those the rows have)."""
-    out = {}
-    for key in SPREAD_KEYS:
-        vals = sorted(float(r[key]) for r in rows if r.get(key) is not None)
-        if vals:
-            out[key] = {"min": vals[0], "median": statistics.median(vals), "max": vals[-1], "n": len(vals)}
+    values = {key: [float(r[key]) for r in rows if r.get(key) is not None] for key in SPREAD_KEYS}
     for phase in dict.fromkeys(p for r in rows for p in r.get("sync_phases", {})):  # in push order
-        vals = sorted(r["sync_phases"][phase] for r in rows if phase in r.get("sync_phases", {}))
-        out[f"push_{phase}"] = {"min": vals[0], "median": statistics.median(vals), "max": vals[-1], "n": len(vals)}
-    return out
+        values[f"push_{phase}"] = [r["sync_phases"][phase] for r in rows if phase in r.get("sync_phases", {})]
+    return {key: {"min": min(v), "median": statistics.median(v), "max": max(v), "n": len(v)}
+            for key, v in values.items() if v}
 
 
 def print_row(r: dict[str, Any]) -> None:

@@ -17,6 +17,10 @@ from typing import Any
 TRANSITIONS = ("offload", "engine_sleep", "onload", "engine_wake")
 
 
+# The GRPO parts of scripts/gpu_checks.sh (benchmarks/grpo_steps.py results).
+GRPO_RUNS = ("colocated-0.5b", "colocated-7b", "lora-7b", "lora-7b-merged", "lora-7b-tensors", "resident-0.5b")
+
+
 def _load(path: Path) -> dict[str, Any] | None:
     try:
         return json.loads(path.read_text())
@@ -73,7 +77,7 @@ def speed_table(out: Path) -> list[str]:
 
 def grpo_table(out: Path) -> list[str]:
     lines = []
-    for name in ("colocated-0.5b", "colocated-7b", "lora-7b", "lora-7b-merged", "lora-7b-tensors", "resident-0.5b"):
+    for name in GRPO_RUNS:
         rep = _load(out / f"{name}.json")
         if not rep or not rep.get("spread"):
             continue
@@ -95,7 +99,7 @@ def grpo_table(out: Path) -> list[str]:
 def push_table(out: Path) -> list[str]:
     """Each GRPO run's push phases (`push_<phase>` in its spread, weight_sync/coordinator.py), in push order."""
     lines = []
-    for name in ("colocated-0.5b", "colocated-7b", "lora-7b", "lora-7b-merged", "lora-7b-tensors", "resident-0.5b"):
+    for name in GRPO_RUNS:
         rep = _load(out / f"{name}.json")
         sp = (rep or {}).get("spread") or {}
         phases = [k for k in sp if k.startswith("push_")]

@@ -6,21 +6,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 bash scripts/install-services.sh
-# For the whole suite, the Kubernetes end-to-end test's image (a cold build takes minutes: Debian base,
-# wheelhouse, dependency layer) builds in the background while the rest runs; that test runs last and
-# waits for it (the build holds a lock). A failed build is reported by the test's own build call.
-image_build=""
+# For the whole suite, two cold builds run in the background while the rest runs: the Kubernetes end-to-end
+# test's image (Debian base, wheelhouse, dependency layer: minutes; that test runs last and waits for the build's
+# lock; a failed build is reported by the test's own build call) and the real kube-apiserver of the operator
+# tests (built once from Debian's source package, then cached: 5-9 minutes of CPU on a cold machine; those tests
+# run after the end-to-end ones and wait for its lock, tests/integration/services/kube_apiserver.py).
+image_build="" kube_build=""
 if [ "$#" -eq 0 ]; then
-  build_log=$(mktemp)
+  build_log=$(mktemp) kube_log=$(mktemp)
   nice -n 10 bash scripts/build-image.sh cpu --debootstrap >"$build_log" 2>&1 &
   image_build=$!
-fi
-# A real kube-apiserver for the operator tests: built once from Debian's source package, then cached (5-9
-# minutes of CPU on a cold machine). For the whole suite it builds in the background too: the operator tests run
-# after the end-to-end ones and wait for the build's lock (tests/integration/services/kube_apiserver.py).
-kube_build=""
-if [ "$#" -eq 0 ]; then
-  kube_log=$(mktemp)
   export MILES_LITE_KUBE_APISERVER_BUILDING=1
   bash scripts/build-kube-apiserver.sh >"$kube_log" 2>&1 &
   kube_build=$!

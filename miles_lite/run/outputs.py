@@ -4,10 +4,8 @@ tables, progress lines, evaluation tables, checkpoints and the final summary wit
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -25,28 +23,9 @@ from miles_lite.observability.metrics import ENGINE_STATES, MetricsRegistry
 from miles_lite.observability.progress import RunProgress
 from miles_lite.observability.rollout_table import RolloutTableWriter
 from miles_lite.observability.sinks import EVAL_PHASE, build_sinks
+from miles_lite.timing import PhaseTimer
 from miles_lite.types import Group
 from miles_lite.weight_sync.coordinator import SyncReport
-
-
-class PhaseTimer:
-    """Wall seconds per phase of one step, reported as `time/<phase>_seconds`."""
-
-    def __init__(self) -> None:
-        self.seconds: dict[str, float] = {}
-
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
-
-    def stats(self) -> dict[str, float]:
-        out = {f"time/{k}_seconds": v for k, v in self.seconds.items()}
-        out["time/step_seconds"] = sum(self.seconds.values())
-        return out
 
 
 def checkpoint_root(cfg: MilesConfig, run_dir: Path) -> Path:

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from miles_lite.timing import PhaseTimer
 from miles_lite.weight_sync.transport import (
     EngineLoop,
     FleetEngine,
@@ -52,19 +53,6 @@ class SyncReport:
     verify: VerifyReport | None
     paused_s: float
     phases: dict[str, float] = field(default_factory=dict)
-
-
-class PhaseClock:
-    """Seconds of consecutive phases: `lap(name)` adds the time since the previous lap to `name`."""
-
-    def __init__(self) -> None:
-        self.phases: dict[str, float] = {}
-        self._last = time.perf_counter()
-
-    def lap(self, name: str) -> None:
-        now = time.perf_counter()
-        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
-        self._last = now
 
 
 class WeightSyncCoordinator:
@@ -99,47 +87,48 @@ class WeightSyncCoordinator:
                 # node). Paused, it would hold every request, this push's own probe first.
                 self._each(fleet, "resume")
             self.state = SyncState.PAUSING
-            clock = PhaseClock()
-            if self.verifier is not None:
-                self.verifier.before_push(fleet, version)
-            clock.lap("probe_before")
+            timer = PhaseTimer()
+            with timer.phase("probe_before"):
+                if self.verifier is not None:
+                    self.verifier.before_push(fleet, version)
             start = time.perf_counter()
             try:
-                self._each(fleet, "pause")
-                self._each(fleet, "flush_cache")
-                clock.lap("pause")
+                with timer.phase("pause"):
+                    self._each(fleet, "pause")
+                    self._each(fleet, "flush_cache")
                 self.state = SyncState.PUSHING
-                push = self.transport.push(named_shards, version)
-                clock.lap("load")
+                with timer.phase("load"):
+                    push = self.transport.push(named_shards, version)
                 self.state = SyncState.CHECKING
-                versions = self.loop.gather({f.engine_id: self.loop.submit(f.engine.weight_version()) for f in fleet})
-                wrong = {eid: v for eid, v in versions.items() if str(v) != version}
-                if wrong:
-                    raise WeightSyncError(f"after pushing version {version}, engines report {wrong}")
-                clock.lap("check")
+                with timer.phase("check"):
+                    versions = self.loop.gather(
+                        {f.engine_id: self.loop.submit(f.engine.weight_version()) for f in fleet})
+                    wrong = {eid: v for eid, v in versions.items() if str(v) != version}
+                    if wrong:
+                        raise WeightSyncError(f"after pushing version {version}, engines report {wrong}")
                 if after_load is not None:
-                    after_load()
-                    clock.lap("after_load")
+                    with timer.phase("after_load"):
+                        after_load()
             except BaseException:
                 self.state = SyncState.FAILED
                 self._resume_quietly(fleet)
                 raise
             self.state = SyncState.RESUMING
-            self._each(fleet, "resume")
-            clock.lap("resume")
+            with timer.phase("resume"):
+                self._each(fleet, "resume")
             paused_s = time.perf_counter() - start
             verify = None
             if self.verifier is not None:
                 # Scoring needs running engines; a failure here names the engines to mark stale.
                 self.state = SyncState.CHECKING
                 try:
-                    verify = self.verifier.verify(fleet, version)
+                    with timer.phase("verify"):
+                        verify = self.verifier.verify(fleet, version)
                 except BaseException:
                     self.state = SyncState.FAILED
                     raise
-                clock.lap("verify")
             self.state = SyncState.IDLE
-            return SyncReport(push, verify, paused_s, clock.phases)
+            return SyncReport(push, verify, paused_s, timer.seconds)
 
     def _resume_quietly(self, fleet: Sequence[FleetEngine]) -> None:
         # Engines keep serving after a failed push; the push's own error is what the caller sees.

@@ -13,7 +13,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from miles_lite.rollout.engine import MEMORY_TAGS
 from miles_lite.rollout.engine_state import EngineRecord, EngineState
 from miles_lite.rollout.fleet import EngineFleet
-from miles_lite.weight_sync.coordinator import PhaseClock, SyncReport, WeightSyncCoordinator
+from miles_lite.timing import PhaseTimer
+from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
 from miles_lite.weight_sync.plan import EngineSpec
 from miles_lite.weight_sync.transport import EngineLoop, FleetEngine, PushReport, ShardSource, WeightSyncError
 
@@ -66,11 +67,11 @@ class FleetPusher:
                 before_wake()
             self.loop.run(wake([t for t in MEMORY_TAGS if t != "weights"]))
 
-        clock = PhaseClock()
+        timer = PhaseTimer()
         if not stale_only and fleet.sleeping():
             # A sleeping engine that cannot resume is declared dead there and is not a target below.
-            self.loop.run(wake(["weights"]))
-            clock.lap("wake_weights")
+            with timer.phase("wake_weights"):
+                self.loop.run(wake(["weights"]))
 
         async def begin() -> list[EngineRecord]:
             if stale_only and version != fleet.current_version:
@@ -89,8 +90,8 @@ class FleetPusher:
             for r in synced:
                 fleet.mark_synced(r.engine_id, version)
 
-        held = records = self.loop.run(begin())
-        clock.lap("begin")
+        with timer.phase("begin"):
+            held = records = self.loop.run(begin())
         if stale_only and not records:
             self.loop.run(finish([]))
             raise WeightSyncError("no stale engine left to push to (it died or was synced meanwhile)")
@@ -111,7 +112,7 @@ class FleetPusher:
             self.loop.run(finish([]))
             raise
         self.loop.run(finish(records))
-        report.phases = {**clock.phases, **report.phases}
+        report.phases = {**timer.seconds, **report.phases}
         return report
 
     def _pushed_to_none(self, version: str, finish: Callable[[Sequence[EngineRecord]], Awaitable[None]]

@@ -2,7 +2,7 @@
 
 Layers, top to bottom: the command line (`cli`) -> the run (`run`: the loop, its helpers, what a run writes) ->
 the roles and engines (trainer, cluster, rollout client, weight_sync, checkpoint, observability, evaluation,
-engines) -> the libraries (the shared `types` and `plugins`, `formats`, `net`, config, data, rewards, algo).
+engines) -> the libraries (the shared `types`, `plugins` and `timing`, `formats`, `net`, config, data, rewards, algo).
 Every `import` counts, also those inside functions: a lazy import is still a dependency.
 """
 
@@ -23,7 +23,7 @@ MAX_LINES = 500
 COMMAND_LINE = {"cli"}
 RUN = {"run"}
 ROLES = {"trainer", "cluster", "rollout", "weight_sync", "checkpoint", "observability", "evaluation", "engines"}
-LIBRARIES = {"types", "plugins", "formats", "net", "config", "data", "rewards", "algo"}
+LIBRARIES = {"types", "plugins", "timing", "formats", "net", "config", "data", "rewards", "algo"}
 LAYERS = (COMMAND_LINE, RUN, ROLES, LIBRARIES)  # top to bottom
 MAX_TOP_LEVEL_MODULES = 6
 
