@@ -2,9 +2,10 @@
 `examples/agents/lookup_agent.py` follows lookup chains through the session gateway; after the SFT warm-up,
 50 GRPO steps must raise the policy's success on the lookup chains it samples (fresh training records every
 step, temperature 1): the last 10 steps' sessions answer right more often than the first 10's by more than
-three standard errors (seed 1 at the earlier lr 5e-4, two 50-step runs: 12.5% -> 25.0%, 5.7 SE, and 12.8% ->
-24.1%, 5.2 SE; a 40-step run: 12.8% -> 19.2%, 3.1 SE, too close to the bar). (The held-out gain of the shipped 100
-steps, +12.0 to +21.6 points on seeds 0-2, is the benchmark's: docs/benchmarks.md, "Agent".) No agent fails, and
+three standard errors (seed 1, from the warm-up stopped at loss 0.04: 27.5% -> 54.4%, 10.2 SE; seeds 0, 2
+and 3: 6.3, 6.9 and 13.2 SE; from the earlier stop at 0.06 seed 1 started at 3-9% on one CPU and did not move).
+(The held-out gain of the shipped 100 steps, +17.6 to +65.2 points on seeds 0-2, is the benchmark's:
+docs/benchmarks.md, "Agent".) No agent fails, and
 few turns hold ids a fresh tokenisation would change."""
 
 from __future__ import annotations

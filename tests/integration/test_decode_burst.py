@@ -56,7 +56,7 @@ def _generate(model: ReferenceModel, burst: int, monkeypatch: pytest.MonkeyPatch
             outs = await asyncio.gather(*pending)
         finally:
             await scheduler.close()
-        return [(tuple(o["output_ids"]), tuple(round(lp, 5) for lp, _, _ in o["meta_info"]["output_token_logprobs"]),
+        return [(tuple(o["output_ids"]), tuple(lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]),
                  o["meta_info"]["finish_reason"]["type"]) for o in outs]
 
     return asyncio.run(run())
@@ -65,5 +65,9 @@ def _generate(model: ReferenceModel, burst: int, monkeypatch: pytest.MonkeyPatch
 def test_bursts_generate_what_single_steps_generate(model: ReferenceModel, monkeypatch: pytest.MonkeyPatch) -> None:
     single = _generate(model, 1, monkeypatch)
     burst = _generate(model, 64, monkeypatch)
-    assert burst == single
+    # Tokens and finish reasons match exactly; log-probs to float32 rounding, since the late request can join at a
+    # different step and so share a batch of another size (another matmul blocking) with the others.
+    assert [(ids, reason) for ids, _, reason in burst] == [(ids, reason) for ids, _, reason in single]
+    for (_, got, _), (_, want, _) in zip(burst, single, strict=True):
+        assert got == pytest.approx(want, abs=1e-4)
     assert len(single[1][0]) >= 4 and len(single[0][0]) <= 9
