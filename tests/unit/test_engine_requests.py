@@ -16,7 +16,10 @@ from aiohttp import ClientSession, web
 from miles_lite.engines.reference.engine import make_runner
 from miles_lite.engines.reference.server import ReferenceServer, ServerOptions
 
-IDLE_S = 0.5
+IDLE_S = 0.5  # the idle test's timeout
+# The other tests' timeout: long enough that a loaded machine stalling the client between two chunks of a request
+# does not end the connection under the test.
+BUSY_IDLE_S = 30.0
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +43,8 @@ class Served:
         self.url = f"http://127.0.0.1:{port}"
 
 
-async def _serve(model_dir: str, **opts: object) -> Served:
-    server = ReferenceServer(ServerOptions(model_path=model_dir, max_batch_size=4, idle_timeout_s=IDLE_S,
+async def _serve(model_dir: str, idle_timeout_s: float = BUSY_IDLE_S, **opts: object) -> Served:
+    server = ReferenceServer(ServerOptions(model_path=model_dir, max_batch_size=4, idle_timeout_s=idle_timeout_s,
                                            **opts))  # type: ignore[arg-type]
     runner = make_runner(server)
     await runner.setup()
@@ -153,7 +156,7 @@ def port_of(model_dir: str) -> Iterator[int]:
 
     def run() -> None:
         asyncio.set_event_loop(loop)
-        ready.append(loop.run_until_complete(_serve(model_dir)))
+        ready.append(loop.run_until_complete(_serve(model_dir, idle_timeout_s=IDLE_S)))
         started.set()
         loop.run_forever()
 
