@@ -21,6 +21,7 @@ from miles_lite.config.schema import MilesConfig
 from miles_lite.engines.launcher import EngineLauncher
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.http_client import HttpEngine
+from tests.unit.local_http import serve_routes
 
 HANDOFF = ["rollout=sglang", "cluster.placement=colocated"]
 
@@ -137,16 +138,10 @@ class _MemoryServer:
             await self.probe_hold.wait()
             return web.Response(text="")
 
-        app = web.Application()
-        app.router.add_get("/health_generate", health)
-        app.router.add_post("/release_memory_occupation", memory)
-        app.router.add_post("/resume_memory_occupation", memory)
-        app.router.add_post("/generate", generate)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        self.runner, url = await serve_routes({
+            ("GET", "/health_generate"): health, ("POST", "/release_memory_occupation"): memory,
+            ("POST", "/resume_memory_occupation"): memory, ("POST", "/generate"): generate})
+        return url
 
 
 def test_the_client_sends_only_what_sglang_can_take() -> None:

@@ -10,24 +10,12 @@ from aiohttp import web
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.engines.fleet_launch import attach_fleet
 from miles_lite.rollout.engine_state import EngineState
+from tests.unit.local_http import versioned_engine, wait_until
 
 
 async def _serve(port: int, version: str) -> web.AppRunner:
-    app = web.Application()
-    app.router.add_get("/health_generate", lambda _: web.Response(text="ok"))
-    app.router.add_get("/model_info", lambda _: web.json_response({"weight_version": version}))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    runner, _ = await versioned_engine(version, port)
     return runner
-
-
-async def _wait(predicate, timeout_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not predicate():
-        assert loop.time() < deadline, "condition not reached"
-        await asyncio.sleep(0.05)
 
 
 ROLLOUT = RolloutConfig(startup_timeout_s=20.0)
@@ -49,11 +37,11 @@ def test_dead_attached_engine_is_readmitted_stale_when_its_url_answers_again():
             (rec,) = fleet.records
             assert rec.state is EngineState.HEALTHY and fleet.current_version == "3"
             await first.cleanup()  # the engine pod dies
-            await _wait(lambda: rec.state is EngineState.REPLACING)
+            await wait_until(lambda: rec.state is EngineState.REPLACING)
             assert fleet.restarts == 1
             second = await _serve(port, "0")  # its replacement pod answers at the same address
             try:
-                await _wait(lambda: rec.state is EngineState.STALE)
+                await wait_until(lambda: rec.state is EngineState.STALE)
                 assert rec.version == "0" and fleet.healthy_engines() == []
                 # The next push (version 3) makes it serve again.
                 assert fleet.mark_synced(rec, "3")
@@ -135,7 +123,7 @@ def test_engine_restarted_between_health_checks_is_declared_dead_and_readmitted_
             dead = [t for t in fleet.transitions if t.new is EngineState.DEAD]
             assert len(dead) == 1 and "reports weight version '0'" in dead[0].reason, dead
             assert "served '4'" in dead[0].reason
-            await _wait(lambda: rec.state is EngineState.STALE)
+            await wait_until(lambda: rec.state is EngineState.STALE)
             assert rec.version == "0" and rec.incarnation == 1 and fleet.restarts == 1
         finally:
             await (second or first).cleanup()

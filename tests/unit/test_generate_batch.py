@@ -11,6 +11,7 @@ from aiohttp import web
 
 from miles_lite.rollout.http_client import HttpEngine
 from miles_lite.types import SamplingParams
+from tests.unit.local_http import serve_routes
 
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0, top_p=1.0, top_k=-1, stop=(), stop_token_ids=(),
                           seed=None)
@@ -34,14 +35,7 @@ async def _serve(bodies: list[dict], fail: bool = False, delay_s: float = 0.0) -
             return web.json_response([_answer(i, r) for i, r in zip(ids, body["rid"], strict=True)])
         return web.json_response(_answer(ids, body.get("rid")))
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+    return await serve_routes({("POST", "/generate"): generate})
 
 
 def test_calls_started_together_share_one_request_and_get_their_own_answers() -> None:

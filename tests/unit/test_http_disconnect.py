@@ -5,25 +5,13 @@ it (a pooled keep-alive connection closed under it), and names the engine when a
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
 
 import pytest
 from aiohttp import web
 
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.http_client import HttpEngine
-
-
-async def _start(update: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> tuple[web.AppRunner, str]:
-    """A local server answering POST /update_weight_version with `update`; its runner and URL."""
-    app = web.Application()
-    app.router.add_post("/update_weight_version", update)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, f"http://127.0.0.1:{port}"
+from tests.unit.local_http import serve_routes
 
 
 async def _serve(drops: int) -> tuple[web.AppRunner, str, list[int]]:
@@ -37,7 +25,7 @@ async def _serve(drops: int) -> tuple[web.AppRunner, str, list[int]]:
             await asyncio.sleep(0.05)
         return web.json_response({"success": True, "message": "ok"})
 
-    runner, url = await _start(update)
+    runner, url = await serve_routes({("POST", "/update_weight_version"): update})
     return runner, url, seen
 
 
@@ -81,7 +69,7 @@ def test_the_second_try_goes_out_on_a_new_connection_not_another_pooled_one() ->
             await asyncio.sleep(0.05)  # concurrent requests open connections of their own
             return web.json_response({"success": True, "message": "ok"})
 
-        runner, url = await _start(update)
+        runner, url = await serve_routes({("POST", "/update_weight_version"): update})
         engine = HttpEngine("e0", url)
         try:
             await asyncio.gather(engine.update_weight_version("1"), engine.update_weight_version("2"))

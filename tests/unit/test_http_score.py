@@ -19,6 +19,7 @@ from miles_lite.engines.fleet_launch import attach_fleet
 from miles_lite.engines.launcher import served_vocab_size
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.http_client import HttpEngine, reported_input_id
+from tests.unit.local_http import ok, serve_routes
 
 VOCAB = 512
 
@@ -46,12 +47,7 @@ async def _serve(relabel: Relabel, drop_value_at: int | None = None) -> web.AppR
         entries = [[v, t, None] for v, t in zip(values, relabel(ids[start:]), strict=True)]
         return web.json_response({"output_ids": [1], "meta_info": {"input_token_logprobs": entries}})
 
-    app = web.Application()
-    app.router.add_post("/generate", generate)
-    app.router.add_get("/health_generate", lambda _: web.Response(text="ok"))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    runner, _ = await serve_routes({("POST", "/generate"): generate, ("GET", "/health_generate"): ok})
     return runner
 
 
