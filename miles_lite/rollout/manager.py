@@ -367,14 +367,12 @@ class RolloutManager:
             # An abort that produced nothing leaves no trace (its version did not write any token).
             slot.append(gen if gen.engine_id else replace(gen, engine_id=lease.engine_id))
         if gen.finish_reason != "abort":
-            slot.done = self.environment is None or not await self._environment_reply(spec, slot,
-                                                                                      sampling.max_new_tokens)
+            env = self.environment
+            # Without an environment a finished turn ends the sample (no coroutine per request for it).
+            slot.done = env is None or not await self._environment_reply(env, spec, slot, sampling.max_new_tokens)
 
-    async def _environment_reply(self, spec: PromptSpec, slot: Slot, budget: int) -> bool:
-        """After a finished model turn, append the environment's reply; True if the model goes on."""
-        env = self.environment
-        if env is None:
-            return False
+    async def _environment_reply(self, env: ToolEnvironment, spec: PromptSpec, slot: Slot, budget: int) -> bool:
+        """After a finished model turn, append the environment's `env` reply; True if the model goes on."""
         slot.turns += 1  # a finished model turn, whether a tool call, the answer or the token budget ended it
         if slot.finish_reason != "stop" or slot.turns >= self.cfg.max_turns:
             return False

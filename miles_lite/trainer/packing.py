@@ -139,13 +139,10 @@ class PackedMicroBatch:
             `(logit_pos, targets)`, both `[R]` int64 with R = sum of response lengths, in sequence
             order: the logits at row position `logit_pos[j]` predict token `targets[j]`.
         """
-        # Sequence i's j-th response token is predicted at row position start_i + plen_i - 1 + j; a handful of
-        # whole-micro-batch ops instead of one `arange` per sequence (this runs once per micro-batch).
+        # Sequence i's j-th response token is predicted at row position start_i + plen_i - 1 + j.
         plens = torch.tensor(self.prompt_lengths, dtype=torch.long)
         resp = torch.tensor(self.lengths, dtype=torch.long) - plens
-        first = self.cu_seqlens[: len(self.lengths)].long() + plens - 1
-        flat_start = torch.cumsum(resp, 0) - resp
-        logit_pos = torch.arange(int(resp.sum())) + torch.repeat_interleave(first - flat_start, resp)
+        logit_pos = ragged_ranges(self.cu_seqlens[: len(self.lengths)].long() + plens - 1, resp)
         return logit_pos, self.tokens[0, logit_pos + 1]
 
 
@@ -171,8 +168,7 @@ def pack(tokens: Sequence[Sequence[int]], prompt_lengths: Sequence[int], indices
     lens = torch.tensor(lengths, dtype=torch.long)
     cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     cu[1:] = torch.cumsum(lens, 0)
-    # Positions restart at 0 for each sequence: the row index minus its sequence's start.
-    positions = torch.arange(len(flat)) - torch.repeat_interleave(cu[:-1].long(), lens)
+    positions = ragged_ranges(torch.zeros_like(lens), lens)  # restarting at 0 for each sequence
     return PackedMicroBatch(
         seq_indices=tuple(indices),
         tokens=torch.tensor([flat], dtype=torch.long),
@@ -181,6 +177,13 @@ def pack(tokens: Sequence[Sequence[int]], prompt_lengths: Sequence[int], indices
         lengths=tuple(lengths),
         prompt_lengths=tuple(plens),
     )
+
+
+def ragged_ranges(starts: Tensor, lengths: Tensor) -> Tensor:
+    """`cat([arange(s, s + n) for s, n in zip(starts, lengths)])` (int64, on the host) in a handful of
+    whole-batch ops instead of one `arange` per sequence: these run for every micro-batch of a step."""
+    return torch.arange(int(lengths.sum())) + torch.repeat_interleave(starts - (torch.cumsum(lengths, 0) - lengths),
+                                                                      lengths)
 
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
@@ -214,8 +217,7 @@ class PaddedLayout:
         """The layout of `lengths`, its index built on the host and sent to `device` (default: stays on the host)."""
         lens = torch.tensor(list(lengths), dtype=torch.long)
         width = int(lens.max()) if len(lens) else 0
-        row_start = torch.arange(len(lens)) * width - (torch.cumsum(lens, 0) - lens)
-        index = torch.arange(int(lens.sum())) + torch.repeat_interleave(row_start, lens)
+        index = ragged_ranges(torch.arange(len(lens)) * width, lens)
         return PaddedLayout(len(lens), width, index if device is None else to_device(index, device))
 
     def pad(self, values: Tensor) -> Tensor:

@@ -1,9 +1,10 @@
 """One weight push, start to end: pause -> flush -> push -> version check -> continue -> verify.
 
 Each push reports the seconds of its phases (`SyncReport.phases`, the run's `sync/phase_<name>_seconds`):
-`probe_before` (the engines' probe scores under their old weights), `pause` (pause and flush), `load` (the
-transport's push), `check` (every engine's version), `after_load` (the caller's hook: the hand-off's wait for
-its offload and the engines' KV-cache resume), `resume` and `verify` (the probe on the new weights).
+`probe_before` (the engines' probe scores under their old weights, when pushes are verified), `pause` (pause
+and flush), `load` (the transport's push), `check` (every engine's version), `after_load` (the caller's hook:
+the hand-off's wait for its offload and the engines' KV-cache resume), `resume` and `verify` (the probe on the
+new weights).
 
 Connecting to a new fleet (the first push of a trainer, or after an engine was replaced) also continues
 every engine: a trainer that died mid-push leaves its engines paused, and its replacement takes them over.
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -43,6 +43,10 @@ class SyncState(enum.Enum):
     CHECKING = "checking"
     RESUMING = "resuming"
     FAILED = "failed"
+
+
+# The phases during which the engines are paused (`SyncReport.paused_s`).
+PAUSED_PHASES = ("pause", "load", "check", "after_load", "resume")
 
 
 @dataclass
@@ -88,10 +92,9 @@ class WeightSyncCoordinator:
                 self._each(fleet, "resume")
             self.state = SyncState.PAUSING
             timer = PhaseTimer()
-            with timer.phase("probe_before"):
-                if self.verifier is not None:
+            if self.verifier is not None:
+                with timer.phase("probe_before"):
                     self.verifier.before_push(fleet, version)
-            start = time.perf_counter()
             try:
                 with timer.phase("pause"):
                     self._each(fleet, "pause")
@@ -116,7 +119,7 @@ class WeightSyncCoordinator:
             self.state = SyncState.RESUMING
             with timer.phase("resume"):
                 self._each(fleet, "resume")
-            paused_s = time.perf_counter() - start
+            paused_s = sum(timer.seconds.get(p, 0.0) for p in PAUSED_PHASES)
             verify = None
             if self.verifier is not None:
                 # Scoring needs running engines; a failure here names the engines to mark stale.
