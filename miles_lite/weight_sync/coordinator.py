@@ -4,7 +4,8 @@ Each push reports the seconds of its phases (`SyncReport.phases`, the run's `syn
 `probe_before` (the engines' probe scores under their old weights, when pushes are verified), `pause` (pause
 and flush), `load` (the transport's push), `check` (every engine's version), `after_load` (the caller's hook:
 the hand-off's wait for its offload and the engines' KV-cache resume), `resume` and `verify` (the probe on the
-new weights).
+new weights: the engines' scores, and the trainer's unless it took them ahead, as a push to sleeping engines
+does while they resume their weights: `FleetPusher.push`, `score_trainer_probe`).
 
 Connecting to a new fleet (the first push of a trainer, or after an engine was replaced) also continues
 every engine: a trainer that died mid-push leaves its engines paused, and its replacement takes them over.
@@ -132,6 +133,11 @@ class WeightSyncCoordinator:
                     raise
             self.state = SyncState.IDLE
             return SyncReport(push, verify, paused_s, timer.seconds)
+
+    def score_trainer_probe(self, version: str) -> None:
+        """With verification on, the trainer scores the probe for `version` now (`PushVerifier.score_trainer`)."""
+        if self.verifier is not None:
+            self.verifier.score_trainer(str(version))
 
     def _resume_quietly(self, fleet: Sequence[FleetEngine]) -> None:
         # Engines keep serving after a failed push; the push's own error is what the caller sees.

@@ -91,6 +91,8 @@ class PushVerifier:
         self._trainer_last: torch.Tensor | None = None
         # Per engine: (serving key, probe scores) at the last push it passed.
         self._verified: dict[str, tuple[tuple[str, str, int], torch.Tensor]] = {}
+        # (version, the trainer's probe scores) taken ahead of that version's verification (`score_trainer`).
+        self._trainer_ahead: tuple[str, torch.Tensor] | None = None
 
     def _submit_scores(self, fleet: Sequence[FleetEngine]) -> dict[str, Future[torch.Tensor]]:
         async def score(engine: FleetEngine) -> torch.Tensor:
@@ -129,11 +131,24 @@ class PushVerifier:
         if to_score:
             self._before.update(self.loop.gather(self._submit_scores(to_score)))
 
+    def score_trainer(self, version: str) -> None:
+        """Score the probe on the trainer now, for the verification of `version`, which then waits for the
+        engines' scores only. The trainer must hold the weights `version` carries: a push takes them while
+        the engines resume their memory (`FleetPusher.push`), before any shard is read."""
+        self._trainer_ahead = (str(version), _flat(self.trainer_logprobs(self.probe)))
+
+    def _trainer_scores(self, version: str) -> torch.Tensor:
+        """The trainer's probe scores for `version`: those taken ahead for it (once), else taken now."""
+        ahead, self._trainer_ahead = self._trainer_ahead, None
+        if ahead is not None and ahead[0] == str(version):
+            return ahead[1]
+        return _flat(self.trainer_logprobs(self.probe))
+
     def verify(self, fleet: Sequence[FleetEngine], version: str) -> VerifyReport:
         """Raise `WeightSyncError` naming every engine that does not serve the new weights."""
         report = VerifyReport(str(version), bound=self.max_diff)
-        pending = self._submit_scores(fleet)  # the engines score while the trainer does
-        want = _flat(self.trainer_logprobs(self.probe))
+        pending = self._submit_scores(fleet)  # the engines score while the trainer does (unless it did ahead)
+        want = self._trainer_scores(version)
         got = self.loop.gather(pending)
         problems: list[str] = []
         for f in fleet:

@@ -4,6 +4,7 @@ leaves out an engine whose address answers from a new process."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -16,6 +17,7 @@ from miles_lite.rollout.sync_api import EventLoopThread
 from miles_lite.weight_sync.coordinator import WeightSyncCoordinator
 from miles_lite.weight_sync.fleet_push import FleetPusher
 from miles_lite.weight_sync.transport import EngineLoop
+from miles_lite.weight_sync.verify import ProbeBatch, PushVerifier
 
 S = EngineState
 ALL = ["weights", "kv_cache", "cuda_graph"]
@@ -186,5 +188,45 @@ def test_a_push_asks_only_engines_started_elsewhere_whether_they_were_replaced()
             asked.clear()
             assert pusher.push({}, "2").push.engines == ("child", "attached")
             assert sorted(asked) == ["attached", "attached", "child"], asked
+        finally:
+            engines.run(fleet.close())
+
+
+def test_the_trainer_scores_the_probe_while_sleeping_engines_resume_their_weights():
+    # The engines' weight resume waits until the trainer has scored: run one after the other, it would time out.
+    with EventLoopThread() as thread:
+        engines = EngineLoop(thread.loop, timeout_s=10.0)
+        a = FakeEngine("a")
+        scored = threading.Event()
+        calls: list[str] = []
+        resume = a.resume_memory
+
+        async def resume_after_scoring(tags: list[str]) -> None:
+            if "weights" in tags and not await asyncio.to_thread(scored.wait, 5.0):
+                raise AssertionError("the weights' resume did not overlap the trainer's scoring")
+            await resume(tags)
+
+        a.resume_memory = resume_after_scoring  # type: ignore[method-assign]
+
+        def trainer_scores(probe: ProbeBatch) -> list[list[float]]:
+            calls.append("trainer")
+            scored.set()
+            rows = zip(probe.sequences, probe.prompt_lens, strict=True)
+            return [[-(t % 5) / 10 for t in seq[plen:]] for seq, plen in rows]
+
+        probe = ProbeBatch(sequences=((1, 2, 3), (4, 5, 6)), prompt_lens=(1, 1))
+        verifier = PushVerifier(engines, probe, trainer_scores, max_probe_logp_diff=0.1)
+        fleet = engines.run(_fleet(a))
+        pusher = FleetPusher(WeightSyncCoordinator(TensorTransport(engines), engines, verifier), fleet, engines, 1,
+                             "reference")
+        try:
+            engines.run(fleet.sleep())
+            report = pusher.push({}, "1")
+            assert calls == ["trainer"]  # taken during the wake, not again by the verification
+            assert report.verify is not None and report.verify.logp_diff_mean == 0.0
+            assert a.log[-3:] == ["resume weights", "update_weights", "resume kv_cache,cuda_graph"]
+            # Awake engines: the verification asks the trainer itself, as before.
+            pusher.push({}, "2")
+            assert calls == ["trainer", "trainer"]
         finally:
             engines.run(fleet.close())

@@ -79,3 +79,29 @@ def test_an_engine_scoring_nan_fails_verification(loop):
     fleet = [FleetEngine(ScoringEngine("http://a:1", level=float("nan")), EngineSpec("e0", 1))]
     with pytest.raises(WeightSyncError, match=r"e0: probe \|logp diff\| mean nan > weight_sync.max_probe_logp_diff"):
         verifier.verify(fleet, "1")
+
+
+def test_trainer_scores_taken_ahead_serve_that_version_once(loop):
+    calls: list[float] = []
+    trainer = {"level": 1.0}
+
+    def scores(probe: ProbeBatch) -> list[list[float]]:
+        calls.append(trainer["level"])
+        return [[-trainer["level"]] * 2 for _ in probe.sequences]
+
+    verifier = PushVerifier(loop, PROBE, scores, max_probe_logp_diff=0.1)
+    engine = ScoringEngine("http://a:1", level=1.0)
+    fleet = [FleetEngine(engine, EngineSpec("e0", 1))]
+    verifier.score_trainer("1")
+    trainer["level"] = 5.0  # scores taken ahead are what the verification compares: not asked again
+    assert verifier.verify(fleet, "1").logp_diff_mean == 0.0
+    assert calls == [1.0]
+    # Used once: the next verification of the same version asks the trainer again.
+    with pytest.raises(WeightSyncError, match="mean 4 > weight_sync.max_probe_logp_diff"):
+        verifier.verify(fleet, "1")
+    assert calls == [1.0, 5.0]
+    # Scores taken ahead for another version are not used (and are dropped).
+    verifier.score_trainer("2")
+    trainer["level"] = 1.0
+    verifier.verify(fleet, "3")
+    assert calls == [1.0, 5.0, 5.0, 1.0]
