@@ -14,6 +14,9 @@ SGLang's start-up warmup (`/model_info`, then a generation) authenticates with `
 stays unset here: the warmup reads the arguments through a view that adds the key (`launch_server`'s
 `execute_warmup_func`, 0.5.17 on). A release without that parameter skips its warmup instead; readiness is
 `/health_generate` (a generation) either way.
+
+Before SGLang starts, the launcher also raises the open-files soft limit (`raise_open_files_limit`) and turns off
+SGLang's crash diagnostics unless the user asks for them (`quiet_engine_stops`).
 """
 
 from __future__ import annotations
@@ -22,10 +25,11 @@ import argparse
 import inspect
 import json
 import os
+import resource
 import signal
 import sys
 import traceback
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from miles_lite.net.api_key import ApiKeyError, bearer_matches, serving_key
@@ -35,6 +39,12 @@ OPEN_PATHS = frozenset({"/health"})
 LAUNCH_MODULE = "miles_lite.engines.sglang.launch"
 # This launcher's own flags, which precede SGLang's: flag -> takes a value.
 OWN_FLAGS = {"--api-key-file": True, "--insecure": False}
+
+# The open-files soft limit SGLang's `set_ulimit` asks for; it keeps the old one when the hard limit is lower.
+OPEN_FILES_WANTED = 65535
+# SGLang (0.5.17: both default true) reads these when its main process takes a child's exit for a crash, then
+# sleeps 5 s before a py-spy dump and a CUDA coredump (`TokenizerManager.dump_requests_before_crash`).
+CRASH_DIAGNOSTICS_OFF = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
 
 Scope = dict[str, Any]
 Asgi = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -83,8 +93,38 @@ def split_own_flags(argv: list[str]) -> tuple[list[str], list[str]]:
     return own, rest
 
 
+def raise_open_files_limit(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
+    """Raise this process's RLIMIT_NOFILE soft limit to min(hard limit, `wanted`) when it is lower (SGLang's own
+    try gives up when `wanted` exceeds the hard limit, leaving e.g. 1024 for a server that holds a descriptor per
+    client connection); SGLang's children inherit it. Returns the (soft, hard) limits in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(hard, wanted)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError) as exc:  # SGLang still starts, as it would have without this
+            print(f"{LAUNCH_MODULE}: could not raise the open-files limit {soft} to {target}: {exc}", file=sys.stderr)
+            return soft, hard
+        print(f"{LAUNCH_MODULE}: open-files soft limit raised from {soft} to {target} (hard limit {hard})",
+              file=sys.stderr)
+        soft = target
+    return soft, hard
+
+
+def quiet_engine_stops(environ: MutableMapping[str, str]) -> None:
+    """Turn SGLang's crash diagnostics off in `environ` unless set there already. The launcher stops an engine
+    by SIGTERM to its process group: SGLang's main process sees its scheduler exit first, takes it for a crash,
+    and every engine stop (a run's shutdown, each engine replacement) paid the diagnostics' 5 s pause. A user
+    who exports them (e.g. =1) keeps the diagnostics."""
+    for name, value in CRASH_DIAGNOSTICS_OFF.items():
+        environ.setdefault(name, value)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, check the key, then run SGLang's server in this process (returns when it stops)."""
+    # Before SGLang is imported or starts its children: they inherit both.
+    raise_open_files_limit()
+    quiet_engine_stops(os.environ)
     own, rest = split_own_flags(list(sys.argv[1:] if argv is None else argv))
     parser = argparse.ArgumentParser(prog=LAUNCH_MODULE, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
