@@ -155,12 +155,14 @@ lora_parts() {
 
 for p in "${parts[@]}"; do
   case $p in
+    # Also the shell's open-files limits, which engines start under (SGLang holds a descriptor per connection).
     versions) part versions "$py" -c "
 import importlib.metadata as md, sys, torch
 print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())
 for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flashinfer-python'):
     try: print(d, md.version(d))
-    except md.PackageNotFoundError: print(d, 'absent here')" ;;
+    except md.PackageNotFoundError: print(d, 'absent here')
+print('open files (ulimit -Sn / -Hn): $(ulimit -Sn) / $(ulimit -Hn)')" ;;
     unit) part unit "$py" -m pytest -q tests/unit/test_sglang_args.py tests/unit/test_sglang_payloads.py \
             tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py \
             tests/unit/test_colocation.py ;;
@@ -193,8 +195,9 @@ for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flas
                             --transformer apply_rope_fusion=false --out "$out/speed-recipe-unfused.json" ;;
     # Generation: the rollout manager against raw SGLang on the same prompts, the engine launched as a run launches
     # it (decode graphs sized to the batch), 20 interleaved rounds at 256 and 512 requests; then SGLang's own
-    # graph size, 5 rounds at 512 (what sizing the graphs changes).
-    rollout) part rollout "$py" -u benchmarks/rollout_throughput.py --variants shipped --requests 256,512 \
+    # graph size, 5 rounds at 512 (what sizing the graphs changes). ROLLOUT_REQUESTS picks the sizes (e.g. 512
+    # alone when 256 was measured in a lease before).
+    rollout) part rollout "$py" -u benchmarks/rollout_throughput.py --variants shipped --requests "${ROLLOUT_REQUESTS:-256,512}" \
                --repeats 20 --out "$out/rollout.json" ;;
     rollout-default) part rollout-default "$py" -u benchmarks/rollout_throughput.py --variants sglang-default \
                        --requests 512 --repeats 5 --out "$out/rollout-default.json" ;;

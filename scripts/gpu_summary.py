@@ -49,16 +49,28 @@ def rollout_table(out: Path) -> list[str]:
         if not rep:
             continue
         if not lines:
-            lines = ["| engine | requests | raw SGLang tok/s | manager tok/s | manager / raw (same engine) |",
-                     "|---|---:|---:|---:|---:|"]
+            lines = ["| engine | requests | rounds | raw SGLang tok/s | manager tok/s | manager / raw (same engine) |",
+                     "|---|---:|---:|---:|---:|---:|"]
         for r in rep.get("rows", []):
             if "direct_tok_s" not in r or "manager_tok_s" not in r:
+                if r.get("failures"):  # a size that failed before any complete round still shows
+                    lines.append(f"| {r['variant']} | {r['requests']} | {_rounds(r, rep)} | - | - | - |")
                 continue
             d, m = r["direct_min_max"], r["manager_min_max"]
-            lines.append(f"| {r['variant']} | {r['requests']} | {r['direct_tok_s']:,.0f} ({d[0]:,.0f}-{d[1]:,.0f}) | "
+            lines.append(f"| {r['variant']} | {r['requests']} | {_rounds(r, rep)} | "
+                         f"{r['direct_tok_s']:,.0f} ({d[0]:,.0f}-{d[1]:,.0f}) | "
                          f"{r['manager_tok_s']:,.0f} ({m[0]:,.0f}-{m[1]:,.0f}) | "
                          f"{r['manager_tok_s'] / r['direct_tok_s']:.3f} |")
     return lines
+
+
+def _rounds(row: dict[str, Any], rep: dict[str, Any]) -> str:
+    """Complete rounds of a rollout row out of those asked for, and its failed passes (older reports: "-")."""
+    if "rounds" not in row:
+        return "-"
+    cell = f"{row['rounds']}/{rep.get('repeats', '?')}"
+    failed = row.get("failures") or 0
+    return cell + (f", {failed} failed pass{'es' if failed > 1 else ''}" if failed else "")
 
 
 def speed_table(out: Path) -> list[str]:
