@@ -10,7 +10,8 @@
 # the RL step against the bare megatron-core step at the recipe's shape, with RoPE fused (the default on THD
 # rows) and unfused (speed-recipe speed-recipe-unfused).
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
-# `sitting` is the preset of one GPU sitting (about 20 minutes of device time with staging): the figures of the
+# `sitting` is the preset of one GPU sitting (meant for 20 minutes of device time with staging; its parts take
+# longer today: 0.5B hand-off 326 s, RL/bare in bf16 and FP8 482 s, generation ~350 s on one H100): the figures of the
 # GRPO step's speed first (generation against raw SGLang, the recipe test, the RL step against the bare one in
 # bf16 and FP8 with profiler traces, the 0.5B and 7B hand-offs, the 7B LoRA step with merged, adapter-directory
 # and adapter-tensor pushes,
