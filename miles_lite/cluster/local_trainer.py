@@ -72,6 +72,9 @@ class LocalTrainer:
     def offload(self, parts: tuple[str, ...], room: OverlapRoom | None = None) -> dict[str, float]:
         return self.rank.offload(parts, room)
 
+    def stage_offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        return self.rank.stage_offload(parts)
+
     def finish_offload(self) -> dict[str, float]:
         return self.rank.finish_offload()
 

@@ -142,6 +142,9 @@ class TrainerRank:
     def offload(self, parts: tuple[str, ...], room: OverlapRoom | None = None) -> dict[str, float]:
         return self.actor.offload(parts, room)
 
+    def stage_offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        return self.actor.stage_offload(parts)
+
     def finish_offload(self) -> dict[str, float]:
         return self.actor.finish_offload()
 

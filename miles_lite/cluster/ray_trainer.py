@@ -341,6 +341,10 @@ class RayTrainerGroup:
         answers = self._every("offload", tuple(parts), room)
         return {**answers[0], "deferred": max(a["deferred"] for a in answers)}
 
+    def stage_offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        """Every rank copies `parts` to host memory ahead of their offload; rank 0's bytes and seconds."""
+        return self._all("stage_offload", tuple(parts))
+
     def finish_offload(self) -> dict[str, float]:
         """Every rank finishes its own offload in flight; rank 0's seconds."""
         return self._all("finish_offload")

@@ -47,6 +47,10 @@ class TrainerRole(WeightSource, Protocol):
         With `room`, each rank whose device keeps that room leaves the copies of the parts it keeps in flight (see
         `trainer/offload.py`); `deferred` is 1.0 when any rank did, and `finish_offload` must then follow."""
 
+    def stage_offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        """Every rank copies `parts` to host memory ahead of their offload and keeps them on the device until it
+        (see `trainer/offload.py`: a write drops the copies); rank 0's bytes and seconds."""
+
     def finish_offload(self) -> dict[str, float]:
         """Every rank waits for the copies its offload left in flight and frees their memory; rank 0's seconds."""
 

@@ -23,7 +23,9 @@ Who holds the device is a state machine:
   resume their KV cache, which needs that memory (`time/offload_overlapped`: 1.0 when they did). The room is
   `overlap_room`'s bound on the weights the engines resume on a trainer device, checked by each trainer rank
   against its free device memory once the gradients are freed; a rank without it offloads first, as before.
-  `time/offload_seconds` counts the host time of every offload call, the wait for those copies included.
+  The parameters' bytes are copied to host memory during the push too (`stage_offload`, behind the optimizer
+  state's copies), so their offload after it waits for copies made while the engines woke, loaded and were
+  verified. `time/offload_seconds` counts the host time of every offload call, the wait for those copies included.
 
 With `colocated_memory=resident` (or disaggregated placement) every transition is a no-op and `push` is a
 plain weight push, so the driver runs one loop for all placements. Each step also reports the memory per
@@ -133,6 +135,9 @@ class Handoff:
         if rest:
             self._leaving = self._offload(rest, self.room)["deferred"] > 0.0
             self._overlapped = float(self._leaving)
+        if "params" in self.parts:
+            # The push reads the parameters, so they leave after it; their bytes go to host memory during it.
+            self._add("offload", self.system.trainer.stage_offload(("params",))["seconds"])
         try:
             report, seconds = self.system.push_weights(version, self._finish_offload if self._leaving else None)
         finally:

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from miles_lite.algo.device_stats import DeviceStats, read_many
-from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.config.schema import AlgoConfig
 from miles_lite.config.views import ActorConfig
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.actor_checkpoint import ActorCheckpoint
+from miles_lite.trainer.actor_offload import ActorOffload
 from miles_lite.trainer.actor_weights import ActorWeights
 from miles_lite.trainer.dist_optimizer import is_distributed
 from miles_lite.trainer.expert_parallel import align_micro_batches, needs_alignment, scale_expert_grads
@@ -34,7 +34,7 @@ from miles_lite.trainer.guard import DivergedStepError, NonFiniteStepError, Upda
 from miles_lite.trainer.hf_convert import mark_tensor_parallel
 from miles_lite.trainer.loading import build_handle, load_policy_source, load_teacher_source
 from miles_lite.trainer.lora import attach_lora
-from miles_lite.trainer.offload import OverlapRoom, actor_offload, memory_stats
+from miles_lite.trainer.offload import actor_offload
 from miles_lite.trainer.optim import build_optimizer, build_scheduler, current_lr, set_lr, wrap_ddp
 from miles_lite.trainer.packing import PackedMicroBatch, pack, plan_micro_batches, split_for_data_parallel
 from miles_lite.trainer.parallel import ParallelInfo, init_parallel, shutdown_parallel
@@ -57,7 +57,7 @@ class ActorState(StrEnum):
 MicroLoss = Callable[[PackedMicroBatch], tuple[Tensor, DeviceStats, float]]
 
 
-class TrainerActor(ActorCheckpoint, ActorWeights):
+class TrainerActor(ActorCheckpoint, ActorOffload, ActorWeights):
     """One trainer rank: a Megatron `GPTModel` shard, its optimizer, and optional reference/teacher.
 
     Args:
@@ -145,29 +145,6 @@ class TrainerActor(ActorCheckpoint, ActorWeights):
             return
         shutdown_parallel(self.par)
         self.state = ActorState.CLOSED
-
-    # ---- offload (colocated roles) --------------------------------------------------------------
-
-    def offload(self, parts: tuple[str, ...] = OFFLOAD_PARTS, room: OverlapRoom | None = None) -> dict[str, float]:
-        """Move `parts` of the trainer's state to host memory (see `trainer/offload.py`); bytes and seconds. With
-        `room`, the copies may stay in flight while the device keeps that room (`deferred`; `finish_offload`)."""
-        self._require_ready()
-        keep_free = room.bytes_needed(self.offloader.part_bytes("params")) if room is not None else 0
-        return self.offloader.offload(parts, wait=room is None, keep_free=keep_free).report()
-
-    def finish_offload(self) -> dict[str, float]:
-        """Wait for the copies an offload left in flight and free their device memory; seconds."""
-        self._require_ready()
-        return {"seconds": self.offloader.settle()}
-
-    def onload(self, parts: tuple[str, ...] = OFFLOAD_PARTS) -> dict[str, float]:
-        """Bring offloaded `parts` back to the device; bytes and seconds."""
-        self._require_ready()
-        return self.offloader.onload(parts).report()
-
-    def memory_stats(self, reset_peak: bool = True) -> dict[str, float]:
-        """Trainer state in compute memory; on a GPU also the peak allocation since the last call (`offload.py`)."""
-        return memory_stats(self.offloader, self.policy.device, reset_peak)
 
     # ---- batches --------------------------------------------------------------------------------
 

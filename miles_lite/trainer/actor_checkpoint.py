@@ -96,6 +96,7 @@ class ActorCheckpoint:
         """Restore what `state_dict_for_checkpoint` returned on a rank with the same TP/DP coordinates."""
         self._require_ready()
         self.offloader.require_resident(OFFLOAD_PARTS, "restoring a checkpoint")
+        self.offloader.drop_staged()  # the restore writes every part
         mine = {"tp_rank": self.par.tp_rank, "tp_size": self.par.tp_size}
         saved = {k: state["parallel"][k] for k in mine}
         if saved != mine:

@@ -36,6 +36,13 @@ first: no reader ever sees a part half gone. Dropped parts are freed at once eit
 wait for; the wait for kernels still reading them comes before any copy is queued, so it does not wait for
 those).
 
+A part may also be *staged*: `stage` copies its bytes to host memory (on a GPU on the offload's stream) while it
+stays RESIDENT and readable, and its next offload takes those copies instead of making its own, waiting only for
+them to land. The hand-off stages the parameters as a push starts: the push reads them, and their copies run while
+the engines wake, load and are verified. A staged copy stands until the part is written: an optimizer step
+(`ready_on_device`) and a checkpoint restore drop it (`drop_staged`), and an offload that finds the part's storages
+changed makes its own copies.
+
 On a GPU an onload does not wait for its copies: they run on a stream of their own, and whatever reads a part
 waits for that part's copies first: `require_resident` (log-probs, the weight push, checkpoints) on the host,
 `ready_on_device` (the optimizer step) on the device only, so the optimizer state comes back while the step's
@@ -143,6 +150,8 @@ class TrainerOffload:
         self._pending: dict[str, Any] = {}
         # LEAVING part -> the CUDA event after its offload copies (None: they are done, on a CPU build).
         self._leaving: dict[str, Any] = {}
+        # Staged part -> its storages with their bytes copied to host memory, and the event after those copies.
+        self._staged: dict[str, tuple[list[_Moved], Any]] = {}
         self._copy_stream: Any = None
 
     def offloaded(self) -> frozenset[str]:
@@ -167,7 +176,9 @@ class TrainerOffload:
 
     def ready_on_device(self, parts: Sequence[str], what: str) -> None:
         """Like `require_resident`, but the wait for copies in flight is the device's: work queued after this
-        call runs after them, and the host goes on at once."""
+        call runs after them, and the host goes on at once. For a writer (the optimizer step): what was staged of
+        `parts` is dropped."""
+        self.drop_staged(parts)
         self.check_resident(parts, what)
         for part in parts:
             if (event := self._pending.get(part)) is not None:
@@ -194,6 +205,45 @@ class TrainerOffload:
         return sum(m.nbytes for m in self._collect(part))
 
     @torch.no_grad()
+    def stage(self, parts: Sequence[str]) -> MoveStats:
+        """Copy `parts` (those resident and kept, not dropped) to host memory ahead of their offload, leaving them
+        resident: on a GPU the copies are queued on the offload's stream after the work queued so far, and this
+        returns at once (see the module docstring)."""
+        start = time.perf_counter()
+        stats = MoveStats()
+        todo = [p for p in _checked(parts) if self.states[p] is PartState.RESIDENT and p in self.collectors
+                and p not in DROPPED_PARTS and p not in self._staged]
+        moved = {p: self._collect(p) for p in todo}
+        copied = self._to_host(moved, self._copy_stream_after_compute() if _any_cuda(moved) else None)
+        for part, ms in moved.items():
+            self._staged[part] = (ms, copied)
+            stats.bytes[part] = sum(m.nbytes for m in ms)
+        stats.seconds = time.perf_counter() - start
+        return stats
+
+    def drop_staged(self, parts: Sequence[str] = OFFLOAD_PARTS) -> None:
+        """Forget what `stage` copied of `parts` (they are about to be written)."""
+        for part in _checked(parts):
+            self._staged.pop(part, None)
+
+    def _take_staged(self, part: str, collected: list[_Moved]) -> tuple[list[_Moved], Any] | None:
+        """What `stage` copied of `part`, if its storages are still the ones collected now (and once)."""
+        staged = self._staged.pop(part, None)
+        if staged is None or _keys(staged[0]) != _keys(collected):
+            return None
+        return staged
+
+    def _to_host(self, moved: dict[str, list[_Moved]], stream: Any) -> Any:
+        """Host buffers for `moved` (all made before any copy is queued: a new pinned block may wait for the
+        device), then their copies, on `stream` when given; the event after them (None: they are done)."""
+        for m in (m for ms in moved.values() for m in ms):
+            m.host = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=self.pin and m.device.type == "cuda")
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for m in (m for ms in moved.values() for m in ms):
+                m.host.untyped_storage().copy_(m.storage, non_blocking=True)
+        return _record(stream)
+
+    @torch.no_grad()
     def offload(self, parts: Sequence[str], wait: bool = True, keep_free: int = 0) -> MoveStats:
         """Move `parts` (those resident) to host memory, freeing their device storage. `wait=False`: leave the
         copies of the kept parts in flight, those parts LEAVING until `settle`, if the device keeps `keep_free`
@@ -218,24 +268,22 @@ class TrainerOffload:
             torch.cuda.empty_cache()  # before the room is measured, and where the engines can take it
             hand_back = False
         leave = not wait and _room(kept, keep_free)
-        for m in (m for ms in kept.values() for m in ms):
-            # All made before any copy is queued: a new pinned block may wait for the device.
-            m.host = torch.empty(m.nbytes, dtype=torch.uint8, pin_memory=self.pin and m.device.type == "cuda")
-        stream = self._copy_stream_after_compute() if leave and _any_cuda(kept) else None
+        # Parts `stage` copied already: their copies and the event after them; the others are copied now.
+        done = {p: ahead for p, ms in kept.items() if (ahead := self._take_staged(p, ms)) is not None}
+        fresh = {p: ms for p, ms in kept.items() if p not in done}
+        copies = self._to_host(fresh, self._copy_stream_after_compute() if leave and _any_cuda(fresh) else None)
         for part, moved in kept.items():
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                for m in moved:
-                    m.host.untyped_storage().copy_(m.storage, non_blocking=True)
+            moved, copied = done.get(part, (moved, copies))
             stats.bytes[part] = sum(m.nbytes for m in moved)
             self._moved[part] = moved
             if leave:
                 self.states[part] = PartState.LEAVING
-                self._leaving[part] = _record(stream)
+                self._leaving[part] = copied
                 stats.deferred = True
         if not leave:
             _synchronize([m for ms in kept.values() for m in ms])  # the copies land before the storages go
-            for part, moved in kept.items():
-                self._gone(part, moved)
+            for part in kept:
+                self._gone(part, self._moved[part])
             hand_back = hand_back or _any_cuda(kept)
         if hand_back:
             torch.cuda.empty_cache()  # hand the freed blocks back to the driver, where the engines can take them
@@ -246,6 +294,7 @@ class TrainerOffload:
         """`part`'s storages freed (their bytes on the host or dropped): OFFLOADED."""
         for m in moved:
             m.storage.resize_(0)
+        self._staged.pop(part, None)
         self._moved[part] = moved
         self.states[part] = PartState.OFFLOADED
 
@@ -328,6 +377,11 @@ def _checked(parts: Sequence[str]) -> list[str]:
 def _zero(storage: torch.UntypedStorage, device: torch.device) -> None:
     """Fill a storage with zero bytes (a dropped part comes back as the zeros a new step would start from)."""
     torch.empty(0, dtype=torch.uint8, device=device).set_(storage).zero_()
+
+
+def _keys(moved: Sequence[_Moved]) -> list[tuple[int, int]]:
+    """What identifies the storages of `moved`: their addresses and sizes."""
+    return [(m.storage.data_ptr(), m.nbytes) for m in moved]
 
 
 def _synchronize(moved: Sequence[_Moved]) -> None:

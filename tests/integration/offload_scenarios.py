@@ -31,10 +31,13 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
 
     actor = TrainerActor(ActorConfig.of(make_config(path, precision=precision)), rank, world_size)
     batch = make_batch(VOCAB)
+    if round_trip:
+        actor.stage_offload(("params",))  # the step's optimizer update writes the parameters: these copies go
     out: dict[str, Any] = {"stats": [actor.train_step(batch)]}
     if round_trip:
         before = _state(actor)
         out["grads_nonzero_before"] = any(bool(g.count_nonzero()) for g in _grads(actor))
+        out["staged"] = actor.stage_offload(("params",))  # as a push stages them: the offload takes these copies
         moved = actor.offload(OFFLOAD_PARTS)
         out["moved"] = moved
         out["freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.policy.model.parameters())

@@ -1,4 +1,5 @@
-"""Trainer offload on CPU: every part leaves its storage, parameters and optimizer state come back bit for bit,
+"""Trainer offload on CPU: every part leaves its storage (the parameters from copies staged ahead, as a hand-off's
+push stages them), parameters and optimizer state come back bit for bit,
 gradients come back zeroed (dropped, never copied), and training goes on exactly as without the round trip
 (fp32, and bf16 with fp32 main parameters in the optimizer)."""
 
@@ -24,6 +25,9 @@ def test_offload_frees_every_part_and_the_state_round_trips_exactly(runs: dict[s
     assert off["freed"] and off["grads_freed"] and off["resident_while_offloaded"] == 0.0
     moved = off["moved"]
     assert moved["params_bytes"] > 0 and moved["grads_bytes"] > 0 and moved["optimizer_bytes"] > 0
+    # Parameters staged before the step were dropped by its update, staged again after it and offloaded from those
+    # copies (the round trip below is exact only if the copies were the updated values).
+    assert off["staged"]["params_bytes"] == moved["params_bytes"]
     if precision == "bf16":  # fp32 main params + two fp32 Adam moments: 12 bytes per 2-byte bf16 parameter
         assert 5.9 * moved["params_bytes"] <= moved["optimizer_bytes"] <= 6 * moved["params_bytes"]
     assert off["again"] == {"seconds": pytest.approx(off["again"]["seconds"])}  # nothing moved twice

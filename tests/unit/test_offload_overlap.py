@@ -128,6 +128,55 @@ def test_resident_bytes_and_another_offload_settle_a_leaving_part() -> None:
     assert t.exact(before)
 
 
+def test_a_staged_part_stays_readable_and_its_offload_takes_the_copies_made_then() -> None:
+    t = _Trainer()
+    before, params = t.snapshot(), _bytes(t.params)
+    staged = t.offload.stage(("params", "grads"))
+    assert staged.bytes == {"params": params}  # gradients are dropped, never copied
+    assert t.offload.states["params"] is S.RESIDENT and t.offload.offloaded() == frozenset()
+    t.offload.require_resident(("params",), "reading the weights")  # a reader keeps the copies
+    assert t.offload.stage(("params",)).bytes == {}  # staged once
+    # Written behind the offloader's back, the values the offload keeps are the staged ones: it made no copy.
+    t.params[0].add_(1)
+    moved = t.offload.offload(("params",))
+    assert moved.bytes == {"params": params} and t.offload.states["params"] is S.OFFLOADED
+    t.offload.onload(("params",))
+    assert t.exact(before)
+
+
+def test_an_optimizer_step_drops_what_was_staged() -> None:
+    t = _Trainer()
+    t.offload.stage(("params",))
+    t.offload.ready_on_device(("params", "grads"), "an optimizer step")
+    t.params[0].add_(1)
+    after = t.snapshot()
+    t.offload.offload(("params",))
+    t.offload.onload(("params",))
+    assert t.exact(after)
+
+
+def test_a_staged_part_whose_storages_changed_is_copied_anew() -> None:
+    t = _Trainer()
+    t.offload.stage(("params",))
+    t.params[1] = t.params[1].clone().add_(1)  # a new storage under the part
+    after = t.snapshot()
+    t.offload.offload(("params",))
+    t.offload.onload(("params",))
+    assert t.exact(after)
+
+
+def test_a_deferred_offload_of_a_staged_part_leaves_on_its_copies_and_round_trips() -> None:
+    t = _Trainer()
+    before = t.snapshot()
+    t.offload.stage(("params",))
+    moved = t.offload.offload(("params", "optimizer"), wait=False)
+    assert moved.deferred is True and t.offload.states["params"] is S.LEAVING
+    t.offload.settle()
+    assert all(p.untyped_storage().nbytes() == 0 for p in t.params)
+    t.offload.onload()
+    assert t.exact(before)
+
+
 def test_without_room_a_deferred_offload_completes_before_it_returns(monkeypatch) -> None:
     asked: list[int] = []
 
@@ -182,6 +231,10 @@ class _FakeTrainer:
         out = {"seconds": 0.25}
         return out if room is None else {**out, "deferred": float(deferred)}
 
+    def stage_offload(self, parts: tuple[str, ...]) -> dict[str, float]:
+        self.log.append(f"stage {','.join(parts)}")
+        return {"seconds": 0.0625}
+
     def finish_offload(self) -> dict[str, float]:
         self.log.append("settle")
         return {"seconds": 0.5}
@@ -233,11 +286,11 @@ def _handoff(room: bool, fail: bool = False) -> tuple[Handoff, list[str], _FakeT
 def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wakes() -> None:
     handoff, log, trainer = _handoff(room=True)
     assert handoff.push(3) == ("report", 1.0)
-    assert log == ["engines sleep", "onload", "offload grads,optimizer (in flight)", "wake weights", "load",
-                   "settle", "wake kv cache", "offload params"]
+    assert log == ["engines sleep", "onload", "offload grads,optimizer (in flight)", "stage params", "wake weights",
+                   "load", "settle", "wake kv cache", "offload params"]
     assert trainer.rooms == [handoff.room, None] and handoff.room.weights_scale == 2.0
     stats = handoff.stats()
-    assert stats["time/offload_seconds"] == 0.25 + 0.5 + 0.25  # the settle's wait counted
+    assert stats["time/offload_seconds"] == 0.25 + 0.0625 + 0.5 + 0.25  # the staging and the settle's wait counted
     assert stats["time/offload_overlapped"] == 1.0 and stats["time/engine_wake_seconds"] == 0.125
     assert "time/offload_overlapped" not in handoff.stats()  # reset with the step
 
@@ -245,10 +298,10 @@ def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wa
 def test_without_room_the_optimizer_leaves_before_the_push() -> None:
     handoff, log, _ = _handoff(room=False)
     handoff.push(3)
-    assert log == ["engines sleep", "onload", "offload grads,optimizer", "wake weights", "load", "wake kv cache",
-                   "offload params"]
+    assert log == ["engines sleep", "onload", "offload grads,optimizer", "stage params", "wake weights", "load",
+                   "wake kv cache", "offload params"]
     stats = handoff.stats()
-    assert stats["time/offload_seconds"] == 0.5 and stats["time/offload_overlapped"] == 0.0
+    assert stats["time/offload_seconds"] == 0.5625 and stats["time/offload_overlapped"] == 0.0
 
 
 def test_a_push_that_fails_before_the_kv_wake_still_settles_the_offload() -> None:
