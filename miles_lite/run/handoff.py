@@ -14,10 +14,11 @@ Who holds the device is a state machine:
   that push only LoRA adapters keep the engines' weights: their base never changes, and SGLang's memory saver
   drops released weights (no host copy), so an adapter-only push after the wake would leave the engine
   computing with garbage;
-- `push`: the trainer drops its gradient buffers and offloads its optimizer state, the push resumes the engines'
-  weights, loads the new version and resumes their KV cache (`time/engine_wake_seconds`) before the probe
-  verification; then the trainer offloads its parameters. The parameters stay on the device through the
-  push because the push reads them and the verification scores the probe with them. The optimizer state's
+- `push`: the trainer scores the push's probe (`sync/phase_probe_trainer_seconds`), drops its gradient buffers
+  and offloads its optimizer state, the push resumes the engines' weights, loads the new version and resumes
+  their KV cache (`time/engine_wake_seconds`) before the engines' side of the probe verification; then the
+  trainer offloads its parameters. The parameters stay on the device through the push because the push reads
+  them. The optimizer state's
   copies overlap the push where the device has room: they are queued before it, run while the engines resume
   their weights and load the new version, and are waited for (their memory freed) just before the engines
   resume their KV cache, which needs that memory (`time/offload_overlapped`: 1.0 when they did). The room is
@@ -126,11 +127,16 @@ class Handoff:
     def push(self, version: int) -> tuple[SyncReport, float]:
         """Push the trainer's weights as `version` (`System.push_weights`), handing the device to the engines
         around it; the report and the push's wall seconds (the trainer's offloads are not in them, but for the
-        wait for an overlapped one's copies, made inside the push)."""
+        wait for an overlapped one's copies, made inside the push; its probe scores, taken first, are: the
+        report's first phase, `probe_trainer`)."""
         assert self.system.pusher is not None and self.system.trainer is not None
         if not self.enabled:
             return self.system.push_weights(version)
+        assert self.system.sync is not None
         self.for_training()  # a push from `both` (warm-up, resume) puts the engines to sleep first
+        # The trainer's side of the push's verification, before any offload copy is queued: its read-back would
+        # wait behind them in the device-to-host queue (0.12 s for the 0.5B's 7 GB on one H100).
+        probe_s = self.system.sync.score_trainer_probe(str(version))
         rest = tuple(p for p in self.parts if p != "params")
         if rest:
             self._leaving = self._offload(rest, self.room)["deferred"] > 0.0
@@ -142,6 +148,9 @@ class Handoff:
             report, seconds = self.system.push_weights(version, self._finish_offload if self._leaving else None)
         finally:
             self._finish_offload()  # a push that never reached the engines' KV wake (no engine left, a failure)
+        if probe_s:  # the push's first phase, and part of its seconds
+            report.phases = {"probe_trainer": probe_s, **report.phases}
+            seconds += probe_s
         self._add("engine_wake", self.system.pusher.wake_seconds)
         self._offload(tuple(p for p in self.parts if p == "params"))
         self.holder = Holder.ENGINES

@@ -4,8 +4,8 @@ Each push reports the seconds of its phases (`SyncReport.phases`, the run's `syn
 `probe_before` (the engines' probe scores under their old weights, when pushes are verified), `pause` (pause
 and flush), `load` (the transport's push), `check` (every engine's version), `after_load` (the caller's hook:
 the hand-off's wait for its offload and the engines' KV-cache resume), `resume` and `verify` (the probe on the
-new weights: the engines' scores, and the trainer's unless it took them ahead, as a push to sleeping engines
-does while they resume their weights: `FleetPusher.push`, `score_trainer_probe`).
+new weights: the engines' scores, and the trainer's unless it took them ahead, as a hand-off does before its
+offload's copies are queued: `score_trainer_probe`, the push's `probe_trainer` phase in `run/handoff.py`).
 
 Connecting to a new fleet (the first push of a trainer, or after an engine was replaced) also continues
 every engine: a trainer that died mid-push leaves its engines paused, and its replacement takes them over.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import enum
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -134,10 +135,14 @@ class WeightSyncCoordinator:
             self.state = SyncState.IDLE
             return SyncReport(push, verify, paused_s, timer.seconds)
 
-    def score_trainer_probe(self, version: str) -> None:
-        """With verification on, the trainer scores the probe for `version` now (`PushVerifier.score_trainer`)."""
-        if self.verifier is not None:
-            self.verifier.score_trainer(str(version))
+    def score_trainer_probe(self, version: str) -> float:
+        """With verification on, the trainer scores the probe for `version` now (`PushVerifier.score_trainer`);
+        the seconds it took (0 without verification)."""
+        if self.verifier is None:
+            return 0.0
+        start = time.perf_counter()
+        self.verifier.score_trainer(str(version))
+        return time.perf_counter() - start
 
     def _resume_quietly(self, fleet: Sequence[FleetEngine]) -> None:
         # Engines keep serving after a failed push; the push's own error is what the caller sees.

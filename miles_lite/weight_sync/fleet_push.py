@@ -46,12 +46,11 @@ class FleetPusher:
         engines (a dropped update, a probe mismatch) is raised. A healthy engine whose address answers from a
         new process (its pod was recreated before a health check noticed) is left out before the push starts.
 
-        Sleeping engines (colocated roles) are pushed to in order: their weights are resumed first (while the
-        trainer scores the verification's probe), the push loads them, and their KV cache (and CUDA graphs) are
-        resumed before they continue and are verified (`wake_seconds`). `before_wake` runs once the engines hold
-        the new version, just before that resume (the colocated trainer frees memory there for it;
-        `run/handoff.py`); it may run again if the push is made again, and not at all if the push reaches no
-        engine or fails before the load.
+        Sleeping engines (colocated roles) are pushed to in order: their weights are resumed first, the
+        push loads them, and their KV cache (and CUDA graphs) are resumed before they continue and are
+        verified (`wake_seconds`). `before_wake` runs once the engines hold the new version, just before that
+        resume (the colocated trainer frees memory there for it; `run/handoff.py`); it may run again if the
+        push is made again, and not at all if the push reaches no engine or fails before the load.
         """
         fleet = self.fleet
         self.wake_seconds = 0.0
@@ -72,13 +71,7 @@ class FleetPusher:
         if not stale_only and fleet.sleeping():
             # A sleeping engine that cannot resume is declared dead there and is not a target below.
             with timer.phase("wake_weights"):
-                waking = self.loop.submit(wake(["weights"]))
-                try:
-                    # Meanwhile the trainer, which holds the weights this push carries, scores the probe: the
-                    # verification then waits for the engines' scores only.
-                    self.sync.score_trainer_probe(version)
-                finally:
-                    waking.result(self.loop.timeout_s)
+                self.loop.run(wake(["weights"]))
 
         async def begin() -> list[EngineRecord]:
             if stale_only and version != fleet.current_version:

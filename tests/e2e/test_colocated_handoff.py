@@ -42,10 +42,12 @@ def test_colocated_handoff_loop_and_its_transitions(tmp_path: Path) -> None:
         assert row["sync/probe_logp_diff_max"] < 1e-5  # every push verified against the trainer
         assert row["fleet/engines_healthy"] == 2.0 and row["fleet/engines_sleeping"] == 0.0
         # The push's phases, in order and without gaps: together nearly its wall time (`sync/seconds`; they
-        # leave out the transport's reconnect and the fleet's bookkeeping after the push).
+        # leave out the offload's calls, the transport's reconnect and the fleet's bookkeeping after the push).
+        # The trainer's probe scores come first, before the offload's copies are queued.
         phases = [k for k in row if k.startswith("sync/phase_")]
-        assert phases == [f"sync/phase_{p}_seconds" for p in ("wake_weights", "begin", "probe_before", "pause",
-                                                               "load", "check", "after_load", "resume", "verify")]
+        assert phases == [f"sync/phase_{p}_seconds" for p in ("probe_trainer", "wake_weights", "begin",
+                                                               "probe_before", "pause", "load", "check",
+                                                               "after_load", "resume", "verify")]
         assert all(row[k] >= 0.0 for k in phases)
         assert 0.8 * row["sync/seconds"] <= sum(row[k] for k in phases) <= row["sync/seconds"]
         assert row["sync/phase_load_seconds"] > 0.0 and row["sync/phase_verify_seconds"] > 0.0

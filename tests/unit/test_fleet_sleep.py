@@ -4,7 +4,6 @@ leaves out an engine whose address answers from a new process."""
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
 
 import pytest
@@ -192,25 +191,16 @@ def test_a_push_asks_only_engines_started_elsewhere_whether_they_were_replaced()
             engines.run(fleet.close())
 
 
-def test_the_trainer_scores_the_probe_while_sleeping_engines_resume_their_weights():
-    # The engines' weight resume waits until the trainer has scored: run one after the other, it would time out.
+def test_probe_scores_taken_ahead_serve_the_push_to_sleeping_engines():
+    # A hand-off push takes the trainer's probe scores before its offload (run/handoff.py): the verification
+    # of that push uses them instead of asking the trainer again.
     with EventLoopThread() as thread:
         engines = EngineLoop(thread.loop, timeout_s=10.0)
         a = FakeEngine("a")
-        scored = threading.Event()
         calls: list[str] = []
-        resume = a.resume_memory
-
-        async def resume_after_scoring(tags: list[str]) -> None:
-            if "weights" in tags and not await asyncio.to_thread(scored.wait, 5.0):
-                raise AssertionError("the weights' resume did not overlap the trainer's scoring")
-            await resume(tags)
-
-        a.resume_memory = resume_after_scoring  # type: ignore[method-assign]
 
         def trainer_scores(probe: ProbeBatch) -> list[list[float]]:
             calls.append("trainer")
-            scored.set()
             rows = zip(probe.sequences, probe.prompt_lens, strict=True)
             return [[-(t % 5) / 10 for t in seq[plen:]] for seq, plen in rows]
 
@@ -221,11 +211,12 @@ def test_the_trainer_scores_the_probe_while_sleeping_engines_resume_their_weight
                              "reference")
         try:
             engines.run(fleet.sleep())
+            assert pusher.sync.score_trainer_probe("1") > 0.0
             report = pusher.push({}, "1")
-            assert calls == ["trainer"]  # taken during the wake, not again by the verification
+            assert calls == ["trainer"]  # taken ahead, not again by the verification
             assert report.verify is not None and report.verify.logp_diff_mean == 0.0
             assert a.log[-3:] == ["resume weights", "update_weights", "resume kv_cache,cuda_graph"]
-            # Awake engines: the verification asks the trainer itself, as before.
+            # Without scores taken ahead the verification asks the trainer itself.
             pusher.push({}, "2")
             assert calls == ["trainer", "trainer"]
         finally:

@@ -277,17 +277,23 @@ def _handoff(room: bool, fail: bool = False) -> tuple[Handoff, list[str], _FakeT
     def push_weights(version: int, before_wake: Callable[[], None] | None = None) -> tuple[str, float]:
         return pusher.push(before_wake), 1.0
 
+    def score_trainer_probe(version: str) -> float:
+        log.append(f"score probe {version}")
+        return 0.0
+
+    sync = SimpleNamespace(score_trainer_probe=score_trainer_probe)
     system = SimpleNamespace(cfg=cfg, offloaded_at_start=cfg.trainer.offload.parts(), trainer=trainer, pusher=pusher,
                              fleet=_FakeFleet(log), loop_thread=SimpleNamespace(run=asyncio.run),
-                             push_weights=push_weights)
+                             push_weights=push_weights, sync=sync)
     return Handoff(system), log, trainer  # type: ignore[arg-type]
 
 
 def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wakes() -> None:
     handoff, log, trainer = _handoff(room=True)
     assert handoff.push(3) == ("report", 1.0)
-    assert log == ["engines sleep", "onload", "offload grads,optimizer (in flight)", "stage params", "wake weights",
-                   "load", "settle", "wake kv cache", "offload params"]
+    # The probe's trainer scores come first: their read-back would wait behind the offload's copies.
+    assert log == ["engines sleep", "onload", "score probe 3", "offload grads,optimizer (in flight)", "stage params",
+                   "wake weights", "load", "settle", "wake kv cache", "offload params"]
     assert trainer.rooms == [handoff.room, None] and handoff.room.weights_scale == 2.0
     stats = handoff.stats()
     assert stats["time/offload_seconds"] == 0.25 + 0.0625 + 0.5 + 0.25  # the staging and the settle's wait counted
@@ -298,8 +304,8 @@ def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wa
 def test_without_room_the_optimizer_leaves_before_the_push() -> None:
     handoff, log, _ = _handoff(room=False)
     handoff.push(3)
-    assert log == ["engines sleep", "onload", "offload grads,optimizer", "stage params", "wake weights", "load",
-                   "wake kv cache", "offload params"]
+    assert log == ["engines sleep", "onload", "score probe 3", "offload grads,optimizer", "stage params",
+                   "wake weights", "load", "wake kv cache", "offload params"]
     stats = handoff.stats()
     assert stats["time/offload_seconds"] == 0.5625 and stats["time/offload_overlapped"] == 0.0
 
