@@ -18,15 +18,15 @@ Who holds the device is a state machine:
   and offloads its optimizer state, the push resumes the engines' weights, loads the new version and resumes
   their KV cache (`time/engine_wake_seconds`) before the engines' side of the probe verification; then the
   trainer offloads its parameters. The parameters stay on the device through the push because the push reads
-  them. The optimizer state's
-  copies overlap the push where the device has room: they are queued before it, run while the engines resume
-  their weights and load the new version, and are waited for (their memory freed) just before the engines
-  resume their KV cache, which needs that memory (`time/offload_overlapped`: 1.0 when they did). The room is
-  `overlap_room`'s bound on the weights the engines resume on a trainer device, checked by each trainer rank
-  against its free device memory once the gradients are freed; a rank without it offloads first, as before.
-  The parameters' bytes are copied to host memory during the push too (`stage_offload`, behind the optimizer
-  state's copies), so their offload after it waits for copies made while the engines woke, loaded and were
-  verified. `time/offload_seconds` counts the host time of every offload call, the wait for those copies included.
+  them. The optimizer state's copies overlap the push where the device has room: they are queued before it, run
+  while the engines resume their weights and load the new version, and are waited for (their memory freed) just
+  before the engines resume their KV cache, which needs that memory (`time/offload_overlapped`: 1.0 when they
+  did). The room is `overlap_room`'s bound on the weights the engines resume on a trainer device, checked by
+  each trainer rank against its free device memory once the gradients are freed; a rank without it offloads
+  first, as before. The parameters' bytes are copied to host memory during the push too (`stage_offload`,
+  behind the optimizer state's copies), so their offload after it waits for copies made while the engines woke,
+  loaded and were verified. `time/offload_seconds` counts the host time of every offload call, the wait for
+  those copies included.
 
 With `colocated_memory=resident` (or disaggregated placement) every transition is a no-op and `push` is a
 plain weight push, so the driver runs one loop for all placements. Each step also reports the memory per
