@@ -53,6 +53,7 @@ from miles_lite.engines.fleet_launch import start_fleet
 from miles_lite.net import startup_heap
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.fleet import EngineFleet, FleetExhausted
+from miles_lite.rollout.lifeline import group_members
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.slots import RolloutError
 from miles_lite.trainer.tiny_hf import QWEN25_05B_SHAPE, QWEN25_VOCAB, make_tiny_hf_model
@@ -192,21 +193,6 @@ def _is_socket(pid: int, fd: str) -> bool:
         return False
 
 
-def group_pids(pgid: int) -> list[int]:
-    """Pids of the processes in process group `pgid` (from /proc)."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:  # ended while we looked
-            continue
-        if int(fields[2]) == pgid:  # after the command: state, ppid, pgrp
-            pids.append(int(entry))
-    return sorted(pids)
-
-
 def describe_processes(fleet: EngineFleet) -> list[dict[str, Any]]:
     """`process_facts` of every process of the engine's process group (the launcher starts each engine in a
     session of its own: supervisor, server and the server's children), then of this process."""
@@ -217,7 +203,7 @@ def describe_processes(fleet: EngineFleet) -> list[dict[str, Any]]:
             pgid = os.getpgid(pid)
         except OSError:  # the group's leader is gone; its group id was its pid
             pgid = pid
-        described = [{"role": "engine", **process_facts(p)} for p in group_pids(pgid)]
+        described = [{"role": "engine", **process_facts(p)} for p in sorted(group_members(pgid))]
     return [*described, {"role": "benchmark", **process_facts(os.getpid())}]
 
 

@@ -35,11 +35,11 @@ def _set_parent_death_signal(sig: int) -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
-def _group_members(pgid: int) -> list[int]:
-    """Pids of the processes in process group `pgid` other than this one (read from /proc)."""
+def group_members(pgid: int) -> list[int]:
+    """Pids of the processes in process group `pgid` (read from /proc)."""
     members = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
+        if not entry.isdigit():
             continue
         try:
             with open(f"/proc/{entry}/stat") as f:
@@ -52,7 +52,7 @@ def _group_members(pgid: int) -> list[int]:
 
 
 def _kill_group(sig: int) -> None:
-    for pid in _group_members(os.getpgrp()):
+    for pid in (p for p in group_members(os.getpgrp()) if p != os.getpid()):
         try:
             os.kill(pid, sig)
         except ProcessLookupError:

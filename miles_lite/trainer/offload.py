@@ -294,7 +294,6 @@ class TrainerOffload:
         """`part`'s storages freed (their bytes on the host or dropped): OFFLOADED."""
         for m in moved:
             m.storage.resize_(0)
-        self._staged.pop(part, None)
         self._moved[part] = moved
         self.states[part] = PartState.OFFLOADED
 

@@ -141,7 +141,7 @@ class WeightSyncCoordinator:
         if self.verifier is None:
             return 0.0
         start = time.perf_counter()
-        self.verifier.score_trainer(str(version))
+        self.verifier.score_trainer(version)
         return time.perf_counter() - start
 
     def _resume_quietly(self, fleet: Sequence[FleetEngine]) -> None:

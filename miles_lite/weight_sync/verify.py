@@ -133,8 +133,8 @@ class PushVerifier:
 
     def score_trainer(self, version: str) -> None:
         """Score the probe on the trainer now, for the verification of `version`, which then waits for the
-        engines' scores only. The trainer must hold the weights `version` carries: a push takes them while
-        the engines resume their memory (`FleetPusher.push`), before any shard is read."""
+        engines' scores only. The trainer must hold the weights `version` carries: a hand-off takes them before
+        its push, ahead of its offload's copies (`run/handoff.py`)."""
         self._trainer_ahead = (str(version), _flat(self.trainer_logprobs(self.probe)))
 
     def _trainer_scores(self, version: str) -> torch.Tensor:

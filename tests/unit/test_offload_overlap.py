@@ -144,21 +144,20 @@ def test_a_staged_part_stays_readable_and_its_offload_takes_the_copies_made_then
     assert t.exact(before)
 
 
-def test_an_optimizer_step_drops_what_was_staged() -> None:
-    t = _Trainer()
-    t.offload.stage(("params",))
-    t.offload.ready_on_device(("params", "grads"), "an optimizer step")
+def _step_writes(t: _Trainer) -> None:
+    t.offload.ready_on_device(("params", "grads"), "an optimizer step")  # drops what was staged
     t.params[0].add_(1)
-    after = t.snapshot()
-    t.offload.offload(("params",))
-    t.offload.onload(("params",))
-    assert t.exact(after)
 
 
-def test_a_staged_part_whose_storages_changed_is_copied_anew() -> None:
+def _new_storage(t: _Trainer) -> None:
+    t.params[1] = t.params[1].clone().add_(1)  # a new storage under the part
+
+
+@pytest.mark.parametrize("change", [_step_writes, _new_storage], ids=["optimizer-step", "new-storage"])
+def test_a_staged_part_written_or_replaced_since_is_copied_anew(change: Callable[[_Trainer], None]) -> None:
     t = _Trainer()
     t.offload.stage(("params",))
-    t.params[1] = t.params[1].clone().add_(1)  # a new storage under the part
+    change(t)
     after = t.snapshot()
     t.offload.offload(("params",))
     t.offload.onload(("params",))
