@@ -81,7 +81,9 @@ declare -A sitting_limit=([versions]=60 [rollout]=480 [rollout-default]=150 [rec
                           [lora-7b-tensors]=330 [guard-7b]=240 [trainer-offload]=120 [agent]=300 [combinations]=480 [auth]=240
                           [moe]=300 [contract]=300)
 part_limit() {
-  if [ -n "${SITTING:-}" ] && [ -n "${sitting_limit[$1]:-}" ]; then echo "${sitting_limit[$1]}"
+  local key=$1
+  [[ $key == guard-7b-* ]] && key=guard-7b  # each precision's process of the part
+  if [ -n "${SITTING:-}" ] && [ -n "${sitting_limit[$key]:-}" ]; then echo "${sitting_limit[$key]}"
   else echo "${PART_TIMEOUT_S:-3600}"; fi
 }
 
@@ -182,9 +184,12 @@ print('open files (ulimit -Sn / -Hn): $(ulimit -Sn) / $(ulimit -Hn)')" ;;
                     tests/gpu/test_option_combinations_gpu.py ;;
     guard-0.5b) part guard-0.5b "$py" benchmarks/train_step.py --guard --configs bf16,fp8-delayed --steps 20 \
                   --warmup 2 --out "$out/guard-0.5b.json" ;;
-    guard-7b) part guard-7b "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 \
-                --configs "${GUARD_7B_CONFIGS:-bf16,fp8-delayed,fp8-tensorwise}" --steps 20 --warmup 2 \
-                --out "$out/guard-7b.json" ;;
+    # One process per precision: one process keeps the earlier precisions' allocations (FP8 delayed peaked at
+    # 104 GiB after bf16 on an H200; alone each takes about 62 GiB, so they fit an H100 one by one).
+    guard-7b) for c in $(echo "${GUARD_7B_CONFIGS:-bf16,fp8-delayed,fp8-tensorwise}" | tr , ' '); do
+                part "guard-7b-$c" "$py" benchmarks/train_step.py --guard --shape qwen2.5-7b-w6 --configs "$c" \
+                  --steps 20 --warmup 2 --out "$out/guard-7b-$c.json"
+              done ;;
     prefill-graphs) part prefill-graphs "$py" -c "$PREFILL_GRAPHS" ;;
     # 512 sequences of 480 tokens (224 of prompt): about 34 sequences in each 16384-token micro-batch.
     # SPEED_RECIPE_CONFIGS picks the precisions (e.g. fp8-delayed alone when bf16 was measured in a lease before).

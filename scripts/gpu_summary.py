@@ -126,7 +126,10 @@ def push_table(out: Path) -> list[str]:
 
 
 def guard_table(out: Path) -> list[str]:
-    rep = _load(out / "guard-7b.json")
+    """The guard's cost per precision, from `guard-7b-<precision>.json` (one process each; or one `guard-7b.json`)."""
+    rep: dict[str, Any] = {}
+    for path in [out / "guard-7b.json", *sorted(out.glob("guard-7b-*.json"))]:
+        rep.update(_load(path) or {})
     if not rep:
         return []
     lines = ["| precision | guard cost (median of rounds) | rounds min-max |", "|---|---:|---:|"]

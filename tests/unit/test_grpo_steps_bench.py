@@ -91,3 +91,17 @@ def test_the_push_phases_reach_the_row_the_spread_and_the_sitting_summary(tmp_pa
     # In push order, the memory figures of the sync phase (`sync_used_gib`) not taken for push phases.
     assert [line.split(" | ")[1] for line in table[2:]] == ["wake_weights", "load", "verify"]
     assert "| colocated-0.5b | load | 0.200 (0.100-0.300) |" in table
+
+
+def test_guard_table_merges_one_file_per_precision(tmp_path, monkeypatch):
+    """The guard part runs each precision in a process of its own; the summary shows every precision's row."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
+    from gpu_summary import guard_table
+
+    def result(cfg: str, cost: float) -> dict:
+        return {"device": "gpu", f"guard/{cfg}": {"on_cost": cost, "on_cost_per_round": [cost - 0.01, cost + 0.02]}}
+
+    (tmp_path / "guard-7b-bf16.json").write_text(json.dumps(result("bf16", 0.013)))
+    (tmp_path / "guard-7b-fp8-delayed.json").write_text(json.dumps(result("fp8-delayed", 0.003)))
+    table = guard_table(tmp_path)
+    assert table[2:] == ["| bf16 | +1.3% | +0.3% to +3.3% |", "| fp8-delayed | +0.3% | -0.7% to +2.3% |"]
