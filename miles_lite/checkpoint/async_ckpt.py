@@ -23,7 +23,7 @@ from __future__ import annotations
 import pickle
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from enum import StrEnum
@@ -69,14 +69,26 @@ class SaveStats:
     total_bytes: int | None = None
     # The save replaced an existing checkpoint of the same step (rank 0).
     replaced: bool = False
+    # Of `bytes`, those written from host copies made already (`take_snapshot`'s `host_copy`), not copied again.
+    reused_bytes: int = 0
 
     @property
     def complete(self) -> bool:
         return self.flush_s is not None
 
 
-def take_snapshot(payload: CheckpointPayload, buffers: HostBuffers, rank: int) -> Snapshot:
-    """Copy `payload`'s tensors into `buffers` and pickle its trees; after this the caller may mutate state."""
+# A host tensor holding a tensor's bytes as they are now, and the CUDA event they land after (None: landed), or
+# None where there is none (`TrainerOffload.staged_copies`: the copies a colocated trainer's offload made already).
+HostCopy = Callable[[Tensor], tuple[Tensor, Any] | None]
+
+
+def take_snapshot(payload: CheckpointPayload, buffers: HostBuffers, rank: int,
+                  host_copy: HostCopy | None = None) -> Snapshot:
+    """Copy `payload`'s tensors into `buffers` and pickle its trees; after this the caller may mutate state.
+
+    `host_copy`: tensors it has a host copy of are written from that copy (held until the flush ends, laid out
+    contiguously by the flush where it is a strided view) instead of being copied again; the snapshot's `reused`
+    bytes count them."""
     loose: dict[str, Tensor] = {}
     local_tree = split_tensors(dict(payload.local), "local", loose)
     shared_tree = split_tensors(dict(payload.shared), "shared", loose) if payload.shared is not None else None
@@ -95,18 +107,21 @@ def take_snapshot(payload: CheckpointPayload, buffers: HostBuffers, rank: int) -
                                    dtype=dtype_name(piece.tensor.dtype), dim=piece.dim, start=piece.start,
                                    stop=piece.stop))
     items += list(loose.items())
-    any_cuda = any(t.is_cuda for _, t in items)
-    tensors = buffers.stage_all(items)
-    ready = None
-    if any_cuda:
-        ready = torch.cuda.Event()
-        ready.record()
+    found = {key: copy for key, t in items if host_copy is not None and (copy := host_copy(t)) is not None}
+    copied = [(key, t) for key, t in items if key not in found]
+    staged = buffers.stage_all(copied, keep=found)
+    ready = [event for _, event in found.values() if event is not None]
+    if any(t.is_cuda for _, t in copied):
+        ready.append(torch.cuda.Event())
+        ready[-1].record()
+    tensors = {key: found[key][0] if key in found else staged[key] for key, _ in items}  # the payload's order
     return Snapshot(
         tensors=tensors, pieces=records,
         local_pickle=pickle.dumps(local_tree, protocol=pickle.HIGHEST_PROTOCOL),
         shared_pickle=None if shared_tree is None else pickle.dumps(shared_tree, protocol=pickle.HIGHEST_PROTOCOL),
-        assets=dict(payload.assets or {}), meta=dict(payload.meta or {}), ready=ready,
+        assets=dict(payload.assets or {}), meta=dict(payload.meta or {}), ready=tuple(ready),
         nbytes=sum(t.numel() * t.element_size() for t in tensors.values()),
+        reused=sum(copy.numel() * copy.element_size() for copy, _ in found.values()),
     )
 
 
@@ -168,11 +183,12 @@ class AsyncCheckpointer:
             dist.broadcast_object_list(name, src=0, group=self.group)
         return self.root / str(name[0])
 
-    def save(self, step: int, payload: CheckpointPayload) -> SaveStats:
+    def save(self, step: int, payload: CheckpointPayload, host_copy: HostCopy | None = None) -> SaveStats:
         """Snapshot `payload` and start flushing it as checkpoint `step`; return once training may go on.
 
         Waits first for the previous save (re-raising its failure). Collective: every rank calls it.
-        Returns this save's stats; flush fields are filled by `wait()` / `finalize()`.
+        Returns this save's stats; flush fields are filled by `wait()` / `finalize()`. `host_copy`: host copies
+        made already, written instead of copying those tensors again (`take_snapshot`).
         """
         if self.state is SaverState.CLOSED:
             raise RuntimeError("AsyncCheckpointer is closed")
@@ -180,10 +196,10 @@ class AsyncCheckpointer:
         self.wait()
         wait_s = time.perf_counter() - t0
         tmp_dir = self._agree_tmp_dir(step)
-        snap = take_snapshot(payload, self._buffers, self.rank)
+        snap = take_snapshot(payload, self._buffers, self.rank, host_copy)
         snapshot_s = time.perf_counter() - t0 - wait_s
         self._pending = SaveStats(step=step, path=self.root / step_dir_name(step), blocked_s=0.0, wait_s=wait_s,
-                                  snapshot_s=snapshot_s, bytes=snap.nbytes)
+                                  snapshot_s=snapshot_s, bytes=snap.nbytes, reused_bytes=snap.reused)
         self._error, self._result = None, None
         self.state = SaverState.FLUSHING
         if self.async_save:

@@ -141,9 +141,10 @@ class HostBuffers:
             return torch.empty(src.shape, dtype=src.dtype, device="cpu", pin_memory=self.pinned and src.is_cuda)
         return raw.view(src.dtype).view(src.shape) if nbytes else torch.empty(src.shape, dtype=src.dtype)
 
-    def stage_all(self, items: Sequence[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    def stage_all(self, items: Sequence[tuple[str, Tensor]], keep: Iterable[str] = ()) -> dict[str, Tensor]:
         """Host copies of every `(key, tensor)`, in buffers reused by key (new ones carved first fit,
-        largest first, like the reservation) and dropping buffers of keys no longer staged."""
+        largest first, like the reservation) and dropping buffers of keys no longer staged (but those in
+        `keep`: keys copied elsewhere this time, whose buffers the next snapshot may need again)."""
         self.wait_reserved()
         sources = [(key, t.detach()) for key, t in items]
         missing = [i for i, (key, src) in enumerate(sources)
@@ -157,7 +158,7 @@ class HostBuffers:
             buf = self._buffers[key]
             buf.copy_(src, non_blocking=src.is_cuda)
             out[key] = buf
-        for key in set(self._buffers) - set(out):
+        for key in set(self._buffers) - set(out) - set(keep):
             del self._buffers[key]
         return out
 

@@ -54,7 +54,8 @@ class RankCheckpointer:
             self.buffers.reserve(snapshot_sizes(actor))
 
     def save(self, actor: Any, step: int, driver: DriverState | None = None) -> SaveStats:
-        """Snapshot `actor` (and `driver` on rank 0) as checkpoint `step`; returns once training may go on."""
+        """Snapshot `actor` (and `driver` on rank 0) as checkpoint `step`; returns once training may go on. The
+        tensors whose bytes the actor's offload has staged in host memory are written from those copies."""
         if self.saver is None:
             self.saver = AsyncCheckpointer.from_config(self.checkpoint, timeout_s=self.timeout_s,
                                                        buffers=self.buffers)
@@ -63,7 +64,8 @@ class RankCheckpointer:
         meta = driver.manifest_meta() if rank0 and driver is not None else None
         payload = checkpoint_payload(actor, driver.to_tree() if rank0 and driver is not None else None,
                                      assets=assets, meta=meta)
-        return self.saver.save(step, payload)
+        # What a colocated trainer staged for its offload is this state's bytes already (`run/handoff.py`).
+        return self.saver.save(step, payload, actor.offloader.staged_copies())
 
     def finalize(self) -> SaveStats | None:
         """Wait for the save in flight; its completed stats (None when nothing was saved)."""

@@ -62,7 +62,8 @@ class Snapshot:
         shared_pickle: rank 0's pickled shared tree (None elsewhere).
         assets: rank 0's files for `hf/`.
         meta: rank 0's manifest metadata.
-        ready: waited on before reading `tensors` (a CUDA event after non-blocking copies), or None.
+        ready: waited on before reading `tensors` (CUDA events after non-blocking copies).
+        reused: bytes of `tensors` that are host copies made before the snapshot (not copied by it).
     """
 
     tensors: dict[str, Tensor]
@@ -71,8 +72,9 @@ class Snapshot:
     shared_pickle: bytes | None
     assets: dict[str, bytes | Path]
     meta: dict[str, Any]
-    ready: Any = None
+    ready: tuple[Any, ...] = ()
     nbytes: int = 0
+    reused: int = 0
 
 
 @dataclass
@@ -98,10 +100,12 @@ class FlushResult:
 def write_rank_files(tmp_dir: Path, rank: int, snap: Snapshot) -> RankReport:
     """Write this rank's tensor file, object file and (rank 0) shared tree and assets; fsync each."""
     report = RankReport(rank=rank, pieces=snap.pieces)
-    if snap.ready is not None:
-        snap.ready.synchronize()
+    for event in snap.ready:
+        event.synchronize()
     name = rank_tensor_file(rank)
-    report.files[name] = write_safetensors(tmp_dir / name, snap.tensors)
+    # A view of a host copy made before the snapshot may be strided (a slice of a fused weight): laid out here,
+    # off the training thread.
+    report.files[name] = write_safetensors(tmp_dir / name, {k: t.contiguous() for k, t in snap.tensors.items()})
     name = rank_object_file(rank)
     report.files[name] = write_file_durable(tmp_dir / name, snap.local_pickle)
     if snap.shared_pickle is not None:

@@ -226,6 +226,25 @@ class TrainerOffload:
         for part in _checked(parts):
             self._staged.pop(part, None)
 
+    def staged_copies(self) -> Callable[[Tensor], tuple[Tensor, Any] | None]:
+        """What `stage` copied, looked up by tensor: for a tensor over a staged storage, the same view (offset,
+        shape, strides) of that storage's host copy and the event the copy lands after (None: landed); None for a
+        tensor whose storage is not staged. A checkpoint taken between the stage and the offload writes these
+        instead of copying the same bytes again (the host memory stays alive while it holds them)."""
+        index = {m.storage.data_ptr(): (m.host, copied)
+                 for moved, copied in self._staged.values() for m in moved if m.host is not None}
+
+        def lookup(t: Tensor) -> tuple[Tensor, Any] | None:
+            storage = t.untyped_storage()
+            found = index.get(storage.data_ptr()) if storage.nbytes() > 0 else None
+            if found is None:
+                return None
+            host, copied = found
+            view = torch.empty(0, dtype=t.dtype).set_(host.untyped_storage(), t.storage_offset(), t.shape, t.stride())
+            return view, copied
+
+        return lookup
+
     def _take_staged(self, part: str, collected: list[_Moved]) -> tuple[list[_Moved], Any] | None:
         """What `stage` copied of `part`, if its storages are still the ones collected now (and once)."""
         staged = self._staged.pop(part, None)
@@ -255,9 +274,11 @@ class TrainerOffload:
         self.require_resident([p for p in parts if self.states[p] is PartState.RESIDENT], "an offload")
         todo = [p for p in parts if self.states[p] is PartState.RESIDENT and p in self.collectors]
         # Dropped parts go first and at once: their wait for kernels still reading them would otherwise wait for
-        # the copies queued before it too.
+        # the copies queued before it too. Those kernels run on the compute stream: staged copies in flight on the
+        # offload's stream (which never read a dropped part) are not waited for.
         dropped = {p: self._collect(p) for p in todo if p in DROPPED_PARTS}
-        _synchronize([m for ms in dropped.values() for m in ms])
+        if _any_cuda(dropped):
+            torch.cuda.current_stream().synchronize()
         for part, moved in dropped.items():
             self._gone(part, moved)
             stats.bytes[part] = sum(m.nbytes for m in moved)

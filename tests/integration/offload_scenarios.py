@@ -9,6 +9,7 @@ import torch
 from trainer_harness import make_test_checkpoint
 from trainer_scenarios import make_batch, make_config
 
+from miles_lite.checkpoint.run_state import RankCheckpointer
 from miles_lite.config.offload import OFFLOAD_PARTS
 from miles_lite.config.views import ActorConfig
 
@@ -26,10 +27,13 @@ def _grads(actor: Any) -> list[torch.Tensor]:
     return [t.detach().clone() for t in actor.offloader.collectors["grads"]() if t is not None]
 
 
-def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bool) -> dict[str, Any]:
+def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bool,
+           ckpt_dir: str) -> dict[str, Any]:
     from miles_lite.trainer.actor import TrainerActor
 
-    actor = TrainerActor(ActorConfig.of(make_config(path, precision=precision)), rank, world_size)
+    cfg = make_config(path, precision=precision)
+    cfg.checkpoint.dir = ckpt_dir
+    actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
     batch = make_batch(VOCAB)
     if round_trip:
         actor.stage_offload(("params",))  # the step's optimizer update writes the parameters: these copies go
@@ -37,7 +41,12 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
     if round_trip:
         before = _state(actor)
         out["grads_nonzero_before"] = any(bool(g.count_nonzero()) for g in _grads(actor))
-        out["staged"] = actor.stage_offload(("params",))  # as a push stages them: the offload takes these copies
+        # As a hand-off prepares its push: the optimizer state and the parameters staged; a checkpoint saved then
+        # writes those copies, and the offload takes them.
+        out["staged"] = actor.stage_offload(("optimizer", "params"))
+        ckpt = RankCheckpointer(cfg.checkpoint, cfg.model)
+        saved = ckpt.save(actor, 1)
+        out["saved"] = {"bytes": saved.bytes, "reused_bytes": saved.reused_bytes}
         moved = actor.offload(OFFLOAD_PARTS)
         out["moved"] = moved
         out["freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.policy.model.parameters())
@@ -60,11 +69,21 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
     out["params"] = {n: p.detach().clone() for n, p in actor.policy.model.named_parameters()}
     out["logprobs"] = actor.compute_logprobs(batch)
     actor.close()
+    if round_trip:  # the checkpoint, flushed while the state moved on, holds the state it was saved at
+        done = ckpt.finalize()
+        ckpt.close()
+        assert done is not None
+        restored = TrainerActor(ActorConfig.of(cfg), rank, world_size)
+        RankCheckpointer.restore(restored, done.path)
+        again = _state(restored)
+        out["checkpoint_exact"] = again.keys() == before.keys() and all(
+            torch.equal(before[k], again[k]) for k in before)
+        restored.close()
     return out
 
 
 def scenario_offload(rank: int, world_size: int, root: str) -> dict[str, Any]:
     path = str(make_test_checkpoint("qwen2", Path(root) / "qwen2", vocab_size=VOCAB))
-    return {precision: {"offloaded": _steps(path, rank, world_size, precision, True),
-                        "resident": _steps(path, rank, world_size, precision, False)}
+    return {precision: {"offloaded": _steps(path, rank, world_size, precision, True, f"{root}/ckpt-{precision}"),
+                        "resident": _steps(path, rank, world_size, precision, False, f"{root}/unused")}
             for precision in ("fp32", "bf16")}
