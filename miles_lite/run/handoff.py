@@ -14,19 +14,20 @@ Who holds the device is a state machine:
   that push only LoRA adapters keep the engines' weights: their base never changes, and SGLang's memory saver
   drops released weights (no host copy), so an adapter-only push after the wake would leave the engine
   computing with garbage;
-- `push`: the trainer scores the push's probe (`sync/phase_probe_trainer_seconds`), drops its gradient buffers
-  and offloads its optimizer state, the push resumes the engines' weights, loads the new version and resumes
-  their KV cache (`time/engine_wake_seconds`) before the engines' side of the probe verification; then the
-  trainer offloads its parameters. The parameters stay on the device through the push because the push reads
-  them. The optimizer state's copies overlap the push where the device has room: they are queued before it, run
-  while the engines resume their weights and load the new version, and are waited for (their memory freed) just
-  before the engines resume their KV cache, which needs that memory (`time/offload_overlapped`: 1.0 when they
-  did). The room is `overlap_room`'s bound on the weights the engines resume on a trainer device, checked by
-  each trainer rank against its free device memory once the gradients are freed; a rank without it offloads
-  first, as before. The parameters' bytes are copied to host memory during the push too (`stage_offload`,
-  behind the optimizer state's copies), so their offload after it waits for copies made while the engines woke,
-  loaded and were verified. `time/offload_seconds` counts the host time of every offload call, the wait for
-  those copies included.
+- `push`: once the step's optimizer step is done (`prepare_push`, before a checkpoint) the trainer scores the
+  push's probe (`sync/phase_probe_trainer_seconds`) and queues the copies of its optimizer state, then of its
+  parameters, to host memory while both stay on the device; a checkpoint saved then writes those copies instead
+  of copying the same bytes again. The push drops the gradient buffers and offloads the optimizer state (its
+  copies taken), resumes the engines' weights, loads the new version and resumes their KV cache
+  (`time/engine_wake_seconds`) before the engines' side of the probe verification; then the trainer offloads its
+  parameters (their copies taken). The parameters stay on the device through the push because the push reads
+  them. The optimizer state's copies overlap the push where the device has room: they run while the engines
+  resume their weights and load the new version, and are waited for (their memory freed) just before the
+  engines resume their KV cache, which needs that memory (`time/offload_overlapped`: 1.0 when they did). The
+  room is `overlap_room`'s bound on the weights the engines resume on a trainer device, checked by each trainer
+  rank against its free device memory once the gradients are freed; a rank without it waits for the copies and
+  frees the optimizer state before the push. `time/offload_seconds` counts the host time of every offload call,
+  the wait for those copies included.
 
 With `colocated_memory=resident` (or disaggregated placement) every transition is a no-op and `push` is a
 plain weight push, so the driver runs one loop for all placements. Each step also reports the memory per
@@ -92,6 +93,8 @@ class Handoff:
         self._seconds: dict[str, float] = {}
         self._overlapped: float | None = None  # this step's `time/offload_overlapped`, once its push offloaded
         self._memory: dict[str, float] = {}
+        # The version `prepare_push` scored the trainer's probe for, and the seconds it took.
+        self._probe: tuple[int, float] | None = None
 
     def _add(self, name: str, seconds: float) -> None:
         self._seconds[name] = self._seconds.get(name, 0.0) + seconds
@@ -124,26 +127,39 @@ class Handoff:
         self._add("onload", self.system.trainer.onload(OFFLOAD_PARTS)["seconds"])
         self.holder = Holder.TRAINER
 
+    def prepare_push(self, version: int) -> None:
+        """Once the trainer's state for `version` is final (after its optimizer step, before a checkpoint): the
+        trainer's probe scores for the push, then the offload's copies of its state queued while it stays on the
+        device. A checkpoint saved now writes those copies rather than copying the same bytes again (on a GPU
+        its own copies queued ahead of the push's doubled the offload's wait); the push takes them."""
+        if not self.enabled:
+            return
+        assert self.system.sync is not None and self.system.trainer is not None
+        self.for_training()
+        # The trainer's side of the push's verification, before any copy is queued: its read-back would wait
+        # behind them in the device-to-host queue (0.12 s for the 0.5B's 7 GB on one H100).
+        self._probe = (version, self.system.sync.score_trainer_probe(str(version)))
+        # The optimizer state's copies first: the engines' KV wake waits for them alone (`_finish_offload`).
+        for parts in (tuple(p for p in self.parts if p != "params"), tuple(p for p in self.parts if p == "params")):
+            if parts:
+                self._add("offload", self.system.trainer.stage_offload(parts)["seconds"])
+
     def push(self, version: int) -> tuple[SyncReport, float]:
         """Push the trainer's weights as `version` (`System.push_weights`), handing the device to the engines
-        around it; the report and the push's wall seconds (the trainer's offloads are not in them, but for the
-        wait for an overlapped one's copies, made inside the push; its probe scores, taken first, are: the
-        report's first phase, `probe_trainer`)."""
+        around it (`prepare_push` first, unless done for `version`); the report and the push's wall seconds (the
+        trainer's offloads are not in them, but for the wait for an overlapped one's copies, made inside the
+        push; its probe scores, taken first, are: the report's first phase, `probe_trainer`)."""
         assert self.system.pusher is not None and self.system.trainer is not None
         if not self.enabled:
             return self.system.push_weights(version)
-        assert self.system.sync is not None
-        self.for_training()  # a push from `both` (warm-up, resume) puts the engines to sleep first
-        # The trainer's side of the push's verification, before any offload copy is queued: its read-back would
-        # wait behind them in the device-to-host queue (0.12 s for the 0.5B's 7 GB on one H100).
-        probe_s = self.system.sync.score_trainer_probe(str(version))
+        if self._probe is None or self._probe[0] != version:
+            self.prepare_push(version)  # a push from `both` (warm-up, resume) puts the engines to sleep first
+        assert self._probe is not None
+        probe_s, self._probe = self._probe[1], None
         rest = tuple(p for p in self.parts if p != "params")
-        if rest:
+        if rest:  # the staged copies taken; the parameters stay on the device: the push reads them
             self._leaving = self._offload(rest, self.room)["deferred"] > 0.0
             self._overlapped = float(self._leaving)
-        if "params" in self.parts:
-            # The push reads the parameters, so they leave after it; their bytes go to host memory during it.
-            self._add("offload", self.system.trainer.stage_offload(("params",))["seconds"])
         try:
             report, seconds = self.system.push_weights(version, self._finish_offload if self._leaving else None)
         finally:

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
 
@@ -28,7 +29,8 @@ def _train(out: Path, *extra: str) -> list[dict]:
 
 
 def test_colocated_handoff_loop_and_its_transitions(tmp_path: Path) -> None:
-    handoff = _train(tmp_path / "handoff")
+    # A checkpoint every step: saved between the push's preparation and the push, from the staged host copies.
+    handoff = _train(tmp_path / "handoff", "checkpoint.interval=1")
     resident = _train(tmp_path / "resident", "cluster.colocated_memory=resident")
     assert [r["step"] for r in handoff] == [1, 2]
     for row in handoff:
@@ -51,6 +53,18 @@ def test_colocated_handoff_loop_and_its_transitions(tmp_path: Path) -> None:
         assert all(row[k] >= 0.0 for k in phases)
         assert 0.8 * row["sync/seconds"] <= sum(row[k] for k in phases) <= row["sync/seconds"]
         assert row["sync/phase_load_seconds"] > 0.0 and row["sync/phase_verify_seconds"] > 0.0
+    # The hand-off's checkpoints were written from the host copies staged for its push: the last one holds the
+    # state the resident run's final checkpoint (an ordinary snapshot) holds, weights and Adam moments alike.
+    from miles_lite.checkpoint import CheckpointReader, newest_complete
+
+    readers = [CheckpointReader(newest_complete(tmp_path / layout / "colo" / "checkpoints"))
+               for layout in ("handoff", "resident")]
+    assert [r.step for r in readers] == [2, 2]
+    names = readers[0].global_names()
+    assert names == readers[1].global_names() and any(n.startswith("optim/exp_avg/") for n in names)
+    for name in names:
+        assert torch.allclose(readers[0].global_tensor(name), readers[1].global_tensor(name),
+                              rtol=1e-4, atol=1e-6), name
     # One meaning of a weight version in both layouts: step k's completions came from the weights of k - 1 RL steps.
     from miles_lite.observability.rollout_table import read_rollouts
 

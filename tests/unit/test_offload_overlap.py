@@ -290,12 +290,14 @@ def _handoff(room: bool, fail: bool = False) -> tuple[Handoff, list[str], _FakeT
 def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wakes() -> None:
     handoff, log, trainer = _handoff(room=True)
     assert handoff.push(3) == ("report", 1.0)
-    # The probe's trainer scores come first: their read-back would wait behind the offload's copies.
-    assert log == ["engines sleep", "onload", "score probe 3", "offload grads,optimizer (in flight)", "stage params",
-                   "wake weights", "load", "settle", "wake kv cache", "offload params"]
+    # The probe's trainer scores come first: their read-back would wait behind the offload's copies. The optimizer
+    # state's copies are queued before the parameters': the KV cache's wake waits for those alone.
+    assert log == ["engines sleep", "onload", "score probe 3", "stage grads,optimizer", "stage params",
+                   "offload grads,optimizer (in flight)", "wake weights", "load", "settle", "wake kv cache",
+                   "offload params"]
     assert trainer.rooms == [handoff.room, None] and handoff.room.weights_scale == 2.0
     stats = handoff.stats()
-    assert stats["time/offload_seconds"] == 0.25 + 0.0625 + 0.5 + 0.25  # the staging and the settle's wait counted
+    assert stats["time/offload_seconds"] == 2 * 0.0625 + 0.25 + 0.5 + 0.25  # the staging and the settle's wait
     assert stats["time/offload_overlapped"] == 1.0 and stats["time/engine_wake_seconds"] == 0.125
     assert "time/offload_overlapped" not in handoff.stats()  # reset with the step
 
@@ -303,10 +305,26 @@ def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wa
 def test_without_room_the_optimizer_leaves_before_the_push() -> None:
     handoff, log, _ = _handoff(room=False)
     handoff.push(3)
-    assert log == ["engines sleep", "onload", "score probe 3", "offload grads,optimizer", "stage params",
-                   "wake weights", "load", "wake kv cache", "offload params"]
+    assert log == ["engines sleep", "onload", "score probe 3", "stage grads,optimizer", "stage params",
+                   "offload grads,optimizer", "wake weights", "load", "wake kv cache", "offload params"]
     stats = handoff.stats()
-    assert stats["time/offload_seconds"] == 0.5625 and stats["time/offload_overlapped"] == 0.0
+    assert stats["time/offload_seconds"] == 0.625 and stats["time/offload_overlapped"] == 0.0
+
+
+def test_the_push_prepared_before_a_checkpoint_scores_and_stages_nothing_again() -> None:
+    """The driver prepares the push once the optimizer step is done and before a checkpoint (which writes the
+    staged copies); the push then only takes them. A push for another version prepares anew."""
+    handoff, log, _ = _handoff(room=True)
+    handoff.prepare_push(3)
+    assert log == ["engines sleep", "onload", "score probe 3", "stage grads,optimizer", "stage params"]
+    log.clear()
+    handoff.push(3)
+    assert log == ["offload grads,optimizer (in flight)", "wake weights", "load", "settle", "wake kv cache",
+                   "offload params"]
+    handoff.prepare_push(4)
+    log.clear()
+    handoff.push(5)  # not what was prepared: the trainer's probe scores were for version 4
+    assert log[:3] == ["score probe 5", "stage grads,optimizer", "stage params"]
 
 
 def test_a_push_that_fails_before_the_kv_wake_still_settles_the_offload() -> None:
