@@ -51,7 +51,8 @@ class ActorCheckpoint:
         Tensors are live references (the checkpointer snapshots them to host memory).
         """
         self._require_ready()
-        self.offloader.require_resident(OFFLOAD_PARTS, "a checkpoint")
+        # Not the gradients: no checkpoint holds them (a hand-off frees them before its checkpoint).
+        self.offloader.require_resident(("params", "optimizer"), "a checkpoint")
         if is_distributed(self.optimizer):  # its ranges gathered per parameter: any DP size resumes them
             optimizer: Any = DistributedOptimizerState(
                 gather_state(self.optimizer, self.policy.model, self.par.dp_group), group_steps(self.optimizer))

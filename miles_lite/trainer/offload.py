@@ -274,11 +274,9 @@ class TrainerOffload:
         self.require_resident([p for p in parts if self.states[p] is PartState.RESIDENT], "an offload")
         todo = [p for p in parts if self.states[p] is PartState.RESIDENT and p in self.collectors]
         # Dropped parts go first and at once: their wait for kernels still reading them would otherwise wait for
-        # the copies queued before it too. Those kernels run on the compute stream: staged copies in flight on the
-        # offload's stream (which never read a dropped part) are not waited for.
+        # the copies queued before it too.
         dropped = {p: self._collect(p) for p in todo if p in DROPPED_PARTS}
-        if _any_cuda(dropped):
-            torch.cuda.current_stream().synchronize()
+        _synchronize([m for ms in dropped.values() for m in ms])
         for part, moved in dropped.items():
             self._gone(part, moved)
             stats.bytes[part] = sum(m.nbytes for m in moved)

@@ -41,8 +41,9 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
     if round_trip:
         before = _state(actor)
         out["grads_nonzero_before"] = any(bool(g.count_nonzero()) for g in _grads(actor))
-        # As a hand-off prepares its push: the optimizer state and the parameters staged; a checkpoint saved then
-        # writes those copies, and the offload takes them.
+        # As a hand-off prepares its push: the gradients freed, the optimizer state and the parameters staged; a
+        # checkpoint saved then writes those copies, and the offload takes them.
+        out["dropped"] = actor.offload(("grads",))
         out["staged"] = actor.stage_offload(("optimizer", "params"))
         ckpt = RankCheckpointer(cfg.checkpoint, cfg.model)
         saved = ckpt.save(actor, 1)
