@@ -11,7 +11,8 @@
 # rows) and unfused (speed-recipe speed-recipe-unfused).
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
 # `sitting` is the preset of one GPU sitting (meant for 20 minutes of device time with staging; its parts take
-# longer today: 0.5B hand-off 326 s, RL/bare in bf16 and FP8 482 s, generation ~350 s on one H100): the figures of the
+# longer today, on one H100: 0.5B hand-off 257-326 s, RL/bare in bf16 and FP8 482 s, generation at 256 and 512
+# ~350 s (512 alone 237 s), the guard at 7B width 241 s, the recipe test 171 s; staging ~65 s): the figures of the
 # GRPO step's speed first (generation against raw SGLang, the recipe test, the RL step against the bare one in
 # bf16 and FP8 with profiler traces, the 0.5B and 7B hand-offs, the 7B LoRA step with merged, adapter-directory
 # and adapter-tensor pushes,
