@@ -37,6 +37,7 @@ class ActorCheckpoint:
     optimizer: Any
     scheduler: Any
     offloader: Any
+    guard: Any
     steps_done: int
     nonfinite_in_a_row: int
     nonfinite_total: int
@@ -125,6 +126,8 @@ class ActorCheckpoint:
         for group, hyper in zip(self.optimizer.param_groups, configured, strict=True):
             group.update(hyper)
         self.scheduler.load_state_dict(state["scheduler"])  # built with override: the configured schedule
+        if self.guard is not None:
+            self.guard.invalidate()  # the weights it carried norms of were replaced
         restore_rank_rng(state["rng"])
         counters = state["counters"]
         self.steps_done = int(counters["steps_done"])

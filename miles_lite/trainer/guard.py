@@ -9,13 +9,17 @@ diverged is ever pushed to the engines or checkpointed.
 
 What it costs, per step:
 
-- Before the step, one fp32 norm of the main parameters (`torch._foreach_norm`, one all-reduce) and a
-  bound on the step's size. Adam's update of one element, m_hat / (sqrt(v_hat) + eps), is bounded
+- Before the step, a bound on the step's size, from host numbers alone on most steps: the norm of each
+  parameter group's main parameters is measured (`torch._foreach_norm`, one all-reduce, one host sync) every
+  `EXACT_NORM_EVERY` steps, and in between carried forward through the guard's own bounds on each step's
+  update (||w'|| lies within ||w|| -+ ||w' - w||), until the carried range is `CARRY_SLACK` wide. Adam's
+  update of one element, m_hat / (sqrt(v_hat) + eps), is bounded
   whatever the gradients were: by Cauchy-Schwarz over the moving averages,
   |m_t| <= (1 - b1) * sqrt(sum_{j<t} (b1^2 / b2)^j) * sqrt(v_t / (1 - b2)), so with bias correction
   |m_hat / sqrt(v_hat)| <= (1 - b1) / (1 - b1^t) * sqrt((1 - b2^t) / (1 - b2)) * sqrt(sum_{j<t} (b1^2/b2)^j).
-  Hence ||w' - w|| <= lr * (B_t * sqrt(numel) + weight_decay * ||w||) per parameter group. With the
-  learning rates training uses this is far below the limit: the step cannot diverge, and it runs as is.
+  Hence ||w' - w|| <= lr * (B_t * sqrt(numel) + weight_decay * ||w||) per parameter group (the norms taken
+  over every rank's shards), and over the groups at most the sum of theirs. With the learning rates training
+  uses this is far below the limit: the step cannot diverge, and it runs as is.
 - Only when the bound does not rule the limit out (a learning rate far too large, a tiny limit, an
   optimizer that is not Adam in fp32): a snapshot of the main parameters, their optimizer state and the
   param groups' counters, taken before the step, in host memory for parameters on a GPU (pinned, reused),
@@ -40,6 +44,10 @@ from torch import Tensor
 CHUNK_ELEMENTS = 1 << 26
 # Relative slack on the bound for fp32 rounding of the norms and of the optimizer's own arithmetic.
 BOUND_SLACK = 1e-3
+# Steps between measurements of the main parameters' norms (a host sync each); in between they are carried.
+EXACT_NORM_EVERY = 50
+# How wide the carried range of the weights' norm may grow (upper / lower - 1) before it is measured again.
+CARRY_SLACK = 1e-2
 
 
 class TrainingHalted(RuntimeError):
@@ -122,6 +130,54 @@ class StepCheck:
     diverged: bool  # the step exceeded the limit (or is NaN): undo it with `restore()`
 
 
+@dataclass
+class _GroupNorms:
+    """Each parameter group's main-parameter count and a range holding its norm, over every rank's shards:
+    measured, then carried forward step by step through the bounds on each step's update."""
+
+    layout: list[tuple[int, int]]  # (optimizer, parameter count) of each group: what the ranges describe
+    numel: list[float]
+    lower: list[float]
+    upper: list[float]
+    carried: int = 0  # steps since the measurement
+
+    @staticmethod
+    def measure(groups: list[tuple[torch.optim.Optimizer, dict[str, Any]]], layout: list[tuple[int, int]]
+                ) -> _GroupNorms:
+        """Each group's norm and element count, summed over ranks (one all-reduce, one host sync)."""
+        params = [p.detach() for _, g in groups for p in g["params"]]
+        device = params[0].device if params else torch.device("cpu")
+        norms = torch._foreach_norm(params) if params else []
+        sums = torch.zeros(2 * len(groups), dtype=torch.float64, device=device)  # ||w_g||^2..., numel_g...
+        index = 0
+        for i, (_, group) in enumerate(groups):
+            count = len(group["params"])
+            if count:
+                sums[i] = torch.stack(norms[index:index + count]).double().square().sum()
+                sums[len(groups) + i] = float(sum(p.numel() for p in group["params"]))
+            index += count
+        if dist.is_initialized():
+            dist.all_reduce(sums)
+        values = sums.tolist()
+        weights = [math.sqrt(v) for v in values[:len(groups)]]
+        return _GroupNorms(layout, values[len(groups):], list(weights), list(weights))
+
+    def weight_lower(self) -> float:
+        return math.sqrt(sum(w * w for w in self.lower))
+
+    def carry(self, deltas: list[float]) -> None:
+        """After a step each group's update stayed within `deltas`: so did the change of its norm."""
+        self.lower = [max(0.0, w - d) for w, d in zip(self.lower, deltas, strict=True)]
+        self.upper = [w + d for w, d in zip(self.upper, deltas, strict=True)]
+        self.carried += 1
+
+    def stale(self) -> bool:
+        """Time to measure again: `EXACT_NORM_EVERY` steps carried, or the range grown `CARRY_SLACK` wide."""
+        lower = self.weight_lower()
+        upper = math.sqrt(sum(w * w for w in self.upper))
+        return self.carried >= EXACT_NORM_EVERY or lower <= 0 or upper > lower * (1 + CARRY_SLACK)
+
+
 class UpdateGuard:
     """Bound, and when needed snapshot, before an optimizer step; measure and undo it after.
 
@@ -148,6 +204,7 @@ class UpdateGuard:
         self._groups: list[tuple[dict[str, Any], dict[str, Any]]] = []  # (live group, saved scalars)
         self._fresh: list[tuple[Any, Tensor]] = []  # params without optimizer state before the step
         self._snapshot_live = False
+        self._norms: _GroupNorms | None = None  # the main parameters' norms, measured or carried
 
     def _torch_optimizers(self) -> list[torch.optim.Optimizer]:
         return [leaf.optimizer for leaf in _leaves(self.optimizer) if getattr(leaf, "optimizer", None) is not None]
@@ -163,45 +220,55 @@ class UpdateGuard:
 
         Returns the bound of the ratio (inf when none could be derived).
         """
-        params = self._main_params()
-        device = params[0].device if params else torch.device("cpu")
-        norms = torch._foreach_norm([p.detach() for p in params]) if params else []
-        sums = torch.zeros(2, dtype=torch.float32, device=device)  # ||w||^2, (sum over groups of bounds)^2
-        bound_total = torch.zeros((), dtype=torch.float32, device=device)
-        derivable = True
-        index = 0
-        for opt in self._torch_optimizers():
-            adam = _is_adam(opt)
-            for group in opt.param_groups:
-                count = len(group["params"])
-                group_norms = norms[index:index + count]
-                index += count
-                if not count:
-                    continue
-                weight_sq = torch.stack(group_norms).square().sum()
-                sums[0] += weight_sq
-                steps = _next_steps(opt, group) if adam else None
-                if not derivable or steps is None or "betas" not in group:
-                    derivable = False
-                    continue
-                beta1, beta2 = (float(b) for b in group["betas"])
-                per_element = max(adam_element_bound(beta1, beta2, s, bool(group.get("bias_correction", True)))
-                                  for s in steps)
-                numel = sum(p.numel() for p in group["params"])
-                lr, decay = float(group["lr"]), float(group.get("weight_decay", 0.0))
-                bound_total += lr * (per_element * math.sqrt(numel) + decay * weight_sq.sqrt())
-        sums[1] = bound_total.square() if derivable else math.inf
-        if dist.is_initialized():
-            dist.all_reduce(sums)
-        weight_sq, bound_sq = sums.tolist()
-        self._weight = math.sqrt(weight_sq)
-        bound = math.sqrt(bound_sq) * (1 + BOUND_SLACK) if math.isfinite(bound_sq) else math.inf
-        self._bound = bound / self._weight if self._weight > 0 else (0.0 if bound == 0 else math.inf)
+        groups = [(opt, g) for opt in self._torch_optimizers() for g in opt.param_groups]
+        layout = [(id(opt), len(g["params"])) for opt, g in groups]
+        exact = self._norms is None or self._norms.layout != layout or self._norms.stale()
+        if exact:
+            self._norms = _GroupNorms.measure(groups, layout)
+        deltas = self._deltas(groups, self._norms)
+        if not exact and self._ratio_bound(deltas, self._norms) > self.max_ratio:
+            # A carried norm is a range: before a snapshot is taken, the bound from the measured norms.
+            self._norms = _GroupNorms.measure(groups, layout)
+            deltas = self._deltas(groups, self._norms)
+        self._bound = self._ratio_bound(deltas, self._norms)
+        self._weight = self._norms.weight_lower()
         if self._bound <= self.max_ratio:
+            assert deltas is not None
+            self._norms.carry(deltas)
             self._release_snapshot()
         else:
-            self._snapshot(params)
+            self._snapshot(self._main_params())
+            self._norms = None  # the step is measured exactly and may be undone: measure the norms again after it
         return self._bound
+
+    def invalidate(self) -> None:
+        """The main parameters were written outside an optimizer step (a checkpoint restore): measure their norms
+        again before the next step's bound."""
+        self._norms = None
+
+    def _deltas(self, groups: list[tuple[torch.optim.Optimizer, dict[str, Any]]],
+                norms: _GroupNorms) -> list[float] | None:
+        """Each group's bound on ||w' - w|| for the coming step (None when one cannot be derived)."""
+        deltas: list[float] = []
+        for (opt, group), numel, upper in zip(groups, norms.numel, norms.upper, strict=True):
+            if not group["params"]:
+                deltas.append(0.0)
+                continue
+            steps = _next_steps(opt, group) if _is_adam(opt) else None
+            if steps is None or "betas" not in group:
+                return None
+            beta1, beta2 = (float(b) for b in group["betas"])
+            per_element = max(adam_element_bound(beta1, beta2, s, bool(group.get("bias_correction", True)))
+                              for s in steps)
+            lr, decay = float(group["lr"]), float(group.get("weight_decay", 0.0))
+            deltas.append(lr * (per_element * math.sqrt(numel) + decay * upper))
+        return deltas
+
+    @staticmethod
+    def _ratio_bound(deltas: list[float] | None, norms: _GroupNorms) -> float:
+        bound = sum(deltas) * (1 + BOUND_SLACK) if deltas is not None else math.inf
+        weight = norms.weight_lower()
+        return bound / weight if weight > 0 else (0.0 if bound == 0 else math.inf)
 
     def _on_host(self, params: list[Tensor]) -> bool:
         if self.host_snapshot is not None:

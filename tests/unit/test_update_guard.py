@@ -235,3 +235,72 @@ def test_all_finite_finds_one_bad_element_in_any_buffer(dtype: torch.dtype, bad:
     # Mixed precisions (an fp32 and a bf16 gradient buffer) in one call; no tensors at all count as finite.
     assert bool(all_finite([torch.ones(3), torch.ones(3, dtype=torch.bfloat16)]))
     assert bool(all_finite([]))
+
+
+def _counting_measure(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    from miles_lite.trainer import guard as guard_module
+
+    calls: list[int] = []
+    measure = guard_module._GroupNorms.measure
+
+    def counted(groups, layout):
+        calls.append(1)
+        return measure(groups, layout)
+
+    monkeypatch.setattr(guard_module._GroupNorms, "measure", staticmethod(counted))
+    return calls
+
+
+def test_the_weights_norms_are_measured_every_50_steps_and_carried_in_between(monkeypatch) -> None:
+    """No device work and no host sync in an ordinary step's bound between measurements; the carried bound still
+    holds, and stays within 1% of the bound from measured norms."""
+    calls = _counting_measure(monkeypatch)
+    params = _params()
+    opt = FusedAdam(params, lr=1e-7, betas=(0.9, 0.98), weight_decay=0.1)
+    guard = UpdateGuard(Leaf(opt), max_ratio=0.5)
+    for step in range(120):
+        _grads(params, step, "heavy")
+        before = [p.detach().clone() for p in params]
+        bound = guard.prepare()
+        fresh_bound = UpdateGuard(Leaf(opt), max_ratio=0.5).prepare()  # from norms measured now
+        assert fresh_bound <= bound <= fresh_bound * 1.01, step
+        opt.step()
+        assert not guard.check().diverged
+        assert _ratio(before, params) <= bound
+    # Measured at steps 0, 50 and 100 (the fresh guards measured once each: 120 more).
+    assert len(calls) == 3 + 120
+    assert guard.snapshots_taken == 0
+
+
+def test_a_carried_bound_over_the_limit_is_measured_before_any_snapshot(monkeypatch) -> None:
+    params = _params()
+    opt = FusedAdam(params, lr=1e-4, betas=(0.9, 0.98))
+    guard = UpdateGuard(Leaf(opt), max_ratio=0.5)
+    for step in range(20):  # the carried range widens a little every step
+        _grads(params, step, "heavy")
+        guard.prepare()
+        opt.step()
+    _grads(params, 20, "heavy")
+    exact = UpdateGuard(Leaf(opt), max_ratio=0.5).prepare()
+    calls = _counting_measure(monkeypatch)
+    guard.max_ratio = exact * 1.001  # above the bound from measured norms, below the carried one
+    assert guard.prepare() == pytest.approx(exact)
+    assert len(calls) == 1 and guard.snapshots_taken == 0
+
+
+def test_a_restore_of_the_weights_is_measured_again(monkeypatch) -> None:
+    params = _params()
+    opt = FusedAdam(params, lr=1e-7)
+    guard = UpdateGuard(Leaf(opt), max_ratio=0.5)
+    _grads(params, 0, "heavy")
+    guard.prepare()
+    opt.step()
+    with torch.no_grad():
+        for p in params:
+            p.mul_(10.0)  # a checkpoint restore writes other weights
+    calls = _counting_measure(monkeypatch)
+    guard.prepare()
+    assert not calls  # carried: the guard cannot see the write
+    guard.invalidate()  # what the trainer's checkpoint restore calls
+    bound = guard.prepare()
+    assert len(calls) == 1 and bound == pytest.approx(UpdateGuard(Leaf(opt), max_ratio=0.5).prepare())
