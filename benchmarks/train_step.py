@@ -278,10 +278,11 @@ def throughput(args: argparse.Namespace, model_dir: Path, run: RunConfig, device
 
 
 def guard_cost(args: argparse.Namespace, model_dir: Path, run: RunConfig, device: str) -> dict[str, Any]:
-    """The RL step with the divergence guard as shipped (`on`: `trainer.max_update_ratio=0.5`), without it
-    (`off`) and with a limit no step meets (`undo`: every step snapshotted, measured and undone, the path of a
-    step the guard's bound cannot clear), interleaved round by round on one trainer; step time min/median/max
-    and peak GPU memory of each, and the cost of `on` against `off`."""
+    """The RL step with the divergence guard as shipped (`on`: `trainer.max_update_ratio=0.5`; `measured`: its
+    step that measures the weights' norms, one in 50), without it (`off`) and with a limit no step meets
+    (`undo`: every step snapshotted, measured and undone, the path of a step the guard's bound cannot clear),
+    interleaved round by round on one trainer; step time min/median/max and peak GPU memory of each, and the
+    cost of `on` against `off`."""
     spec = spec_from_hf_config(model_dir)
     actor = TrainerActor(actor_config(model_dir, run, device, args.micro_batch_tokens, 1e-6), 0, 1)
     try:
@@ -289,14 +290,19 @@ def guard_cost(args: argparse.Namespace, model_dir: Path, run: RunConfig, device
         if shipped is None:
             raise RuntimeError("the trainer was built without its divergence guard (trainer.max_update_ratio=0)")
         undo = UpdateGuard(actor.optimizer, 1e-12)
+        # The shipped guard measures the weights' norms every 50 steps and carries them in between: `measured`
+        # is its step that measures them (every step here), `on` what the steps in between cost.
+        measured = UpdateGuard(actor.optimizer, shipped.max_ratio)
         actor.cfg.trainer.max_diverged_skips = 10**9  # undone steps are the point here, not a reason to stop
         batch = fixed_batch(spec.vocab_size, args.batch, args.seq, args.prompt_tokens)
         peaks: dict[str, float] = {}
         last: dict[str, dict[str, float]] = {}
 
-        def variant(name: str, guard: UpdateGuard | None) -> Any:
+        def variant(name: str, guard: UpdateGuard | None, measure: bool = False) -> Any:
             def step() -> None:
                 actor.guard = guard
+                if guard is not None and measure:
+                    guard.invalidate()
                 if torch.cuda.is_available():
                     torch.cuda.reset_peak_memory_stats()
                 last[name] = actor.train_step(batch)
@@ -305,11 +311,15 @@ def guard_cost(args: argparse.Namespace, model_dir: Path, run: RunConfig, device
             return step
 
         times = time_interleaved({"off": variant("off", None), "on": variant("on", shipped),
+                                  "measured": variant("measured", measured, measure=True),
                                   "undo": variant("undo", undo)}, args.warmup, args.steps)
         flops = step_flops(spec, [args.seq] * args.batch)
         out: dict[str, Any] = {name: summarize(t, batch.num_tokens, flops) for name, t in times.items()}
         out["on_cost"] = out["on"]["step_s"] / out["off"]["step_s"] - 1  # goal: <= 0.02
         out["on_cost_per_round"] = sorted(on / off - 1 for on, off in zip(times["on"], times["off"], strict=True))
+        out["measured_cost"] = out["measured"]["step_s"] / out["off"]["step_s"] - 1
+        out["measured_cost_per_round"] = sorted(m / off - 1 for m, off in zip(times["measured"], times["off"],
+                                                                              strict=True))
         out["undo_cost"] = out["undo"]["step_s"] / out["off"]["step_s"] - 1
         out["snapshots_taken_on"] = shipped.snapshots_taken  # 0: the bound cleared every step
         out["update_ratio_bound_on"] = last["on"].get("update_ratio_bound")

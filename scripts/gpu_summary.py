@@ -132,11 +132,14 @@ def guard_table(out: Path) -> list[str]:
         rep.update(_load(path) or {})
     if not rep:
         return []
-    lines = ["| precision | guard cost (median of rounds) | rounds min-max |", "|---|---:|---:|"]
+    lines = ["| precision | guard cost (median of rounds) | rounds min-max | a step measuring the norms |",
+             "|---|---:|---:|---:|"]
     for key, res in rep.items():
         if key.startswith("guard/") and "on_cost" in res:
             rounds = res["on_cost_per_round"]
-            lines.append(f"| {key.split('/', 1)[1]} | {res['on_cost']:+.1%} | {rounds[0]:+.1%} to {rounds[-1]:+.1%} |")
+            measured = f"{res['measured_cost']:+.1%}" if "measured_cost" in res else "-"
+            lines.append(f"| {key.split('/', 1)[1]} | {res['on_cost']:+.1%} | {rounds[0]:+.1%} to {rounds[-1]:+.1%} "
+                         f"| {measured} |")
     return lines
 
 

@@ -104,4 +104,4 @@ def test_guard_table_merges_one_file_per_precision(tmp_path, monkeypatch):
     (tmp_path / "guard-7b-bf16.json").write_text(json.dumps(result("bf16", 0.013)))
     (tmp_path / "guard-7b-fp8-delayed.json").write_text(json.dumps(result("fp8-delayed", 0.003)))
     table = guard_table(tmp_path)
-    assert table[2:] == ["| bf16 | +1.3% | +0.3% to +3.3% |", "| fp8-delayed | +0.3% | -0.7% to +2.3% |"]
+    assert table[2:] == ["| bf16 | +1.3% | +0.3% to +3.3% | - |", "| fp8-delayed | +0.3% | -0.7% to +2.3% | - |"]
