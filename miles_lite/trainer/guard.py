@@ -222,24 +222,27 @@ class UpdateGuard:
         """
         groups = [(opt, g) for opt in self._torch_optimizers() for g in opt.param_groups]
         layout = [(id(opt), len(g["params"])) for opt, g in groups]
-        exact = self._norms is None or self._norms.layout != layout or self._norms.stale()
-        if exact:
-            self._norms = _GroupNorms.measure(groups, layout)
-        deltas = self._deltas(groups, self._norms)
-        if not exact and self._ratio_bound(deltas, self._norms) > self.max_ratio:
+        norms = self._norms
+        measured = norms is None or norms.layout != layout or norms.stale()
+        if norms is None or measured:
+            norms = _GroupNorms.measure(groups, layout)
+        deltas = self._deltas(groups, norms)
+        bound = self._ratio_bound(deltas, norms)
+        if bound > self.max_ratio and not measured:
             # A carried norm is a range: before a snapshot is taken, the bound from the measured norms.
-            self._norms = _GroupNorms.measure(groups, layout)
-            deltas = self._deltas(groups, self._norms)
-        self._bound = self._ratio_bound(deltas, self._norms)
-        self._weight = self._norms.weight_lower()
-        if self._bound <= self.max_ratio:
+            norms = _GroupNorms.measure(groups, layout)
+            deltas = self._deltas(groups, norms)
+            bound = self._ratio_bound(deltas, norms)
+        self._bound, self._weight = bound, norms.weight_lower()
+        if bound <= self.max_ratio:
             assert deltas is not None
-            self._norms.carry(deltas)
+            norms.carry(deltas)
+            self._norms = norms
             self._release_snapshot()
         else:
             self._snapshot(self._main_params())
             self._norms = None  # the step is measured exactly and may be undone: measure the norms again after it
-        return self._bound
+        return bound
 
     def invalidate(self) -> None:
         """The main parameters were written outside an optimizer step (a checkpoint restore): measure their norms

@@ -38,10 +38,11 @@ those).
 
 A part may also be *staged*: `stage` copies its bytes to host memory (on a GPU on the offload's stream) while it
 stays RESIDENT and readable, and its next offload takes those copies instead of making its own, waiting only for
-them to land. The hand-off stages the parameters as a push starts: the push reads them, and their copies run while
-the engines wake, load and are verified. A staged copy stands until the part is written: an optimizer step
-(`ready_on_device`) and a checkpoint restore drop it (`drop_staged`), and an offload that finds the part's storages
-changed makes its own copies.
+them to land; a checkpoint taken meanwhile writes them too (`staged_copies`). The hand-off stages the optimizer
+state and the parameters once the optimizer step is done, before a checkpoint and its push: the push reads the
+parameters, and their copies run while the engines wake, load and are verified. A staged copy stands until the part
+is written: an optimizer step (`ready_on_device`) and a checkpoint restore drop it (`drop_staged`), and an offload
+that finds the part's storages changed makes its own copies.
 
 On a GPU an onload does not wait for its copies: they run on a stream of their own, and whatever reads a part
 waits for that part's copies first: `require_resident` (log-probs, the weight push, checkpoints) on the host,
