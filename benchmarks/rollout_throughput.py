@@ -13,7 +13,8 @@ a CPU smoke run):
 - `sglang-default`: `conf/rollout/sglang.yaml`'s flags alone (SGLang's own decode graph size);
 - `no-graphs`: `--disable-cuda-graph` added.
 
-For every request count N it then runs, alternately and `--repeats` times (one direct round first warms up):
+For every request count N it then runs, alternately, until `--repeats` rounds are complete (one direct round
+first warms up):
 
 - direct: N concurrent `HttpEngine.generate` calls (asyncio.gather) on the engine's client: raw SGLang;
 - manager: `RolloutManager.generate_groups` on N / group_size prompts x group_size samples, with the fleet's
@@ -27,8 +28,11 @@ mode and N, and each manager median over the best raw median at that N (any vari
 A pass the engine fails (`EngineError`; the manager's `RolloutError` / `FleetExhausted` once its retries are
 spent) does not end the benchmark: it is recorded (variant, N, round, mode, error, seconds into the pass), the
 engine's processes are described (each one's open descriptors and open-files limits, and the benchmark's own),
-the engine is given up to 60 s to answer its health check again, and the next round runs. A size is given up
-after 3 failed passes, a variant when its engine does not answer again.
+the engine is given up to 60 s to answer its health check again, and the next round runs (the failed one does not
+count). A size is given up after 3 failed passes, a variant when its engine does not answer again. When the
+engine fails a health check during a pass (the fleet replaces it after two), the Python stacks of its processes
+are taken with py-spy before the fleet acts (`stack_dumps` in the report; py-spy is one of SGLang's
+dependencies): what a stalled scheduler was doing.
 """
 
 from __future__ import annotations
@@ -47,13 +51,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine_processes import (  # this directory
+    describe_processes,
+    dump_stacks,
+    engine_pids,
+    find_py_spy,
+    print_processes,
+)
+
 from miles_lite.config.engine_launch import with_decode_graphs
 from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
 from miles_lite.engines.fleet_launch import start_fleet
 from miles_lite.net import startup_heap
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.fleet import EngineFleet, FleetExhausted
-from miles_lite.rollout.lifeline import group_members
 from miles_lite.rollout.manager import RolloutManager
 from miles_lite.rollout.slots import RolloutError
 from miles_lite.trainer.tiny_hf import QWEN25_05B_SHAPE, QWEN25_VOCAB, make_tiny_hf_model
@@ -67,6 +78,8 @@ MAX_FAILED_PASSES = 3
 RECOVERY_S = 60.0
 # What a pass may raise when its engine fails it: the client's error, or the manager's once its retries are spent.
 ENGINE_FAILURES = (EngineError, RolloutError, FleetExhausted)
+# Seconds between looks at the engine's failed health checks during a pass.
+HEALTH_POLL_S = 0.25
 
 
 @dataclass
@@ -166,56 +179,6 @@ def check(run: Run, requests: int, new_tokens: int) -> None:
                            f"{requests} / {requests * new_tokens}")
 
 
-def process_facts(pid: int) -> dict[str, Any]:
-    """Process `pid`'s command name, state, open descriptors (and how many are sockets) and `Max open files`
-    soft/hard limits, from /proc (None where it cannot be read: the process ended, or is not ours to read)."""
-    facts: dict[str, Any] = {"pid": pid, "command": None, "state": None, "fds": None, "sockets": None,
-                             "max_open_files": None}
-    with contextlib.suppress(OSError):
-        facts["command"] = Path(f"/proc/{pid}/comm").read_text().strip()
-    with contextlib.suppress(OSError, IndexError):
-        facts["state"] = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]  # R, S, Z (exited)...
-    with contextlib.suppress(OSError):
-        fds = os.listdir(f"/proc/{pid}/fd")
-        facts["fds"] = len(fds)
-        facts["sockets"] = sum(_is_socket(pid, fd) for fd in fds)
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
-            if line.startswith("Max open files"):
-                facts["max_open_files"] = line.split()[3:5]  # soft, hard: a number or "unlimited"
-    return facts
-
-
-def _is_socket(pid: int, fd: str) -> bool:
-    try:
-        return os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-    except OSError:  # closed meanwhile
-        return False
-
-
-def describe_processes(fleet: EngineFleet) -> list[dict[str, Any]]:
-    """`process_facts` of every process of the engine's process group (the launcher starts each engine in a
-    session of its own: supervisor, server and the server's children), then of this process."""
-    pid = fleet.records[0].handle.pid
-    described = []
-    if pid is not None:
-        try:
-            pgid = os.getpgid(pid)
-        except OSError:  # the group's leader is gone; its group id was its pid
-            pgid = pid
-        described = [{"role": "engine", **process_facts(p)} for p in sorted(group_members(pgid))]
-    return [*described, {"role": "benchmark", **process_facts(os.getpid())}]
-
-
-def print_processes(described: list[dict[str, Any]]) -> None:
-    if not any(d["role"] == "engine" for d in described):
-        print("    engine: no process left in its process group", flush=True)
-    for d in described:
-        limits = "/".join(d["max_open_files"]) if d["max_open_files"] else "?"
-        print(f"    {d['role']:9s} pid {d['pid']} {d['command']} ({d['state']}): {d['fds']} open fds "
-              f"({d['sockets']} sockets), max open files soft/hard {limits}", flush=True)
-
-
 async def await_answer(fleet: EngineFleet, timeout_s: float = RECOVERY_S, poll_s: float = 1.0) -> float | None:
     """Seconds until the fleet's engine answers its health check (a generation), polled every `poll_s`; None
     if it does not within `timeout_s`."""
@@ -247,6 +210,8 @@ class SizeRun:
 
     # The engine's processes as a failing direct pass found them, its other requests still in flight.
     looked: list[dict[str, Any]] | None = field(default=None, init=False)
+    # Whether the pass's health watcher is taking the engine's stacks (the pass waits for them at its end).
+    dumping: bool = field(default=False, init=False)
 
     @property
     def failures(self) -> int:
@@ -264,10 +229,12 @@ class SizeRun:
         passes = {"direct": lambda: direct_pass(self.fleet, prompts, args.group_size, params, self.look),
                   "manager": lambda: manager_pass(self.manager, prompts, args.group_size, params)}
         await self.attempt(passes["direct"], "direct", 0)  # warm-up
-        for rnd in range(1, args.repeats + 1):
+        complete, rnd = 0, 0
+        while complete < args.repeats:
             if self.failures >= MAX_FAILED_PASSES:
                 self.give_up(f"{self.failures} failed passes")
                 return
+            rnd += 1
             for mode in MODES:
                 run = await self.attempt(passes[mode], mode, rnd)
                 if run is None:  # the round is incomplete: on with the next one
@@ -276,14 +243,37 @@ class SizeRun:
                 self.record["runs"].append(run)
                 print(f"  {run.variant:14s} {run.mode:8s} {n:4d} requests: {run.tokens_per_s:10,.0f} tok/s "
                       f"({run.wall_s:.2f} s)", flush=True)
+            else:
+                complete += 1
             self.save()
+
+    async def watch_health(self, mode: str, rnd: int, start: float) -> None:
+        """During a pass: at the engine's first failed health check, its processes' stacks, recorded in the
+        report's `stack_dumps` (and printed); then it returns. Runs until cancelled otherwise."""
+        failed = self.fleet.failed_health_checks  # a running count: a check passing since does not hide one
+        while self.fleet.failed_health_checks == failed:
+            await asyncio.sleep(HEALTH_POLL_S)  # the poll period: the fleet has no hook for a failed check
+        rec = self.fleet.records[0]
+        entry: dict[str, Any] = {"requests": self.requests, "round": rnd, "mode": mode,
+                                 "incarnation": rec.incarnation, "after_s": time.perf_counter() - start,
+                                 "health_error": rec.last_error}
+        print(f"  {self.record['variant']:14s} {mode:8s} {self.requests:4d} requests: health check failed in round "
+              f"{rnd} after {entry['after_s']:.2f} s ({rec.last_error}); the engine's stacks:", flush=True)
+        self.dumping = True
+        entry["processes"] = await dump_stacks(engine_pids(self.fleet), find_py_spy())
+        self.record.setdefault("stack_dumps", []).append(entry)
+        for p in entry["processes"]:
+            print(f"    --- pid {p['pid']} {p['command']}\n{p['stack']}\n    --- native\n{p.get('native_stack', '')}",
+                  flush=True)
+        self.save()
 
     async def attempt(self, one_pass: Callable[[], Any], mode: str, rnd: int) -> Run | None:
         """One pass: its Run, or None when the engine failed it (recorded) and answers again."""
         start = time.perf_counter()
-        self.looked = None
+        self.looked, self.dumping = None, False
+        watcher = asyncio.create_task(self.watch_health(mode, rnd, start))
         try:
-            run = await one_pass()
+            run = await self.watched(one_pass, watcher)
         except ENGINE_FAILURES as exc:
             failure = Failure(self.record["variant"], self.requests, rnd, mode, f"{type(exc).__name__}: {exc}",
                               time.perf_counter() - start)
@@ -307,6 +297,16 @@ class SizeRun:
             return None
         check(run, self.requests, self.args.new_tokens)
         return run
+
+    async def watched(self, one_pass: Callable[[], Any], watcher: asyncio.Task[None]) -> Any:
+        """`one_pass()`; then the health watcher is stopped, or awaited when it is taking the stacks."""
+        try:
+            return await one_pass()
+        finally:
+            if not self.dumping:
+                watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
 
     def give_up(self, reason: str) -> None:
         self.record["given_up"].append({"requests": self.requests, "reason": reason})

@@ -1,5 +1,6 @@
 """`benchmarks/rollout_throughput.py` on an in-process engine: a pass the engine fails is recorded (with the
-engine's processes described) and the benchmark goes on; the JSON report is rewritten after every round; the
+engine's processes described) and the benchmark goes on until `--repeats` rounds are complete; a failed health
+check during a pass takes the engine's stacks with py-spy; the JSON report is rewritten after every round; the
 summary counts complete rounds only; `scripts/gpu_summary.py` reads the report."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 sys.path.insert(0, str(REPO / "scripts"))
 
+import engine_processes  # noqa: E402
 import rollout_throughput as bench  # noqa: E402
 from gpu_summary import rollout_table  # noqa: E402
 
@@ -69,12 +71,15 @@ def _args(out: Path, requests: str = "4,8", repeats: int = 3) -> argparse.Namesp
                               group_size=GROUP, repeats=repeats, vocab=50, startup_timeout=10.0, out=str(out))
 
 
-def _measure(monkeypatch: pytest.MonkeyPatch, engine: FakeEngine, pid: int, args: argparse.Namespace
-             ) -> dict[str, Any]:
+def _measure(monkeypatch: pytest.MonkeyPatch, engine: FakeEngine, pid: int, args: argparse.Namespace,
+             health: FaultToleranceConfig | None = None) -> dict[str, Any]:
+    """The benchmark on `engine` (its process: `pid`); `health`: the fleet's health checks run with these."""
     async def start_fleet(rollout: RolloutConfig, ft: FaultToleranceConfig, model_dir: str, log_dir: str,
                           engines: int) -> EngineFleet:
-        fleet = EngineFleet(ft)
+        fleet = EngineFleet(health or ft)
         await fleet.add_engine(EngineHandle(engine, pid=pid))
+        if health is not None:
+            fleet.start_health_checks()
         return fleet
 
     monkeypatch.setattr(bench, "start_fleet", start_fleet)
@@ -103,11 +108,12 @@ def test_a_failed_pass_is_recorded_and_the_rounds_go_on(monkeypatch: pytest.Monk
     for p in failure["processes"]:
         assert p["fds"] >= 3 and p["sockets"] is not None and p["command"]
         assert len(p["max_open_files"]) == 2
-    # Round 2 is incomplete: rounds 1 and 3 count at 4 requests, all three at 8.
+    # Round 2 is incomplete: rounds 1, 3 and 4 make the 3 complete rounds at 4 requests; rounds 1-3 at 8.
     rows = {r["requests"]: r for r in report["rows"]}
-    assert (rows[4]["rounds"], rows[4]["failures"], rows[8]["rounds"], rows[8]["failures"]) == (2, 1, 3, 0)
+    assert (rows[4]["rounds"], rows[4]["failures"], rows[8]["rounds"], rows[8]["failures"]) == (3, 1, 3, 0)
     assert {(r["requests"], r["round"], r["mode"]) for r in var["runs"] if r["requests"] == 4} == {
-        (4, 1, "direct"), (4, 1, "manager"), (4, 3, "direct"), (4, 3, "manager")}
+        (4, 1, "direct"), (4, 1, "manager"), (4, 3, "direct"), (4, 3, "manager"), (4, 4, "direct"), (4, 4, "manager")}
+    assert {r["round"] for r in var["runs"] if r["requests"] == 8} == {1, 2, 3}
     assert json.loads(out.read_text()) == json.loads(json.dumps(report))
     printed = capsys.readouterr().out
     assert "  shipped        direct      4 requests: FAILED in round 2 after" in printed
@@ -151,6 +157,70 @@ def test_an_engine_that_stops_answering_ends_the_variant(monkeypatch: pytest.Mon
     assert failure["recovered_s"] is None and var["runs"] == []
     assert [g["requests"] for g in var["given_up"]] == [4, 8]
     assert json.loads(out.read_text())["variants"][0]["given_up"] == var["given_up"]
+
+
+class StallingEngine(FakeEngine):
+    """A fake engine whose `/generate` calls numbered in `stall_calls` (from 1) wait until `released` exists (the
+    fake py-spy writes it), its health check answering unhealthy once meanwhile: a scheduler gone silent."""
+
+    def __init__(self, stall_calls: set[int], released: Path) -> None:
+        super().__init__("sglang-0")
+        self.stall_calls, self.released_file = stall_calls, released
+        self.generated, self.stalled, self.failed_checks = 0, 0, 0
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> Any:
+        self.generated += 1
+        if self.generated in self.stall_calls:
+            self.stalled += 1
+            for _ in range(600):  # the stall lasts until the stacks were taken
+                if self.released_file.exists():
+                    break
+                await asyncio.sleep(0.05)
+            else:
+                raise AssertionError("no stacks were taken within 30 s of the stall")
+            self.stalled -= 1
+        return await super().generate(input_ids, sampling, rid=rid)
+
+    async def health(self, timeout_s: float) -> bool:
+        if self.stalled and not self.failed_checks:
+            self.failed_checks += 1
+            return False
+        return await super().health(timeout_s)
+
+
+def test_a_failed_health_check_mid_pass_takes_the_engines_stacks(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                 engine_group: int) -> None:
+    out, calls, released = tmp_path / "rollout.json", tmp_path / "py-spy-calls", tmp_path / "released"
+    py_spy = tmp_path / "bin" / "py-spy"
+    py_spy.parent.mkdir()
+    py_spy.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n: > {released}\n'
+                      'echo "Thread 7 (idle): \\"MainThread\\""\necho "    event_loop_overlap (scheduler.py:812)"\n')
+    py_spy.chmod(0o755)
+    # Found where `pip install --target DIR` puts it: DIR/bin, DIR on sys.path.
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
+    assert engine_processes.find_py_spy() == str(py_spy)
+    # Round 1's direct pass at 4 requests (calls 5-8) stalls (a request completing meanwhile passes a check).
+    engine = StallingEngine({5, 6, 7, 8}, released)
+    health = FaultToleranceConfig(health_interval_s=0.05, health_timeout_s=5.0, failure_threshold=2)
+    report = _measure(monkeypatch, engine, engine_group, _args(out, requests="4", repeats=2), health)
+
+    var = report["variants"][0]
+    [dump] = var["stack_dumps"]
+    assert (dump["requests"], dump["round"], dump["mode"], dump["incarnation"]) == (4, 1, "direct", 0)
+    assert dump["after_s"] >= 0 and "unhealthy" in dump["health_error"]
+    [proc] = dump["processes"]
+    assert proc["pid"] == engine_group and proc["command"]
+    assert "event_loop_overlap (scheduler.py:812)" in proc["stack"] and "MainThread" in proc["native_stack"]
+    assert calls.read_text().splitlines() == [f"dump --pid {engine_group}", f"dump --pid {engine_group} --native"]
+    # The stalled pass still completed (one failed check is not the two that replace an engine): 2 rounds, no failure.
+    assert var["failures"] == [] and report["rows"][0]["rounds"] == 2
+    assert json.loads(out.read_text())["variants"][0]["stack_dumps"] == var["stack_dumps"]
+
+
+def test_without_py_spy_the_dump_says_so() -> None:
+    [proc] = asyncio.run(engine_processes.dump_stacks([os.getpid()], None))
+    assert proc["pid"] == os.getpid() and "py-spy not found" in proc["stack"]
 
 
 def test_the_summary_counts_complete_rounds_only() -> None:
