@@ -44,12 +44,13 @@ class RankCheckpointer:
         self.buffers = buffers
         self.saver: AsyncCheckpointer | None = None
 
-    def prepare(self, actor: Any) -> None:
+    def prepare(self, actor: Any, staged: bool = False) -> None:
         """At trainer start-up, when the run saves asynchronously every `checkpoint.interval` steps:
         start allocating the snapshots' host buffers on a background thread, so that the first save
-        blocks training only for its copies (allocating ~7 GB of pinned memory takes seconds)."""
+        blocks training only for its copies (allocating ~7 GB of pinned memory takes seconds). Not when
+        `staged`: the saves write the host copies the actor's offload stages (`saves_staged_copies`)."""
         ckpt = self.checkpoint
-        if self.buffers is None and ckpt.async_save and ckpt.interval > 0:
+        if self.buffers is None and ckpt.async_save and ckpt.interval > 0 and not staged:
             self.buffers = HostBuffers()
             self.buffers.reserve(snapshot_sizes(actor))
 

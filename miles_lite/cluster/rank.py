@@ -14,6 +14,7 @@ import torch
 
 from miles_lite.checkpoint.driver_state import DriverState
 from miles_lite.checkpoint.run_state import RankCheckpointer
+from miles_lite.config.colocation import saves_staged_copies
 from miles_lite.config.views import TrainerRoleConfig
 from miles_lite.trainer.layout import ParamLayout
 from miles_lite.trainer.offload import OverlapRoom
@@ -77,7 +78,7 @@ class TrainerRank:
         self.actor = TrainerActor(cfg.actor, rank=rank, world_size=world_size, init_method=init_method,
                                   total_steps=total_steps)
         self.checkpointer = RankCheckpointer(cfg.checkpoint, cfg.actor.model)
-        self.checkpointer.prepare(self.actor)
+        self.checkpointer.prepare(self.actor, staged=saves_staged_copies(cfg.cluster, cfg.actor.trainer.offload))
         par = self.actor.par
         return RankCoords(par.rank, par.tp_rank, par.dp_rank, par.ep_rank)
 

@@ -25,7 +25,8 @@ import dataclasses
 from collections.abc import Mapping
 
 from miles_lite.config.engine_flags import flag_keys, flag_value
-from miles_lite.config.schema import MilesConfig, RolloutConfig
+from miles_lite.config.offload import OffloadConfig
+from miles_lite.config.schema import ClusterConfig, MilesConfig, RolloutConfig
 
 MEMORY_SAVER_FLAG = "enable_memory_saver"
 # Allocator settings torch_memory_saver cannot work under (see the module docstring).
@@ -34,7 +35,19 @@ ALLOC_CONF_VARS = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 
 def hands_off(cfg: MilesConfig) -> bool:
     """Whether engines sleep while the trainer trains and the trainer offloads while they generate."""
-    return cfg.cluster.placement == "colocated" and cfg.cluster.colocated_memory == "handoff"
+    return _hands_off(cfg.cluster)
+
+
+def _hands_off(cluster: ClusterConfig) -> bool:
+    return cluster.placement == "colocated" and cluster.colocated_memory == "handoff"
+
+
+def saves_staged_copies(cluster: ClusterConfig, offload: OffloadConfig) -> bool:
+    """Whether the trainer's checkpoints are written from the host copies a hand-off stages: the parameters'
+    and the optimizer state's, queued before each step's save (`Handoff.prepare_push`). Such a run reserves
+    no host buffers for its snapshots at start-up (they would double its pinned host memory, 87 GB at 7B);
+    a save copies the few tensors the layout builds, and one outside a step (the run's last) all of them."""
+    return _hands_off(cluster) and offload.params and offload.optimizer
 
 
 def memory_saver_on(rollout: RolloutConfig) -> bool:

@@ -46,8 +46,9 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
         out["dropped"] = actor.offload(("grads",))
         out["staged"] = actor.stage_offload(("optimizer", "params"))
         ckpt = RankCheckpointer(cfg.checkpoint, cfg.model)
+        ckpt.prepare(actor, staged=True)  # as a hand-off's trainer rank starts: no host buffers reserved
         saved = ckpt.save(actor, 1)
-        out["saved"] = {"bytes": saved.bytes, "reused_bytes": saved.reused_bytes}
+        out["saved"] = {"bytes": saved.bytes, "reused_bytes": saved.reused_bytes, **ckpt.saver.describe()}
         moved = actor.offload(OFFLOAD_PARTS)
         out["moved"] = moved
         out["freed"] = all(p.untyped_storage().nbytes() == 0 for p in actor.policy.model.parameters())

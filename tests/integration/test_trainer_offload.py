@@ -60,4 +60,7 @@ def test_a_checkpoint_between_the_stage_and_the_offload_writes_the_staged_copies
     # All but the fused QKV weights' pieces, which the layout builds anew (their heads regrouped per HF tensor: 15%
     # of this small model, 8% of Qwen2.5-0.5B), and the optimizer's step counts, which no offload part holds.
     assert 0.8 * saved["bytes"] <= saved["reused_bytes"] < saved["bytes"], saved
+    # Nothing reserved at start-up: the save's own host buffers hold exactly what it copied.
+    assert saved["host_reserved_bytes"] == 0
+    assert saved["host_buffer_bytes"] == saved["bytes"] - saved["reused_bytes"], saved
     assert off["checkpoint_exact"]
