@@ -37,6 +37,17 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 # engines' own logs among them) are under OUT_DIR/tmp-<part>.
 export PYTHONUNBUFFERED=1
 mkdir -p "$out"
+# The card's clocks, power, temperature and clock-event (throttle) reasons every 5 s while the checks run
+# (OUT_DIR/gpu-clocks.csv, summarised per part): a 512-request pass once fell from 65k to 16k tokens/s in
+# mid-part, decode graphs on and the KV cache 3% full, which the engine's own log cannot explain.
+if command -v nvidia-smi >/dev/null; then
+  reasons=clocks_event_reasons.active  # the older drivers' name of the same field:
+  nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 || reasons=clocks_throttle_reasons.active
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,utilization.gpu,$reasons \
+    --format=csv,noheader,nounits -l 5 >"$out/gpu-clocks.csv" 2>&1 &
+  sampler=$!
+  trap 'kill "$sampler" 2>/dev/null' EXIT
+fi
 parts=("$@")
 [ ${#parts[@]} -eq 0 ] && parts=(versions unit engine auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs lora
                                  combinations)
@@ -57,7 +68,8 @@ part() {
   local name=$1
   shift
   echo "== $name: $*"
-  local start=$SECONDS rc=0
+  local start=$SECONDS rc=0 started
+  started=$(date '+%Y/%m/%d %H:%M:%S')
   # PART_TIMEOUT_S bounds each part (a hung engine must not eat the time left for the parts after it); a
   # sitting gives each part its own bound (the sitting_limit table below).
   if timeout --kill-after=10 "$(part_limit "$name")" "$@" >"$out/$name.log" 2>&1; then
@@ -67,7 +79,8 @@ part() {
     failed=$((failed + 1))
     rc=1
   fi
-  printf '%s\t%s\t%s\n' "$name" "$([ $rc = 0 ] && echo ok || echo failed)" "$((SECONDS - start))" >>"$out/parts.tsv"
+  printf '%s\t%s\t%s\t%s\n' "$name" "$([ $rc = 0 ] && echo ok || echo failed)" "$((SECONDS - start))" "$started" \
+    >>"$out/parts.tsv"
   "$py" scripts/gpu_summary.py "$out" >/dev/null 2>&1 || true
   tail -n 4 "$out/$name.log" | sed 's/^/   /'
   return $rc

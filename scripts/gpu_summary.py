@@ -2,7 +2,8 @@
 
     python scripts/gpu_summary.py OUT
 
-Reads what the parts left in OUT (parts.tsv: each part's status and seconds; the benchmarks' JSON files) and
+Reads what the parts left in OUT (parts.tsv: each part's status, seconds and start; the benchmarks' JSON files;
+gpu-clocks.csv: the card's clocks) and
 writes the figures the GRPO-speed goals are judged by, with their spread, rewritten after every part so that a
 sitting cut short still summarises what it measured. Prints the summary too.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +41,61 @@ def parts_table(out: Path) -> list[str]:
     for row in tsv.read_text().splitlines() if tsv.is_file() else []:
         name, status, seconds = (row.split("\t") + ["", ""])[:3]
         lines.append(f"| {name} | {status} | {seconds} |")
+    return lines
+
+
+# A sample whose SM clock is under this share of the sitting's highest is "slow" (the card held back).
+SLOW_CLOCK = 0.9
+
+
+def _clock_samples(out: Path) -> list[tuple[datetime, list[str]]]:
+    """gpu-clocks.csv's rows (`scripts/gpu_checks.sh`: timestamp, SM clock, its maximum, power, temperature,
+    utilisation, clock-event reasons), each with its time; lines that are not samples (an error) are skipped."""
+    path, rows = out / "gpu-clocks.csv", []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        fields = [f.strip() for f in line.split(",")]
+        try:
+            rows.append((datetime.strptime(fields[0], "%Y/%m/%d %H:%M:%S.%f"), fields))
+        except (ValueError, IndexError):
+            continue
+    return rows
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:  # "[N/A]"
+        return None
+
+
+def clocks_table(out: Path) -> list[str]:
+    """Per part (its start and seconds in parts.tsv): the SM clock's median and lowest, the most power and heat,
+    and the clock-event reasons of its slow samples (under SLOW_CLOCK of the sitting's highest clock)."""
+    samples = _clock_samples(out)
+    clocks = [c for _, f in samples if (c := _number(f[1])) is not None]
+    tsv = out / "parts.tsv"
+    if not clocks or not tsv.is_file():
+        return []
+    top = max(clocks)
+    lines = ["| part | SM clock MHz, median (lowest) | slow samples | power W, most | temperature C, most "
+             "| clock-event reasons while slow |", "|---|---:|---:|---:|---:|---|"]
+    for row in tsv.read_text().splitlines():
+        fields = row.split("\t")
+        if len(fields) < 4:  # a sitting before the start times
+            continue
+        start = datetime.strptime(fields[3], "%Y/%m/%d %H:%M:%S")
+        end = start + timedelta(seconds=float(fields[2] or 0))
+        part = [f for t, f in samples if start <= t <= end]
+        sm = sorted(c for f in part if (c := _number(f[1])) is not None)
+        if not sm:
+            continue
+        slow = [f for f in part if (c := _number(f[1])) is not None and c < SLOW_CLOCK * top]
+        power = max((w for f in part if (w := _number(f[3])) is not None), default=None)
+        heat = max((t for f in part if (t := _number(f[4])) is not None), default=None)
+        reasons = sorted({f[6] for f in slow if len(f) > 6})
+        lines.append(f"| {fields[0]} | {sm[len(sm) // 2]:.0f} ({sm[0]:.0f}) | {len(slow)} of {len(part)} "
+                     f"| {'-' if power is None else f'{power:.0f}'} | {'-' if heat is None else f'{heat:.0f}'} "
+                     f"| {', '.join(reasons) or '-'} |")
     return lines
 
 
@@ -148,7 +205,9 @@ def summary(out: Path) -> str:
                 ("RL step against the bare megatron-core step, recipe shape", speed_table(out)),
                 ("GRPO steps (seconds, median (min-max) after the warm-up steps)", grpo_table(out)),
                 ("The push's phases", push_table(out)),
-                ("Divergence guard at 7B width", guard_table(out))]
+                ("Divergence guard at 7B width", guard_table(out)),
+                (f"The card's clocks per part (slow: under {SLOW_CLOCK:.0%} of the sitting's highest SM clock)",
+                 clocks_table(out))]
     text = ["# GPU sitting"]
     for title, lines in sections:
         if lines:
