@@ -41,7 +41,8 @@ mkdir -p "$out"
 # (OUT_DIR/gpu-clocks.csv, summarised per part): a 512-request pass once fell from 65k to 16k tokens/s in
 # mid-part, decode graphs on and the KV cache 3% full, which the engine's own log cannot explain.
 if command -v nvidia-smi >/dev/null; then
-  reasons=clocks_event_reasons.active  # the older drivers' name of the same field:
+  # The field's name on newer drivers, else the older drivers' name for it (an unknown field fails the query).
+  reasons=clocks_event_reasons.active
   nvidia-smi --query-gpu=$reasons --format=csv >/dev/null 2>&1 || reasons=clocks_throttle_reasons.active
   nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.max.sm,power.draw,temperature.gpu,utilization.gpu,$reasons \
     --format=csv,noheader,nounits -l 5 >"$out/gpu-clocks.csv" 2>&1 &
