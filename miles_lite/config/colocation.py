@@ -25,7 +25,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from miles_lite.config.engine_flags import flag_keys, flag_value
-from miles_lite.config.offload import OffloadConfig
+from miles_lite.config.offload import KEPT_PARTS, OffloadConfig
 from miles_lite.config.schema import ClusterConfig, MilesConfig, RolloutConfig
 
 MEMORY_SAVER_FLAG = "enable_memory_saver"
@@ -43,11 +43,12 @@ def _hands_off(cluster: ClusterConfig) -> bool:
 
 
 def saves_staged_copies(cluster: ClusterConfig, offload: OffloadConfig) -> bool:
-    """Whether the trainer's checkpoints are written from the host copies a hand-off stages: the parameters'
-    and the optimizer state's, queued before each step's save (`Handoff.prepare_push`). Such a run reserves
-    no host buffers for its snapshots at start-up (they would double its pinned host memory, 87 GB at 7B);
-    a save copies the few tensors the layout builds, and one outside a step (the run's last) all of them."""
-    return _hands_off(cluster) and offload.params and offload.optimizer
+    """Whether the trainer's checkpoints are written from the host copies a hand-off stages: those of the parts
+    a checkpoint holds (`KEPT_PARTS`: the parameters and the optimizer state), queued before each step's save
+    (`Handoff.prepare_push`). Such a run reserves no host buffers for its snapshots at start-up (they would
+    double its pinned host memory, 87 GB at 7B); a save copies the few tensors the layout builds, and one outside
+    a step (the run's last) all of them."""
+    return _hands_off(cluster) and set(KEPT_PARTS) <= set(offload.parts())
 
 
 def memory_saver_on(rollout: RolloutConfig) -> bool:

@@ -26,3 +26,7 @@ class OffloadConfig:
 
 
 OFFLOAD_PARTS = ("params", "grads", "optimizer")
+# Parts whose values no one reads across a hand-off: their storage is freed, not copied, and comes back zeroed.
+DROPPED_PARTS = frozenset({"grads"})
+# The parts that hold the trainer's state: copied to the host and back, and what a checkpoint holds.
+KEPT_PARTS = tuple(p for p in OFFLOAD_PARTS if p not in DROPPED_PARTS)

@@ -42,11 +42,11 @@ from typing import Any
 
 from miles_lite.config.colocation import hands_off
 from miles_lite.config.lora_serving import serves_adapters
-from miles_lite.config.offload import OFFLOAD_PARTS
+from miles_lite.config.offload import DROPPED_PARTS, KEPT_PARTS, OFFLOAD_PARTS
 from miles_lite.config.schema import MilesConfig
 from miles_lite.rollout.engine import MEMORY_TAGS
 from miles_lite.run.system import System
-from miles_lite.trainer.offload import DROPPED_PARTS, OverlapRoom
+from miles_lite.trainer.offload import OverlapRoom
 from miles_lite.weight_sync.coordinator import SyncReport
 
 
@@ -149,7 +149,7 @@ class Handoff:
     def _kept_before_push(self) -> tuple[str, ...]:
         """The parts whose copies the push's offload takes before the engines wake: all kept but the parameters
         (the push reads them)."""
-        return tuple(p for p in self.parts if p != "params" and p not in DROPPED_PARTS)
+        return tuple(p for p in self.parts if p in KEPT_PARTS and p != "params")
 
     def push(self, version: int) -> tuple[SyncReport, float]:
         """Push the trainer's weights as `version` (`System.push_weights`), handing the device to the engines

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from miles_lite.config.offload import OFFLOAD_PARTS
+from miles_lite.config.offload import KEPT_PARTS, OFFLOAD_PARTS
 from miles_lite.trainer import cpu_compat
 from miles_lite.trainer.dist_optimizer import (
     DistributedOptimizerState,
@@ -53,7 +53,7 @@ class ActorCheckpoint:
         """
         self._require_ready()
         # Not the gradients: no checkpoint holds them (a hand-off frees them before its checkpoint).
-        self.offloader.require_resident(("params", "optimizer"), "a checkpoint")
+        self.offloader.require_resident(KEPT_PARTS, "a checkpoint")
         if is_distributed(self.optimizer):  # its ranges gathered per parameter: any DP size resumes them
             optimizer: Any = DistributedOptimizerState(
                 gather_state(self.optimizer, self.policy.model, self.par.dp_group), group_steps(self.optimizer))

@@ -222,17 +222,18 @@ class UpdateGuard:
         """
         groups = [(opt, g) for opt in self._torch_optimizers() for g in opt.param_groups]
         layout = [(id(opt), len(g["params"])) for opt, g in groups]
-        norms = self._norms
-        measured = norms is None or norms.layout != layout or norms.stale()
-        if norms is None or measured:
-            norms = _GroupNorms.measure(groups, layout)
-        deltas = self._deltas(groups, norms)
-        bound = self._ratio_bound(deltas, norms)
-        if bound > self.max_ratio and not measured:
-            # A carried norm is a range: before a snapshot is taken, the bound from the measured norms.
-            norms = _GroupNorms.measure(groups, layout)
+
+        def bound_from(norms: _GroupNorms) -> tuple[_GroupNorms, list[float] | None, float]:
             deltas = self._deltas(groups, norms)
-            bound = self._ratio_bound(deltas, norms)
+            return norms, deltas, self._ratio_bound(deltas, norms)
+
+        carried = self._norms
+        if carried is None or carried.layout != layout or carried.stale():
+            norms, deltas, bound = bound_from(_GroupNorms.measure(groups, layout))
+        else:
+            norms, deltas, bound = bound_from(carried)
+            if bound > self.max_ratio:  # a carried norm is a range: before a snapshot, the bound from measured ones
+                norms, deltas, bound = bound_from(_GroupNorms.measure(groups, layout))
         self._bound, self._weight = bound, norms.weight_lower()
         if bound <= self.max_ratio:
             assert deltas is not None

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles_lite.config.offload import OFFLOAD_PARTS
+from miles_lite.config.offload import DROPPED_PARTS, OFFLOAD_PARTS
 
 
 class PartState(enum.Enum):
@@ -71,8 +71,6 @@ class PartState(enum.Enum):
     OFFLOADED = "offloaded"
 
 
-# Parts whose values no one reads across a hand-off: their storage is freed, not copied, and comes back zeroed.
-DROPPED_PARTS = frozenset({"grads"})
 # What `OverlapRoom` adds to its bound of the engines' weights: a factor for what the bound leaves out (vocabulary
 # padding, weights the engines keep in another layout) and bytes for allocator rounding and the engines' own
 # workspaces while they resume.
