@@ -81,6 +81,9 @@ class LocalTrainer:
     def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
         return self.rank.onload(parts)
 
+    def device_memory(self, parts: bool = False) -> list[dict[str, float]]:
+        return [self.rank.device_memory(parts)]
+
     def memory_stats(self) -> dict[str, float]:
         return self.rank.memory_stats()
 

@@ -152,6 +152,9 @@ class TrainerRank:
     def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
         return self.actor.onload(parts)
 
+    def device_memory(self, parts: bool = False) -> dict[str, float]:
+        return self.actor.device_memory(parts)
+
     def memory_stats(self) -> dict[str, float]:
         return self.actor.memory_stats()
 

@@ -353,6 +353,10 @@ class RayTrainerGroup:
         """Bring offloaded `parts` back on every rank; rank 0's bytes and seconds."""
         return self._all("onload", tuple(parts))
 
+    def device_memory(self, parts: bool = False) -> list[dict[str, float]]:
+        """Every rank's device memory, in rank order (see `TrainerActor.device_memory`)."""
+        return self._every("device_memory", parts)
+
     def memory_stats(self) -> dict[str, float]:
         """Rank 0's trainer memory (see `TrainerActor.memory_stats`)."""
         return self._all("memory_stats")

@@ -58,6 +58,11 @@ class TrainerRole(WeightSource, Protocol):
         """Bring offloaded `parts` back to every rank's device; rank 0's seconds and `<part>_bytes` of each part
         it moved (a resident part has none)."""
 
+    def device_memory(self, parts: bool = False) -> list[dict[str, float]]:
+        """Every rank's device memory, in rank order: free and total bytes (with `parts`, after its cached blocks
+        went back to the driver, also the bytes of its parameters and optimizer state resident now); an empty
+        dict for a rank on a CPU."""
+
     def memory_stats(self) -> dict[str, float]:
         """Rank 0's trainer state in compute memory (and on a GPU its peak since the last call, device use)."""
 

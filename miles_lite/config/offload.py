@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from miles_lite.config.fields import one_of
+
 
 @dataclass
 class OffloadConfig:
@@ -19,6 +21,11 @@ class OffloadConfig:
     # Megatron's optimizer CPU offload (any placement; GPU trainers, with trainer.use_distributed_optimizer):
     # the optimizer state lives in host memory for the whole run and the Adam step runs on the CPU.
     optimizer_cpu: bool = False
+    # always: the parts above leave every step. needed: the parameters and optimizer state leave only as far as the
+    # engines' memory needs: each rank measures what the engines free when they sleep and, at each push, keeps
+    # on the device what still leaves them that much free with room to spare (`run/handoff.py`), so a small model
+    # on a large card copies nothing.
+    when: str = one_of("always", "needed")
 
     def parts(self) -> tuple[str, ...]:
         """The parts switched on, in `OFFLOAD_PARTS` order."""

@@ -27,6 +27,12 @@ Who holds the device is a state machine:
   on the weights the engines resume on a trainer device, checked by each trainer rank against its free device
   memory once the gradients are freed; a rank without it waits for the copies and frees the optimizer state before
   the push. `time/offload_seconds` counts the host time of every offload call, the wait for those copies included.
+- `trainer.offload.when=needed` moves the parameters and optimizer state only as far as the engines need: each
+  rank reads its free device memory before and after the engines sleep (what they take back when they wake; the
+  most seen), and `prepare_push`, once the gradients are freed, picks the parts that leave (`parts_leaving`: the
+  optimizer state, then the parameters, until the engines' share and `SPARE_FRACTION` of the device fit). What stays
+  is neither staged nor copied, and needs no onload. The engines still start into the room (`System.start`
+  offloads every part first), so they size their pools as with `always`.
 
 With `colocated_memory=resident` (or disaggregated placement) every transition is a no-op and `push` is a
 plain weight push, so the driver runs one loop for all placements. Each step also reports the memory per
@@ -36,6 +42,7 @@ phase (`memory/<phase>_*`, see `TrainerRole.memory_stats`) when the roles are co
 from __future__ import annotations
 
 import enum
+import logging
 import math
 import time
 from typing import Any
@@ -48,6 +55,39 @@ from miles_lite.rollout.engine import MEMORY_TAGS
 from miles_lite.run.system import System
 from miles_lite.trainer.offload import OverlapRoom
 from miles_lite.weight_sync.coordinator import SyncReport
+
+logger = logging.getLogger(__name__)
+
+
+# With `trainer.offload.when=needed`: the share of a device's memory left free beside the woken engines for what
+# they allocate outside the pools they release asleep (logits, sampling buffers, prefill activations).
+SPARE_FRACTION = 1 / 8
+# The order kept parts leave in when the engines need room: the optimizer state first (the push never reads it),
+# then the parameters.
+LEAVING_ORDER = ("optimizer", "params")
+
+
+def parts_leaving(parts: tuple[str, ...], ranks: list[dict[str, float]],
+                  engines: list[float] | None) -> tuple[str, ...]:
+    """With `trainer.offload.when=needed`: which of the kept `parts` (`KEPT_PARTS`) leave the device this step.
+
+    Per rank (`ranks`: each one's `device_memory(parts=True)` now, the engines asleep), the engines take back
+    `engines[rank]` bytes when they wake (what they freed when they went to sleep) and `SPARE_FRACTION` of the
+    device stays free beside them; parts leave in `LEAVING_ORDER` until the rest fits. Every rank moves what any
+    rank needs moved (one plan for the gang). A rank without a measure (a CPU, or engines never seen asleep yet)
+    moves them all."""
+    kept = [p for p in LEAVING_ORDER if p in parts]
+    if engines is None or len(engines) != len(ranks) or any("free_bytes" not in r for r in ranks):
+        return tuple(p for p in parts if p in kept)
+    leaving: set[str] = set()
+    for room, need in zip(ranks, engines, strict=True):
+        short = need + SPARE_FRACTION * room["total_bytes"] - room["free_bytes"]
+        for part in kept:
+            if short <= 0:
+                break
+            leaving.add(part)
+            short -= room.get(f"{part}_bytes", 0.0)
+    return tuple(p for p in parts if p in leaving)
 
 
 class Holder(enum.Enum):
@@ -81,6 +121,12 @@ class Handoff:
         self.enabled = hands_off(system.cfg)
         self.colocated = system.cfg.cluster.placement == "colocated"
         self.parts = system.cfg.trainer.offload.parts()
+        # `trainer.offload.when=needed`: the parameters and optimizer state leave only as far as the engines need.
+        self.as_needed = system.cfg.trainer.offload.when == "needed"
+        # Per trainer rank: the most device memory the engines freed going to sleep (None: not measured yet).
+        self._engines_bytes: list[float] | None = None
+        # The parts that leave at this step's push (`prepare_push`): `parts`, less what stays as `as_needed` allows.
+        self._moving = self.parts
         # What the engines release to sleep (see the module docstring on adapter-only pushes).
         adapters_only = serves_adapters(system.cfg)
         self.sleep_tags = tuple(t for t in MEMORY_TAGS if t != "weights") if adapters_only else MEMORY_TAGS
@@ -120,9 +166,12 @@ class Handoff:
         if not self.enabled or self.holder is Holder.TRAINER:
             return
         assert self.system.fleet is not None and self.system.loop_thread is not None and self.system.trainer
+        awake = self.system.trainer.device_memory() if self.as_needed else None
         start = time.perf_counter()
         self.system.loop_thread.run(self.system.fleet.sleep(self.sleep_tags))
         self._add("engine_sleep", time.perf_counter() - start)
+        if awake is not None:
+            self._measure_engines(awake, self.system.trainer.device_memory())
         self._add("onload", self.system.trainer.onload(OFFLOAD_PARTS)["seconds"])
         self.holder = Holder.TRAINER
 
@@ -141,15 +190,43 @@ class Handoff:
         # The gradients freed before any copy is queued too: handing freed memory back to the driver waits for
         # every stream's work, the copies' included (0.1 s of the 0.5B's push on one H100).
         self._offload(tuple(p for p in self.parts if p in DROPPED_PARTS))
+        self._moving = self._plan()
         # The optimizer state's copies first: the engines' KV wake waits for them alone (`_finish_offload`).
-        for parts in (self._kept_before_push(), tuple(p for p in self.parts if p == "params")):
+        for parts in (self._kept_before_push(), tuple(p for p in self._moving if p == "params")):
             if parts:
                 self._add("offload", self.system.trainer.stage_offload(parts)["seconds"])
 
     def _kept_before_push(self) -> tuple[str, ...]:
         """The parts whose copies the push's offload takes before the engines wake: all kept but the parameters
         (the push reads them)."""
-        return tuple(p for p in self.parts if p in KEPT_PARTS and p != "params")
+        return tuple(p for p in self._moving if p in KEPT_PARTS and p != "params")
+
+    def _measure_engines(self, awake: list[dict[str, float]], asleep: list[dict[str, float]]) -> None:
+        """What the engines freed on each trainer rank's device going to sleep (what they take back when they
+        wake); the most seen per rank, so a step some engines missed (dead, replaced later) never lowers it."""
+        if not all("free_bytes" in r for r in (*awake, *asleep)):
+            return
+        freed = [max(0.0, b["free_bytes"] - a["free_bytes"]) for a, b in zip(awake, asleep, strict=True)]
+        seen = self._engines_bytes or [0.0] * len(freed)
+        self._engines_bytes = [max(x, y) for x, y in zip(seen, freed, strict=True)]
+
+    def _plan(self) -> tuple[str, ...]:
+        """The parts that leave at this step's push: `trainer.offload.*`, less what stays on the device under
+        `trainer.offload.when=needed` (`parts_leaving`); a change of plan is logged."""
+        kept = tuple(p for p in self.parts if p in KEPT_PARTS)
+        if not self.as_needed or not kept:
+            return self.parts
+        assert self.system.trainer is not None
+        ranks = self.system.trainer.device_memory(parts=True)
+        leaving = parts_leaving(kept, ranks, self._engines_bytes)
+        plan = tuple(p for p in self.parts if p not in kept or p in leaving)
+        if plan != self._moving and self._engines_bytes is not None and ranks and "free_bytes" in ranks[0]:
+            stay = [p for p in kept if p not in leaving]
+            logger.info("hand-off (trainer.offload.when=needed): %s while the engines generate (rank 0: %.1f GiB "
+                        "free, the engines take %.1f GiB of %.1f GiB)",
+                        f"{', '.join(stay)} stay on the device" if stay else "every kept part leaves",
+                        ranks[0]["free_bytes"] / 2**30, self._engines_bytes[0] / 2**30, ranks[0]["total_bytes"] / 2**30)
+        return plan
 
     def push(self, version: int) -> tuple[SyncReport, float]:
         """Push the trainer's weights as `version` (`System.push_weights`), handing the device to the engines
@@ -175,7 +252,7 @@ class Handoff:
             report.phases = {"probe_trainer": probe_s, **report.phases}
             seconds += probe_s
         self._add("engine_wake", self.system.pusher.wake_seconds)
-        self._offload(tuple(p for p in self.parts if p == "params"))
+        self._offload(tuple(p for p in self._moving if p == "params"))
         self.holder = Holder.ENGINES
         return report, seconds
 

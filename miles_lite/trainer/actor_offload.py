@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from miles_lite.config.offload import OFFLOAD_PARTS
-from miles_lite.trainer.offload import OverlapRoom, memory_stats
+from miles_lite.trainer.offload import OverlapRoom, device_memory, memory_stats
 
 
 class ActorOffload:
@@ -39,6 +39,12 @@ class ActorOffload:
         """Bring offloaded `parts` back to the device; bytes and seconds."""
         self._require_ready()
         return self.offloader.onload(parts).report()
+
+    def device_memory(self, parts: bool = False) -> dict[str, float]:
+        """This rank's device memory, free and total (with `parts`, also the bytes of the parts a checkpoint holds
+        resident now); nothing on a CPU (`offload.device_memory`)."""
+        self._require_ready()
+        return device_memory(self.offloader, self.policy.device, parts)
 
     def memory_stats(self, reset_peak: bool = True) -> dict[str, float]:
         """Trainer state in compute memory; on a GPU also the peak allocation since the last call (`offload.py`)."""

@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from miles_lite.config.offload import DROPPED_PARTS, OFFLOAD_PARTS
+from miles_lite.config.offload import DROPPED_PARTS, KEPT_PARTS, OFFLOAD_PARTS
 
 
 class PartState(enum.Enum):
@@ -448,6 +448,19 @@ def actor_offload(actor: Any) -> TrainerOffload:
         return optimizer_tensors(actor.optimizer, weights(), actor.guard)
 
     return TrainerOffload({"params": params, "grads": grads, "optimizer": optimizer})
+
+
+def device_memory(offload: TrainerOffload, device: torch.device, parts: bool) -> dict[str, float]:
+    """The device's free and total bytes (`free_bytes`, `total_bytes`; nothing on a CPU, which has no device memory
+    to share); with `parts`, after the trainer's cached blocks go back to the driver, also `<part>_bytes` of each
+    part a checkpoint holds (`KEPT_PARTS`) resident now."""
+    if device.type != "cuda":
+        return {}
+    if parts:
+        torch.cuda.empty_cache()  # free memory the caching allocator holds is the engines' to take
+    free, total = torch.cuda.mem_get_info(device)
+    out = {"free_bytes": float(free), "total_bytes": float(total)}
+    return {**out, **{f"{p}_bytes": float(offload.part_bytes(p)) for p in KEPT_PARTS}} if parts else out
 
 
 def memory_stats(offload: TrainerOffload, device: torch.device, reset_peak: bool) -> dict[str, float]:

@@ -44,6 +44,7 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
         # As a hand-off prepares its push: the gradients freed, the optimizer state and the parameters staged; a
         # checkpoint saved then writes those copies, and the offload takes them.
         out["dropped"] = actor.offload(("grads",))
+        out["device_memory"] = actor.device_memory(parts=True)  # what trainer.offload.when=needed plans with
         out["staged"] = actor.stage_offload(("optimizer", "params"))
         ckpt = RankCheckpointer(cfg.checkpoint, cfg.model)
         ckpt.prepare(actor, staged=True)  # as a hand-off's trainer rank starts: no host buffers reserved

@@ -23,6 +23,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 def test_offload_frees_every_part_and_the_state_round_trips_exactly(runs: dict[str, Any], precision: str) -> None:
     off = runs[precision]["offloaded"]
     assert off["freed"] and off["grads_freed"] and off["resident_while_offloaded"] == 0.0
+    assert off["device_memory"] == {}  # a CPU has no device memory to share: trainer.offload.when=needed moves all
     moved = {**off["dropped"], **off["moved"]}  # the gradients went first, as a hand-off frees them
     assert moved["params_bytes"] > 0 and moved["grads_bytes"] > 0 and moved["optimizer_bytes"] > 0
     # Parameters staged before the step were dropped by its update, staged again after it and offloaded from those

@@ -230,7 +230,8 @@ def test_schema_choices_match_the_algorithms_they_name() -> None:
     assert allowed["weight_sync.lora"] == {"adapter", "merged", "tensors"}
     assert allowed["rollout.plugin_pool"] == {"threads", "processes"}
     assert allowed["rollout.session_divergence"] == {"refuse", "branch"}
-    assert len(allowed) == 28
+    assert allowed["trainer.offload.when"] == {"always", "needed"}
+    assert len(allowed) == 29
 
 
 def test_a_value_outside_the_schema_choices_names_field_and_choices() -> None:

@@ -3,20 +3,19 @@ build the same bookkeeping), the order the hand-off runs it in around a push, an
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from fake_rollout_engine import FakeEngine, TensorTransport
+from handoff_fakes import handoff_of
 
 from miles_lite.config.compose import load_config
 from miles_lite.config.schema import FaultToleranceConfig
 from miles_lite.rollout.fleet import EngineFleet, EngineHandle
 from miles_lite.rollout.sync_api import EventLoopThread
-from miles_lite.run.handoff import Handoff, overlap_room
+from miles_lite.run.handoff import overlap_room
 from miles_lite.trainer import offload as offload_module
 from miles_lite.trainer.offload import (
     OVERLAP_MARGIN,
@@ -219,76 +218,8 @@ def test_the_room_rule() -> None:
 # ---- the hand-off's order around a push -----------------------------------------------------------------
 
 
-class _FakeTrainer:
-    def __init__(self, log: list[str], room: bool) -> None:
-        self.log, self.room, self.rooms = log, room, []
-
-    def offload(self, parts: tuple[str, ...], room: OverlapRoom | None = None) -> dict[str, float]:
-        self.rooms.append(room)
-        deferred = room is not None and self.room and "optimizer" in parts
-        self.log.append(f"offload {','.join(parts)}{' (in flight)' if deferred else ''}")
-        out = {"seconds": 0.25}
-        return out if room is None else {**out, "deferred": float(deferred)}
-
-    def stage_offload(self, parts: tuple[str, ...]) -> dict[str, float]:
-        self.log.append(f"stage {','.join(parts)}")
-        return {"seconds": 0.0625}
-
-    def finish_offload(self) -> dict[str, float]:
-        self.log.append("settle")
-        return {"seconds": 0.5}
-
-    def onload(self, parts: tuple[str, ...]) -> dict[str, float]:
-        self.log.append("onload")
-        return {"seconds": 0.0}
-
-
-class _FakePusher:
-    """What `FleetPusher.push` does to sleeping engines, in order."""
-
-    def __init__(self, log: list[str], fail: bool = False) -> None:
-        self.log, self.fail, self.wake_seconds = log, fail, 0.0
-
-    def push(self, before_wake: Callable[[], None] | None) -> str:
-        self.log += ["wake weights", "load"]
-        if self.fail:
-            raise RuntimeError("the engines refused the load")
-        if before_wake is not None:
-            before_wake()
-        self.log.append("wake kv cache")
-        self.wake_seconds = 0.125
-        return "report"
-
-
-class _FakeFleet:
-    def __init__(self, log: list[str]) -> None:
-        self.log = log
-
-    async def sleep(self, tags: tuple[str, ...]) -> None:
-        self.log.append("engines sleep")
-
-
-def _handoff(room: bool, fail: bool = False) -> tuple[Handoff, list[str], _FakeTrainer]:
-    log: list[str] = []
-    cfg = load_config(["cluster.placement=colocated"])
-    trainer, pusher = _FakeTrainer(log, room), _FakePusher(log, fail)
-
-    def push_weights(version: int, before_wake: Callable[[], None] | None = None) -> tuple[str, float]:
-        return pusher.push(before_wake), 1.0
-
-    def score_trainer_probe(version: str) -> float:
-        log.append(f"score probe {version}")
-        return 0.0
-
-    sync = SimpleNamespace(score_trainer_probe=score_trainer_probe)
-    system = SimpleNamespace(cfg=cfg, offloaded_at_start=cfg.trainer.offload.parts(), trainer=trainer, pusher=pusher,
-                             fleet=_FakeFleet(log), loop_thread=SimpleNamespace(run=asyncio.run),
-                             push_weights=push_weights, sync=sync)
-    return Handoff(system), log, trainer  # type: ignore[arg-type]
-
-
 def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wakes() -> None:
-    handoff, log, trainer = _handoff(room=True)
+    handoff, log, trainer = handoff_of(room=True)
     assert handoff.push(3) == ("report", 1.0)
     # The probe's trainer scores come first: their read-back would wait behind the offload's copies. The optimizer
     # state's copies are queued before the parameters': the KV cache's wake waits for those alone.
@@ -303,7 +234,7 @@ def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wa
 
 
 def test_without_room_the_optimizer_leaves_before_the_push() -> None:
-    handoff, log, _ = _handoff(room=False)
+    handoff, log, _ = handoff_of(room=False)
     handoff.push(3)
     assert log == ["engines sleep", "onload", "score probe 3", "offload grads", "stage optimizer", "stage params",
                    "offload optimizer", "wake weights", "load", "wake kv cache", "offload params"]
@@ -314,7 +245,7 @@ def test_without_room_the_optimizer_leaves_before_the_push() -> None:
 def test_the_push_prepared_before_a_checkpoint_scores_and_stages_nothing_again() -> None:
     """The driver prepares the push once the optimizer step is done and before a checkpoint (which writes the
     staged copies); the push then only takes them. A push for another version prepares anew."""
-    handoff, log, _ = _handoff(room=True)
+    handoff, log, _ = handoff_of(room=True)
     handoff.prepare_push(3)
     assert log == ["engines sleep", "onload", "score probe 3", "offload grads", "stage optimizer", "stage params"]
     log.clear()
@@ -328,7 +259,7 @@ def test_the_push_prepared_before_a_checkpoint_scores_and_stages_nothing_again()
 
 
 def test_a_push_that_fails_before_the_kv_wake_still_settles_the_offload() -> None:
-    handoff, log, _ = _handoff(room=True, fail=True)
+    handoff, log, _ = handoff_of(room=True, fail=True)
     with pytest.raises(RuntimeError, match="refused the load"):
         handoff.push(3)
     assert log[-3:] == ["wake weights", "load", "settle"] and log.count("settle") == 1
