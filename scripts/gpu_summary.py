@@ -20,7 +20,8 @@ TRANSITIONS = ("offload", "engine_sleep", "onload", "engine_wake")
 
 
 # The GRPO parts of scripts/gpu_checks.sh (benchmarks/grpo_steps.py results).
-GRPO_RUNS = ("colocated-0.5b", "colocated-7b", "lora-7b", "lora-7b-merged", "lora-7b-tensors", "resident-0.5b")
+GRPO_RUNS = ("colocated-0.5b", "colocated-0.5b-kept", "colocated-7b", "lora-7b", "lora-7b-merged", "lora-7b-tensors",
+             "resident-0.5b")
 
 
 def _load(path: Path) -> dict[str, Any] | None:
@@ -151,8 +152,8 @@ def grpo_table(out: Path) -> list[str]:
         if not rep or not rep.get("spread"):
             continue
         if not lines:
-            lines = ["| run | steps | step s | generate | train | sync | transitions s | transitions / step |",
-                     "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            lines = ["| run | steps | step s | generate | train | sync | transitions s | transitions / step | "
+                     "trainer state while generating, GiB |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         sp = rep["spread"]
         rows = rep.get("steps", [])[-sp.get("step_s", {}).get("n", 0):] if sp.get("step_s") else []
         shares = sorted(sum(float(r.get(f"{t}_s") or 0.0) for t in TRANSITIONS) / float(r["step_s"])
@@ -161,7 +162,8 @@ def grpo_table(out: Path) -> list[str]:
         share = f"{shares[len(shares) // 2]:.1%} ({shares[0]:.1%}-{shares[-1]:.1%})" if shares else "-"
         seconds = f"{moved[len(moved) // 2]:.2f}" if moved else "-"
         lines.append(f"| {name} ({rep.get('status', '?')}) | {len(rep.get('steps', []))} | {_mmm(sp, 'step_s')} | "
-                     f"{_mmm(sp, 'generate')} | {_mmm(sp, 'train')} | {_mmm(sp, 'sync')} | {seconds} | {share} |")
+                     f"{_mmm(sp, 'generate')} | {_mmm(sp, 'train')} | {_mmm(sp, 'sync')} | {seconds} | {share} | "
+                     f"{_mmm(sp, 'generate_state_gib')} |")
     return lines
 
 

@@ -93,6 +93,22 @@ def test_the_push_phases_reach_the_row_the_spread_and_the_sitting_summary(tmp_pa
     assert "| colocated-0.5b | load | 0.200 (0.100-0.300) |" in table
 
 
+def test_the_sitting_summary_says_what_the_trainer_kept_while_the_engines_generated(tmp_path: Path) -> None:
+    from grpo_steps import spread, step_row
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+    from gpu_summary import grpo_table
+
+    records = [{"step": s, "time/sync_seconds": 0.2, "time/offload_seconds": 0.01,
+                "memory/generate_trainer_state_bytes": 6.5 * 2**30} for s in (1, 2, 3)]
+    rows = [{**step_row(m), "step_s": 5.0} for m in records]
+    (tmp_path / "colocated-0.5b-kept.json").write_text(json.dumps({"status": "done", "steps": rows,
+                                                                    "spread": spread(rows)}))
+    header, _, row = grpo_table(tmp_path)
+    assert header.endswith("| trainer state while generating, GiB |")
+    assert row.startswith("| colocated-0.5b-kept (done) | 3 |") and row.endswith("| 6.50 (6.50-6.50) |")
+
+
 def test_guard_table_merges_one_file_per_precision(tmp_path, monkeypatch):
     """The guard part runs each precision in a process of its own; the summary shows every precision's row."""
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "scripts"))
