@@ -92,3 +92,17 @@ def test_colocated_handoff_loop_and_its_transitions(tmp_path: Path) -> None:
         events = [event for event, _ in itertools.groupby(events)]  # a version may land in several buckets
         assert events == ["released memory", "resumed memory ['weights']", "Weight version updated to",
                           "resumed memory ['kv_cache'"] * 4, (log.name, events)
+
+
+def test_offload_when_needed_runs_through_the_real_roles(tmp_path: Path) -> None:
+    """`trainer.offload.when=needed` through `miles-lite train`: the trainer's ranks answer the hand-off's memory
+    questions; a CPU has no device memory to share, so every part moves as with `always` (what stays on a GPU is
+    measured by `scripts/gpu_checks.sh colocated-0.5b-kept`)."""
+    rows = _train(tmp_path / "needed", "trainer.offload.when=needed", "checkpoint.interval=1")
+    assert [r["step"] for r in rows] == [1, 2]
+    for row in rows:
+        assert row["time/offload_seconds"] > 0.0 and row["sync/probe_logp_diff_max"] < 1e-5
+        assert row["memory/generate_trainer_state_bytes"] == 0.0 < row["memory/train_trainer_state_bytes"]
+    from miles_lite.checkpoint import newest_complete
+
+    assert newest_complete(tmp_path / "needed" / "colo" / "checkpoints") is not None
