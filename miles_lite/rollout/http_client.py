@@ -43,6 +43,8 @@ _FINISH_TYPES = ("stop", "length", "abort")
 
 # Seconds an idle keep-alive connection is kept: below the servers' own idle timeout (SGLang: 5 s).
 CLIENT_KEEPALIVE_S = 3.0
+# SGLang's refusal (HTTP 400) of a request whose id it is serving already.
+DUPLICATE_RID = "Duplicate request ID"
 
 def reported_input_id(token_id: int, vocab_size: int | None) -> int:
     """The id SGLang reports in `input_token_logprobs` for input id `token_id` (see the module docstring)."""
@@ -111,10 +113,20 @@ class HttpEngine:
                 # A pooled connection the server closed while this request went out on it (seen on one H100
                 # with 256 requests at once, the keep-alive limit notwithstanding): the server never took the
                 # request, so it goes once more, on a new connection of its own (the pool may hold more the
-                # server has closed). A server that is gone fails the second try too.
+                # server has closed). A server that is gone fails the second try too; one that had taken it
+                # refuses the second try's request id.
                 async with aiohttp.ClientSession(headers=self._headers,
                                                  connector=aiohttp.TCPConnector(force_close=True)) as fresh:
-                    text = await self._send(fresh, method, path, payload, timeout_s)
+                    try:
+                        text = await self._send(fresh, method, path, payload, timeout_s)
+                    except EngineError as exc:
+                        if DUPLICATE_RID not in str(exc):
+                            raise
+                        # The server had taken the first try after all (it dropped the connection mid-request:
+                        # a stalled or dying server): the engine's fault, not the request's (no HTTP 400 to blame).
+                        raise EngineError(f"{self.engine_id} {path}: ServerDisconnectedError: the server dropped "
+                                          "the connection of a request it had taken (its second try was refused "
+                                          "as a duplicate)") from exc
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise EngineError(f"{self.engine_id} {path}: {type(exc).__name__}: {exc}") from exc
         if not expect_json:

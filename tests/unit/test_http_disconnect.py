@@ -11,6 +11,7 @@ from aiohttp import web
 
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.http_client import HttpEngine
+from miles_lite.types import SamplingParams
 from tests.unit.local_http import serve_routes
 
 
@@ -84,3 +85,38 @@ def test_the_second_try_goes_out_on_a_new_connection_not_another_pooled_one() ->
     assert len(pooled) == 2
     assert len(dropped) == 1 and dropped[0] in pooled  # the first try went out on a pooled connection
     assert ports == 3  # the second on a new one
+
+
+def test_a_request_the_server_took_before_dropping_the_connection_fails_as_the_engines_fault() -> None:
+    """A stalled or dying server that took the first try and then dropped its connection refuses the second try
+    as a duplicate of the request id it still serves (SGLang: HTTP 400): that is the engine's failure, so the
+    error carries no HTTP 400 the rollout manager would blame the request for."""
+    from miles_lite.rollout.manager import _BAD_REQUEST
+
+    async def main() -> str:
+        serving: set[str] = set()
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            rid = (await request.json())["rid"]
+            if rid in serving:
+                return web.json_response({"error": {"message": f"Duplicate request ID detected: {rid}"}},
+                                         status=400)
+            serving.add(rid)
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(0.05)
+            return web.json_response({})
+
+        runner, url = await serve_routes({("POST", "/generate"): generate})
+        engine = HttpEngine("e0", url)
+        try:
+            with pytest.raises(EngineError) as caught:
+                await engine.generate([1, 2, 3], SamplingParams(max_new_tokens=4), rid="r1-p0-s0-7")
+            return str(caught.value)
+        finally:
+            await engine.close()
+            await runner.cleanup()
+
+    error = asyncio.run(main())
+    assert error.startswith("e0 /generate: ServerDisconnectedError: the server dropped the connection of a request")
+    assert not _BAD_REQUEST.search(error)
