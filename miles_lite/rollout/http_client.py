@@ -46,6 +46,7 @@ CLIENT_KEEPALIVE_S = 3.0
 # SGLang's refusal (HTTP 400) of a request whose id it is serving already.
 DUPLICATE_RID = "Duplicate request ID"
 
+
 def reported_input_id(token_id: int, vocab_size: int | None) -> int:
     """The id SGLang reports in `input_token_logprobs` for input id `token_id` (see the module docstring)."""
     return 0 if vocab_size is not None and token_id == vocab_size - 1 else token_id
