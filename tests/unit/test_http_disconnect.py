@@ -120,3 +120,51 @@ def test_a_request_the_server_took_before_dropping_the_connection_fails_as_the_e
     error = asyncio.run(main())
     assert error.startswith("e0 /generate: ServerDisconnectedError: the server dropped the connection of a request")
     assert not _BAD_REQUEST.search(error)
+
+
+def test_a_rollout_whose_engine_drops_requests_it_took_finishes_on_the_other_engine() -> None:
+    """The rollout manager over a real engine client whose server takes each request, drops the connection and
+    refuses the retry as a duplicate (a stalled SGLang being ended), beside a healthy engine: the samples go to
+    the healthy one and the rollout completes, where the refusal used to end it as a bad request."""
+    from fake_rollout_engine import FakeEngine
+
+    from miles_lite.config.schema import FaultToleranceConfig, RolloutConfig
+    from miles_lite.data.gsm8k import MathProblem
+    from miles_lite.rollout.fleet import EngineFleet, EngineHandle
+    from miles_lite.rollout.manager import RolloutManager
+    from tests.unit.local_http import ok
+
+    async def main() -> tuple[int, dict[str, int], int]:
+        serving: set[str] = set()
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            rid = (await request.json())["rid"]
+            if rid in serving:
+                return web.json_response({"error": {"message": f"Duplicate request ID detected: {rid}"}},
+                                         status=400)
+            serving.add(rid)
+            assert request.transport is not None
+            request.transport.close()
+            await asyncio.sleep(0.05)
+            return web.json_response({})
+
+        runner, url = await serve_routes({("POST", "/generate"): generate, ("GET", "/health_generate"): ok})
+        ft = FaultToleranceConfig(health_interval_s=60.0, health_timeout_s=2.0, failure_threshold=2,
+                                  max_engine_restarts=0, request_retries=3)
+        fleet = EngineFleet(ft, max_inflight_per_engine=8)
+        dropping, healthy = HttpEngine("e0", url), FakeEngine("b", delay_s=0.001)
+        await fleet.add_engine(EngineHandle(dropping), version="0")
+        await fleet.add_engine(EngineHandle(healthy), version="0")
+        manager = RolloutManager(fleet, RolloutConfig(group_size=4, max_new_tokens=6, request_timeout_s=5.0), ft,
+                                 decode=lambda ids: " ".join(map(str, ids)), seed=7)
+        try:
+            prompts = [(i, [1, 2, 3 + i], MathProblem(f"q{i}", f"#### {i}", float(i), (1.0,))) for i in range(4)]
+            groups = await manager.generate_groups(prompts)
+            return sum(len(g.samples) for g in groups), manager.last_stats.engines_used, len(serving)
+        finally:
+            await fleet.close()
+            await runner.cleanup()
+
+    samples, used, dropped = asyncio.run(main())
+    assert samples == 16 and used == {"b": 16}
+    assert dropped >= 1  # the dropping engine took requests, and none of them ended the rollout
