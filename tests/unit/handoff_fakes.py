@@ -19,8 +19,9 @@ class FakeDevice:
 
     def __init__(self, total: float, engines: float, parts: dict[str, float], fixed: float = 2.0) -> None:
         self.total, self.engines, self.parts, self.fixed = total, engines, parts, fixed
+        # A run starts with the trainer's parts offloaded and the engines generating.
         self.awake = True
-        self.resident = set(parts)
+        self.resident: set[str] = set()
 
     def free(self) -> float:
         used = self.fixed + sum(self.parts[p] for p in self.resident) + (self.engines if self.awake else 0.0)
@@ -101,12 +102,10 @@ class FakeFleet:
 def handoff_of(room: bool, fail: bool = False, overrides: tuple[str, ...] = (),
                device: FakeDevice | None = None) -> tuple[Handoff, list[str], FakeTrainer]:
     """A hand-off over the fakes (`device`: the memory they share), its log and its trainer; `overrides` of the
-    config; it starts as a run does, the trainer's parts offloaded and the engines generating."""
+    config."""
     log: list[str] = []
     cfg = load_config(["cluster.placement=colocated", *overrides])
     trainer, pusher = FakeTrainer(log, room, device), FakePusher(log, fail, device)
-    if device is not None:
-        device.resident.clear()
 
     def push_weights(version: int, before_wake: Callable[[], None] | None = None) -> tuple[str, float]:
         return pusher.push(before_wake), 1.0

@@ -5,6 +5,7 @@ it (a pooled keep-alive connection closed under it), and names the engine when a
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -87,6 +88,23 @@ def test_the_second_try_goes_out_on_a_new_connection_not_another_pooled_one() ->
     assert ports == 3  # the second on a new one
 
 
+def _taking_then_dropping(serving: set[str]) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """A `/generate` of a stalled SGLang being ended: it takes each request (its id into `serving`) and drops the
+    connection unanswered, and refuses a second try of an id it serves as SGLang does (HTTP 400)."""
+
+    async def generate(request: web.Request) -> web.StreamResponse:
+        rid = (await request.json())["rid"]
+        if rid in serving:
+            return web.json_response({"error": {"message": f"Duplicate request ID detected: {rid}"}}, status=400)
+        serving.add(rid)
+        assert request.transport is not None
+        request.transport.close()
+        await asyncio.sleep(0.05)
+        return web.json_response({})
+
+    return generate
+
+
 def test_a_request_the_server_took_before_dropping_the_connection_fails_as_the_engines_fault() -> None:
     """A stalled or dying server that took the first try and then dropped its connection refuses the second try
     as a duplicate of the request id it still serves (SGLang: HTTP 400): that is the engine's failure, so the
@@ -95,18 +113,7 @@ def test_a_request_the_server_took_before_dropping_the_connection_fails_as_the_e
 
     async def main() -> str:
         serving: set[str] = set()
-
-        async def generate(request: web.Request) -> web.StreamResponse:
-            rid = (await request.json())["rid"]
-            if rid in serving:
-                return web.json_response({"error": {"message": f"Duplicate request ID detected: {rid}"}},
-                                         status=400)
-            serving.add(rid)
-            assert request.transport is not None
-            request.transport.close()
-            await asyncio.sleep(0.05)
-            return web.json_response({})
-
+        generate = _taking_then_dropping(serving)
         runner, url = await serve_routes({("POST", "/generate"): generate})
         engine = HttpEngine("e0", url)
         try:
@@ -136,18 +143,7 @@ def test_a_rollout_whose_engine_drops_requests_it_took_finishes_on_the_other_eng
 
     async def main() -> tuple[int, dict[str, int], int]:
         serving: set[str] = set()
-
-        async def generate(request: web.Request) -> web.StreamResponse:
-            rid = (await request.json())["rid"]
-            if rid in serving:
-                return web.json_response({"error": {"message": f"Duplicate request ID detected: {rid}"}},
-                                         status=400)
-            serving.add(rid)
-            assert request.transport is not None
-            request.transport.close()
-            await asyncio.sleep(0.05)
-            return web.json_response({})
-
+        generate = _taking_then_dropping(serving)
         runner, url = await serve_routes({("POST", "/generate"): generate, ("GET", "/health_generate"): ok})
         ft = FaultToleranceConfig(health_interval_s=60.0, health_timeout_s=2.0, failure_threshold=2,
                                   max_engine_restarts=0, request_retries=3)
