@@ -6,7 +6,7 @@
 # Parts: versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs lora
 # combinations (optimizer CPU offload with a resume, LoRA with FP8, the hand-off with FP8),
 # and, not in the default list, the colocated hand-off ones (colocated-0.5b colocated-0.5b-kept resident-0.5b
-# colocated-7b lora-7b lora-7b-merged lora-7b-tensors) and
+# colocated-7b colocated-7b-kept lora-7b lora-7b-merged lora-7b-tensors) and
 # the RL step against the bare megatron-core step at the recipe's shape, with RoPE fused (the default on THD
 # rows) and unfused (speed-recipe speed-recipe-unfused).
 # (`contract` is the engine contract alone, one small engine; `engine` adds the weight pushes at 0.5B.)
@@ -92,7 +92,7 @@ part() {
 # speed-recipe: FP8 alone took 262 s on an H100 (20 interleaved rounds and the profiles); bf16 and FP8 together
 # need about twice that.
 declare -A sitting_limit=([versions]=60 [rollout]=480 [rollout-default]=150 [recipe]=420 [speed-recipe]=540
-                          [colocated-0.5b]=420 [colocated-0.5b-kept]=420 [colocated-7b]=330
+                          [colocated-0.5b]=420 [colocated-0.5b-kept]=420 [colocated-7b]=330 [colocated-7b-kept]=330
                           [lora-7b-merged]=330 [lora-7b]=330 [lora-7b-tensors]=330 [guard-7b]=240
                           [trainer-offload]=120 [agent]=300 [combinations]=480 [auth]=240 [moe]=300 [contract]=300)
 part_limit() {
@@ -233,6 +233,9 @@ print('open files (ulimit -Sn / -Hn): $(ulimit -Sn) / $(ulimit -Hn)')" ;;
                      --out "$out/resident-0.5b.json" ;;
     colocated-7b) grpo_part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
                     --steps 3 --skip 1 --out "$out/colocated-7b.json" ;;
+    # The 7B hand-off moving only what the engines need: the optimizer state leaves, the parameters stay.
+    colocated-7b-kept) grpo_part colocated-7b-kept "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \
+                         --steps 3 --skip 1 --out "$out/colocated-7b-kept.json" trainer.offload.when=needed ;;
     lora) lora_parts ;;
     # The 7B LoRA parts spend the memory LoRA saves on speed: no activation recompute (the full-parameter step
     # recomputes because its optimizer state fills the device) and the frozen base stays on the device while
@@ -249,8 +252,8 @@ print('open files (ulimit -Sn / -Hn): $(ulimit -Sn) / $(ulimit -Hn)')" ;;
                        --skip 1 --no-recompute --offload grads --out "$out/lora-7b-tensors.json" trainer.lora.rank=16 trainer.lora.alpha=32 \
                        weight_sync.lora=tensors ;;
     *) echo "unknown part $p (versions unit engine contract auth moe multiturn agent trainer recipe guard-0.5b guard-7b prefill-graphs" \
-            "lora combinations colocated-0.5b colocated-0.5b-kept resident-0.5b colocated-7b lora-7b lora-7b-merged lora-7b-tensors" \
-            "speed-recipe" \
+            "lora combinations colocated-0.5b colocated-0.5b-kept resident-0.5b colocated-7b colocated-7b-kept lora-7b lora-7b-merged" \
+            "lora-7b-tensors speed-recipe" \
             "speed-recipe-unfused rollout rollout-default trainer-offload; or the preset: sitting)"
        failed=$((failed + 1)) ;;
   esac

@@ -20,8 +20,8 @@ TRANSITIONS = ("offload", "engine_sleep", "onload", "engine_wake")
 
 
 # The GRPO parts of scripts/gpu_checks.sh (benchmarks/grpo_steps.py results).
-GRPO_RUNS = ("colocated-0.5b", "colocated-0.5b-kept", "colocated-7b", "lora-7b", "lora-7b-merged", "lora-7b-tensors",
-             "resident-0.5b")
+GRPO_RUNS = ("colocated-0.5b", "colocated-0.5b-kept", "colocated-7b", "colocated-7b-kept", "lora-7b", "lora-7b-merged",
+             "lora-7b-tensors", "resident-0.5b")
 
 
 def _load(path: Path) -> dict[str, Any] | None:
