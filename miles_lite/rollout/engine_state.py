@@ -139,6 +139,8 @@ class EngineRecord:
     in_weight_update: bool = False
     request_failures: int = 0
     requests_served: int = 0
+    # `requests_served` when the last health round began: an engine that served since is alive unprobed.
+    served_at_check: int = 0
     # Requests the engine runs at once (from its server info); None = unknown.
     capacity: int | None = None
     # Memory tags the engine has released (sleeping while any is); see `rollout.engine.MEMORY_TAGS`.

@@ -367,11 +367,20 @@ class EngineFleet(FleetMemory, FleetMembership):
     async def check_health(self) -> None:
         """Probe every healthy or stale engine once (concurrently) and apply the failure threshold.
 
+        An engine that completed a request since the last round began is alive without a probe. SGLang's
+        `/health_generate` answers a second after it is sent at the earliest, and a colocated engine's sleep
+        waits for the probes in flight (each a generation on the engine): probing engines that had just
+        served put up to a second into about a third of a hand-off's engine sleeps, right after generation.
         A probe failing while the engine completes a request passes: a saturated engine (or this client's
         busy loop: the timeout runs from submission) answers late, yet the request proves it alive."""
-        served = {id(r): r.requests_served for r in self.records}
+        live = [r for r in self.records if r.state in LIVE and not r.in_weight_update]
+        served = {id(r): r.requests_served for r in live}
+        busy = {id(r) for r in live if r.requests_served > r.served_at_check}
+        for rec in live:
+            rec.served_at_check = rec.requests_served
         timeout_s = self.cfg.health_timeout_s
-        checked = await probe_live([r for r in self.records if not r.in_weight_update], timeout_s)
+        checked = await probe_live([r for r in live if id(r) not in busy], timeout_s)
+        checked += [(r, True) for r in live if id(r) in busy and r.state in LIVE]
         alive = {id(rec): rec for rec, ok in checked
                  if ok or rec.requests_served > served.get(id(rec), rec.requests_served)}
         restarted = {id(rec) for rec in await restarted_among(list(alive.values()), timeout_s)}

@@ -40,6 +40,7 @@ class FakeEngine:
         # Memory tags released (sleeping while any is), and every control call in order (for ordering tests).
         self.released: set[str] = set()
         self.log: list[str] = []
+        self.health_probes = 0
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams, *, rid: str | None = None) -> Generation:
         self.calls.append((rid, list(input_ids), sampling))
@@ -72,6 +73,7 @@ class FakeEngine:
         return [-(t % 5) / 10 for t in input_ids[prompt_len:]]
 
     async def health(self, timeout_s: float) -> bool:
+        self.health_probes += 1
         if self.mode == "dead":
             raise ConnectionRefusedError(f"{self.url}: connection refused")
         if self.mode == "hang":

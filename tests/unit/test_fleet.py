@@ -190,8 +190,32 @@ def test_a_late_health_answer_from_an_engine_completing_requests_is_no_failure()
         await fleet.release(lease, ok=True)  # a request completes meanwhile
         await check
         assert rec.state is S.HEALTHY and rec.health_failures == 0
-        await fleet.check_health()  # no request completes during this one: it counts
+        probes = rec.engine.health_probes  # type: ignore[attr-defined]
+        await fleet.check_health()  # it served since the last round began: alive, not probed
+        assert rec.state is S.HEALTHY and rec.engine.health_probes == probes  # type: ignore[attr-defined]
+        await fleet.check_health()  # nothing served since: the probe counts
         assert rec.state is S.DEAD
+        await fleet.close()
+
+    asyncio.run(main())
+
+
+def test_an_engine_that_served_since_the_last_round_is_not_probed():
+    """SGLang's `/health_generate` takes a second at least, and a colocated engine's sleep waits for the probes
+    in flight: a round right after generation leaves the engines that just served alone."""
+    async def main() -> None:
+        fleet = EngineFleet(_ft(failure_threshold=1), Launcher())
+        a, b = await fleet.launch(2)
+        lease = await fleet.acquire()
+        served = a if lease.engine_id == a.engine_id else b
+        idle = b if served is a else a
+        probes = {r.engine_id: r.engine.health_probes for r in (a, b)}  # type: ignore[attr-defined]
+        await fleet.release(lease, ok=True)
+        await fleet.check_health()
+        assert served.engine.health_probes == probes[served.engine_id]  # type: ignore[attr-defined]
+        assert idle.engine.health_probes == probes[idle.engine_id] + 1  # type: ignore[attr-defined]
+        await fleet.sleep()  # no probe in flight for the release to wait for
+        assert served.state is S.SLEEPING and idle.state is S.SLEEPING
         await fleet.close()
 
     asyncio.run(main())
