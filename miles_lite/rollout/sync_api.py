@@ -8,6 +8,7 @@ training loop can call `generate_groups(...)` like a function.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import enum
 import threading
 from collections.abc import Coroutine, Sequence
@@ -59,11 +60,15 @@ class EventLoopThread:
         `relay`: while waiting, serve the fleet's requests to push the current weights to stale engines
         (for waits on a rollout; see `miles_lite.rollout.starvation`).
         """
+        fut = self.submit(coro)
+        return fut.result(timeout_s) if relay is None else relay.wait(fut, timeout_s)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start `coro` on the loop without waiting; its future (`result()` waits and re-raises)."""
         if self.state is not LoopState.RUNNING:
             coro.close()
             raise RuntimeError(f"event loop thread {self.name} is {self.state.value}, not running")
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        return fut.result(timeout_s) if relay is None else relay.wait(fut, timeout_s)
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Cancel leftover tasks, stop the loop and join the thread (idempotent)."""

@@ -14,8 +14,8 @@ Who holds the device is a state machine:
   that push only LoRA adapters keep the engines' weights: their base never changes, and SGLang's memory saver
   drops released weights (no host copy), so an adapter-only push after the wake would leave the engine
   computing with garbage;
-- `push`: once the step's optimizer step is done (`prepare_push`, before a checkpoint) the trainer scores the
-  push's probe (`sync/phase_probe_trainer_seconds`), frees its gradient buffers, and queues the copies of its
+- `push`: once the step's optimizer step is done (`prepare_push`, before a checkpoint) the trainer frees its
+  gradient buffers, scores the push's probe (`sync/phase_probe_trainer_seconds`), and queues the copies of its
   optimizer state, then of its parameters, to host memory while both stay on the device; a checkpoint saved then
   writes those copies instead of copying the same bytes again. The push offloads the optimizer state (its copies
   taken), resumes the engines' weights, loads the new version and resumes their KV cache
@@ -31,8 +31,10 @@ Who holds the device is a state machine:
   rank reads its free device memory before and after the engines sleep (what they take back when they wake; the
   most seen), and `prepare_push`, once the gradients are freed, picks the parts that leave (`parts_leaving`: the
   optimizer state, then the parameters, until the engines' share and `SPARE_FRACTION` of the device fit). What stays
-  is neither staged nor copied, and needs no onload. The engines still start into the room (`System.start`
-  offloads every part first), so they size their pools as with `always`.
+  is neither staged nor copied, and needs no onload. Where every kept part stays, the engines' room is free as
+  soon as the gradients are: their weights resume then, under the trainer's probe scoring and the checkpoint,
+  and the push finds them resumed (`wake_weights` is then the wait for that resume). The engines still start
+  into the room (`System.start` offloads every part first), so they size their pools as with `always`.
 
 With `colocated_memory=resident` (or disaggregated placement) every transition is a no-op and `push` is a
 plain weight push, so the driver runs one loop for all placements. Each step also reports the memory per
@@ -45,6 +47,7 @@ import enum
 import logging
 import math
 import time
+from concurrent.futures import Future
 from typing import Any
 
 from miles_lite.config.colocation import hands_off
@@ -140,6 +143,8 @@ class Handoff:
         self._memory: dict[str, float] = {}
         # The version `prepare_push` scored the trainer's probe for, and the seconds it took.
         self._probe: tuple[int, float] | None = None
+        # The engines' weights resuming since `prepare_push` (`_wake_weights_early`): the seconds it takes.
+        self._waking: Future[float] | None = None
 
     def _add(self, name: str, seconds: float) -> None:
         self._seconds[name] = self._seconds.get(name, 0.0) + seconds
@@ -184,17 +189,35 @@ class Handoff:
             return
         assert self.system.sync is not None and self.system.trainer is not None
         self.for_training()
-        # The trainer's side of the push's verification, before any copy is queued: its read-back would wait
-        # behind them in the device-to-host queue (0.12 s for the 0.5B's 7 GB on one H100).
-        self._probe = (version, self.system.sync.score_trainer_probe(str(version)))
-        # The gradients freed before any copy is queued too: handing freed memory back to the driver waits for
+        # The gradients freed before any copy is queued: handing freed memory back to the driver waits for
         # every stream's work, the copies' included (0.1 s of the 0.5B's push on one H100).
         self._offload(tuple(p for p in self.parts if p in DROPPED_PARTS))
         self._moving = self._plan()
+        self._wake_weights_early()
+        # The trainer's side of the push's verification, before any copy is queued too: its read-back would wait
+        # behind them in the device-to-host queue (0.12 s for the 0.5B's 7 GB on one H100).
+        self._probe = (version, self.system.sync.score_trainer_probe(str(version)))
         # The optimizer state's copies first: the engines' KV wake waits for them alone (`_finish_offload`).
         for parts in (self._kept_before_push(), tuple(p for p in self._moving if p == "params")):
             if parts:
                 self._add("offload", self.system.trainer.stage_offload(parts)["seconds"])
+
+    def _wake_weights_early(self) -> None:
+        """With `trainer.offload.when=needed`, once the plan keeps every kept part on the device (so the engines'
+        share fits beside it now): the engines' weights start resuming, on the rollout loop, while the trainer
+        scores the probe and saves; `push` waits for them. Their KV cache still wakes after the load."""
+        if (not self.as_needed or self._engines_bytes is None or "weights" not in self.sleep_tags
+                or any(p in KEPT_PARTS for p in self._moving)):
+            return
+        assert self.system.fleet is not None and self.system.loop_thread is not None
+        fleet = self.system.fleet
+
+        async def wake() -> float:
+            start = time.perf_counter()
+            await fleet.wake(["weights"])
+            return time.perf_counter() - start
+
+        self._waking = self.system.loop_thread.submit(wake())
 
     def _kept_before_push(self) -> tuple[str, ...]:
         """The parts whose copies the push's offload takes before the engines wake: all kept but the parameters
@@ -240,6 +263,7 @@ class Handoff:
             self.prepare_push(version)  # a push from `both` (warm-up, resume) puts the engines to sleep first
         assert self._probe is not None
         probe_s, self._probe = self._probe[1], None
+        waited = self._join_wake()
         rest = self._kept_before_push()
         if rest:  # the staged copies taken; the parameters stay on the device: the push reads them
             self._leaving = self._offload(rest, self.room)["deferred"] > 0.0
@@ -251,10 +275,23 @@ class Handoff:
         if probe_s:  # the push's first phase, and part of its seconds
             report.phases = {"probe_trainer": probe_s, **report.phases}
             seconds += probe_s
+        if waited is not None:  # the weights resumed since `prepare_push`: the push waited only for the rest
+            report.phases["wake_weights"] = report.phases.get("wake_weights", 0.0) + waited
+            seconds += waited
         self._add("engine_wake", self.system.pusher.wake_seconds)
         self._offload(tuple(p for p in self._moving if p == "params"))
         self.holder = Holder.ENGINES
         return report, seconds
+
+    def _join_wake(self) -> float | None:
+        """The seconds spent waiting for the weights `_wake_weights_early` resumes (None: it did not); their
+        resume's own seconds join `time/engine_wake_seconds`."""
+        if self._waking is None:
+            return None
+        waking, self._waking = self._waking, None
+        start = time.perf_counter()
+        self._add("engine_wake", waking.result())
+        return time.perf_counter() - start
 
     def _finish_offload(self) -> None:
         """The offload copies left in flight landed and their memory freed, once (before the engines' KV wake)."""

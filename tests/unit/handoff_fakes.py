@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from concurrent.futures import Future
 from types import SimpleNamespace
+from typing import Any, TypeVar
 
 from miles_lite.config.compose import load_config
 from miles_lite.run.handoff import Handoff
 from miles_lite.trainer.offload import OverlapRoom
 
 GIB = float(1 << 30)
+T = TypeVar("T")
 
 
 class FakeDevice:
@@ -68,35 +71,59 @@ class FakeTrainer:
 
 
 class FakePusher:
-    """What `FleetPusher.push` does to sleeping engines, in order."""
+    """What `FleetPusher.push` does to sleeping engines, in order (their weights resumed first, unless they are)."""
 
-    def __init__(self, log: list[str], fail: bool = False, device: FakeDevice | None = None) -> None:
-        self.log, self.fail, self.wake_seconds, self.device = log, fail, 0.0, device
+    def __init__(self, log: list[str], fleet: FakeFleet, fail: bool = False, device: FakeDevice | None = None) -> None:
+        self.log, self.fleet, self.fail, self.wake_seconds, self.device = log, fleet, fail, 0.0, device
         # The device's free GiB as the engines' KV cache woke (None: no device).
         self.free_at_wake: float | None = None
 
-    def push(self, before_wake: Callable[[], None] | None) -> str:
-        self.log += ["wake weights", "load"]
+    def push(self, before_wake: Callable[[], None] | None) -> SimpleNamespace:
+        if "weights" in self.fleet.released:
+            self.fleet.released.discard("weights")
+            self.log.append("wake weights")
+        self.log.append("load")
         if self.fail:
             raise RuntimeError("the engines refused the load")
         if before_wake is not None:
             before_wake()
         self.log.append("wake kv cache")
+        self.fleet.released.clear()
         if self.device is not None:
             self.device.awake = True
             self.free_at_wake = self.device.free()
         self.wake_seconds = 0.125
-        return "report"
+        return SimpleNamespace(phases={"load": 0.5})
 
 
 class FakeFleet:
     def __init__(self, log: list[str], device: FakeDevice | None = None) -> None:
         self.log, self.device = log, device
+        self.released: set[str] = set()
 
     async def sleep(self, tags: tuple[str, ...]) -> None:
         self.log.append("engines sleep")
+        self.released = set(tags)
         if self.device is not None:
             self.device.awake = False
+
+    async def wake(self, tags: list[str]) -> None:
+        """The hand-off's early resume of the engines' weights (what the pusher does otherwise)."""
+        assert tags == ["weights"] and "weights" in self.released
+        self.released.discard("weights")
+        self.log.append("wake weights (early)")
+
+
+class FakeLoopThread:
+    """The rollout loop's thread: `run` waits; `submit` runs at once (the log keeps the order asked)."""
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        return asyncio.run(coro)
+
+    def submit(self, coro: Coroutine[Any, Any, T]) -> Future[T]:
+        done: Future[T] = Future()
+        done.set_result(asyncio.run(coro))
+        return done
 
 
 def handoff_of(room: bool, fail: bool = False, overrides: tuple[str, ...] = (),
@@ -105,9 +132,10 @@ def handoff_of(room: bool, fail: bool = False, overrides: tuple[str, ...] = (),
     config."""
     log: list[str] = []
     cfg = load_config(["cluster.placement=colocated", *overrides])
-    trainer, pusher = FakeTrainer(log, room, device), FakePusher(log, fail, device)
+    fleet = FakeFleet(log, device)
+    trainer, pusher = FakeTrainer(log, room, device), FakePusher(log, fleet, fail, device)
 
-    def push_weights(version: int, before_wake: Callable[[], None] | None = None) -> tuple[str, float]:
+    def push_weights(version: int, before_wake: Callable[[], None] | None = None) -> tuple[SimpleNamespace, float]:
         return pusher.push(before_wake), 1.0
 
     def score_trainer_probe(version: str) -> float:
@@ -116,6 +144,6 @@ def handoff_of(room: bool, fail: bool = False, overrides: tuple[str, ...] = (),
 
     sync = SimpleNamespace(score_trainer_probe=score_trainer_probe)
     system = SimpleNamespace(cfg=cfg, offloaded_at_start=cfg.trainer.offload.parts(), trainer=trainer, pusher=pusher,
-                             fleet=FakeFleet(log, device), loop_thread=SimpleNamespace(run=asyncio.run),
+                             fleet=fleet, loop_thread=FakeLoopThread(),
                              push_weights=push_weights, sync=sync)
     return Handoff(system), log, trainer  # type: ignore[arg-type]

@@ -145,6 +145,21 @@ def test_a_push_to_sleeping_engines_resumes_weights_then_pushes_then_resumes_the
         engines.run(a.update_weights_from_tensor([], None, "2"))
 
 
+def test_a_push_to_engines_whose_weights_resumed_ahead_resumes_only_their_kv_cache(pushing):
+    """The hand-off with `trainer.offload.when=needed` resumes the weights before the push (`Handoff`): the
+    engines stay asleep (no request, no health probe reaches them) until the push has loaded and woken the rest."""
+    engines, fleet, pusher, a, b = pushing
+    engines.run(fleet.sleep())
+    engines.run(fleet.wake(["weights"]))
+    assert [r.state for r in fleet.records] == [S.SLEEPING, S.SLEEPING]
+    report = pusher.push({}, "1")
+    assert report.push.engines == ("a", "b")
+    for engine in (a, b):
+        assert engine.log == ["release weights,kv_cache,cuda_graph", "resume weights", "update_weights",
+                              "resume kv_cache,cuda_graph"]
+    assert [r.state for r in fleet.records] == [S.HEALTHY, S.HEALTHY] and fleet.current_version == "1"
+
+
 def test_a_push_leaves_out_an_engine_whose_address_answers_from_a_new_process(pushing):
     # A pod recreated under its name before a health check noticed: healthy by every probe, but serving
     # its initial weights and in no weight-update group. The push must not wait on it.

@@ -43,13 +43,16 @@ def test_the_rule_moves_the_optimizer_first_then_the_parameters_as_far_as_the_en
 
 def test_on_a_device_with_room_nothing_is_copied_and_the_state_stays_while_the_engines_generate(caplog) -> None:
     """0.5B-like: the engines take 30 of 80 GiB, the trainer's state 6: after the first step's sleep measured the
-    engines, the push stages and offloads nothing but the gradients, and the engines wake with room to spare."""
+    engines, the push stages and offloads nothing but the gradients, and the engines wake with room to spare.
+    Their weights start resuming as soon as the plan is made (the room is free then), ahead of the trainer's probe
+    scoring and any checkpoint; the push waits for that resume rather than asking for it."""
     device = FakeDevice(total=80.0, engines=30.0, parts={"params": 2.0, "optimizer": 4.0})
     handoff, log, _ = handoff_of(room=True, overrides=NEEDED, device=device)
     with caplog.at_level(logging.INFO, logger="miles_lite.run.handoff"):
-        handoff.push(1)
-    assert log == ["engines sleep", "onload", "score probe 1", "offload grads", "wake weights", "load",
+        report, _ = handoff.push(1)
+    assert log == ["engines sleep", "onload", "offload grads", "wake weights (early)", "score probe 1", "load",
                    "wake kv cache"]
+    assert "wake_weights" in report.phases  # the push's wait for the early resume
     assert device.resident == {"params", "optimizer"} and device.awake
     assert handoff.system.pusher.free_at_wake == 80.0 - 2.0 - 6.0 - 30.0
     assert "params, optimizer stay on the device" in caplog.text and "the engines take 30.0 GiB" in caplog.text
@@ -61,7 +64,7 @@ def test_on_a_device_with_room_nothing_is_copied_and_the_state_stays_while_the_e
     handoff.for_generation()
     with caplog.at_level(logging.INFO, logger="miles_lite.run.handoff"):
         handoff.push(2)
-    assert log == ["engines sleep", "onload", "score probe 2", "offload grads", "wake weights", "load",
+    assert log == ["engines sleep", "onload", "offload grads", "wake weights (early)", "score probe 2", "load",
                    "wake kv cache"]
     assert "stay on the device" not in caplog.text
 
@@ -71,7 +74,7 @@ def test_where_the_engines_need_more_the_optimizer_leaves_and_the_parameters_sta
     device = FakeDevice(total=80.0, engines=60.0, parts={"params": 4.0, "optimizer": 12.0})
     handoff, log, _ = handoff_of(room=False, overrides=NEEDED, device=device)
     handoff.push(1)
-    assert log == ["engines sleep", "onload", "score probe 1", "offload grads", "stage optimizer",
+    assert log == ["engines sleep", "onload", "offload grads", "score probe 1", "stage optimizer",
                    "offload optimizer", "wake weights", "load", "wake kv cache"]
     assert device.resident == {"params"}
     assert handoff.system.pusher.free_at_wake >= SPARE_FRACTION * 80.0
@@ -81,8 +84,8 @@ def test_where_the_engines_need_it_all_everything_leaves_as_always() -> None:
     device = FakeDevice(total=80.0, engines=70.0, parts={"params": 4.0, "optimizer": 12.0})
     handoff, log, _ = handoff_of(room=False, overrides=NEEDED, device=device)
     handoff.push(1)
-    assert log[3:] == ["offload grads", "stage optimizer", "stage params", "offload optimizer", "wake weights",
-                       "load", "wake kv cache", "offload params"]
+    assert log[2:] == ["offload grads", "score probe 1", "stage optimizer", "stage params", "offload optimizer",
+                       "wake weights", "load", "wake kv cache", "offload params"]
     assert device.resident == set()
 
 

@@ -220,11 +220,12 @@ def test_the_room_rule() -> None:
 
 def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wakes() -> None:
     handoff, log, trainer = handoff_of(room=True)
-    assert handoff.push(3) == ("report", 1.0)
-    # The probe's trainer scores come first: their read-back would wait behind the offload's copies. The optimizer
-    # state's copies are queued before the parameters': the KV cache's wake waits for those alone.
-    # The gradients are freed before any copy is queued (freeing device memory waits for every stream's work).
-    assert log == ["engines sleep", "onload", "score probe 3", "offload grads", "stage optimizer", "stage params",
+    report, seconds = handoff.push(3)
+    assert report.phases == {"load": 0.5} and seconds == 1.0
+    # The gradients are freed before any copy is queued (freeing device memory waits for every stream's work), and
+    # the probe's trainer scores are taken before any too: their read-back would wait behind the offload's copies.
+    # The optimizer state's copies are queued before the parameters': the KV cache's wake waits for those alone.
+    assert log == ["engines sleep", "onload", "offload grads", "score probe 3", "stage optimizer", "stage params",
                    "offload optimizer (in flight)", "wake weights", "load", "settle", "wake kv cache", "offload params"]
     assert trainer.rooms == [None, handoff.room, None] and handoff.room.weights_scale == 2.0
     stats = handoff.stats()
@@ -236,7 +237,7 @@ def test_with_room_the_optimizer_offload_overlaps_the_push_until_the_kv_cache_wa
 def test_without_room_the_optimizer_leaves_before_the_push() -> None:
     handoff, log, _ = handoff_of(room=False)
     handoff.push(3)
-    assert log == ["engines sleep", "onload", "score probe 3", "offload grads", "stage optimizer", "stage params",
+    assert log == ["engines sleep", "onload", "offload grads", "score probe 3", "stage optimizer", "stage params",
                    "offload optimizer", "wake weights", "load", "wake kv cache", "offload params"]
     stats = handoff.stats()
     assert stats["time/offload_seconds"] == 0.875 and stats["time/offload_overlapped"] == 0.0
@@ -247,7 +248,7 @@ def test_the_push_prepared_before_a_checkpoint_scores_and_stages_nothing_again()
     staged copies); the push then only takes them. A push for another version prepares anew."""
     handoff, log, _ = handoff_of(room=True)
     handoff.prepare_push(3)
-    assert log == ["engines sleep", "onload", "score probe 3", "offload grads", "stage optimizer", "stage params"]
+    assert log == ["engines sleep", "onload", "offload grads", "score probe 3", "stage optimizer", "stage params"]
     log.clear()
     handoff.push(3)
     assert log == ["offload optimizer (in flight)", "wake weights", "load", "settle", "wake kv cache",
@@ -255,7 +256,7 @@ def test_the_push_prepared_before_a_checkpoint_scores_and_stages_nothing_again()
     handoff.prepare_push(4)
     log.clear()
     handoff.push(5)  # not what was prepared: the trainer's probe scores were for version 4
-    assert log[:4] == ["score probe 5", "offload grads", "stage optimizer", "stage params"]
+    assert log[:4] == ["offload grads", "score probe 5", "stage optimizer", "stage params"]
 
 
 def test_a_push_that_fails_before_the_kv_wake_still_settles_the_offload() -> None:
