@@ -1,6 +1,7 @@
 """What the SGLang launcher (`engines.sglang.launch`) sets in its own process before SGLang starts, which SGLang's
-processes inherit: the open-files soft limit raised to what SGLang asks for (or the hard limit), and SGLang's crash
-diagnostics off unless the user set them (every engine stop paid their 5 s pause)."""
+processes inherit: the open-files soft limit raised to what SGLang asks for (or the hard limit), SGLang's crash
+diagnostics off unless the user set them (every engine stop paid their 5 s pause), and the trainer's packages kept
+out of its processes (SGLang imported megatron.core and TransformerEngine in each where they were installed)."""
 
 from __future__ import annotations
 
@@ -114,3 +115,54 @@ def test_the_launcher_sets_both_before_sglang_is_imported(tmp_path: Path) -> Non
     assert seen["soft"] == (OPEN_FILES_WANTED if hard == resource.RLIM_INFINITY else min(hard, OPEN_FILES_WANTED))
     seen = _in_subprocess(code, {**env, "SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1"})
     assert seen["env"] == {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "1", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+
+# SGLang's `launch_server` as far as this matters: it spawns its scheduler (multiprocessing's spawn, as SGLang does),
+# which imports megatron.core where it is installed (SGLang's debug dumper's plugin).
+_SPAWNING_HTTP_SERVER = """
+import json
+import multiprocessing as mp
+
+
+def _tries_megatron(answers):
+    try:
+        from megatron.core import parallel_state  # noqa: F401
+        answers.put("imported")
+    except ImportError as exc:
+        answers.put(f"ImportError: {exc}")
+
+
+def launch_server(server_args):
+    ctx = mp.get_context("spawn")
+    answers = ctx.Queue()
+    child = ctx.Process(target=_tries_megatron, args=(answers,))
+    child.start()
+    seen = {"scheduler": answers.get(timeout=120)}
+    child.join()
+    _tries_megatron(answers)
+    seen["launcher"] = answers.get(timeout=10)
+    print(json.dumps(seen), flush=True)
+"""
+
+
+def test_the_engine_processes_never_import_the_trainers_megatron(tmp_path: Path) -> None:
+    pytest.importorskip("megatron.core")  # installed beside SGLang, as in one image for both roles
+    pkg = tmp_path / "sglang" / "srt"
+    (pkg / "entrypoints").mkdir(parents=True)
+    for package in (tmp_path / "sglang", pkg, pkg / "entrypoints"):
+        (package / "__init__.py").write_text("")
+    (pkg / "server_args.py").write_text(_FAKE_SERVER_ARGS)
+    (pkg / "entrypoints" / "http_server.py").write_text(_SPAWNING_HTTP_SERVER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[2])])}
+    done = subprocess.run([sys.executable, "-m", "miles_lite.engines.sglang.launch", "--model-path", "/m"],
+                          capture_output=True, text=True, timeout=180, env=env, check=True)
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["launcher"].startswith("ImportError") and seen["scheduler"].startswith("ImportError"), seen
+    # The driver imports the launcher's module too (to build engine commands): megatron stays importable there.
+    imported = _in_subprocess("""
+        import json
+        import miles_lite.engines.sglang.launch
+        from megatron.core import parallel_state
+        print(json.dumps({"ok": True}))
+    """)
+    assert imported == {"ok": True}

@@ -15,8 +15,9 @@ stays unset here: the warmup reads the arguments through a view that adds the ke
 `execute_warmup_func`, 0.5.17 on). A release without that parameter skips its warmup instead; readiness is
 `/health_generate` (a generation) either way.
 
-Before SGLang starts, the launcher also raises the open-files soft limit (`raise_open_files_limit`) and turns off
-SGLang's crash diagnostics unless the user asks for them (`quiet_engine_stops`).
+Before SGLang starts, the launcher also raises the open-files soft limit (`raise_open_files_limit`), turns off
+SGLang's crash diagnostics unless the user asks for them (`quiet_engine_stops`), and keeps the trainer's packages
+out of the engine's processes (`keep_out_trainer_packages`).
 """
 
 from __future__ import annotations
@@ -45,6 +46,11 @@ OPEN_FILES_WANTED = 65535
 # SGLang (0.5.17: both default true) reads these when its main process takes a child's exit for a crash, then
 # sleeps 5 s before a py-spy dump and a CUDA coredump (`TokenizerManager.dump_requests_before_crash`).
 CRASH_DIAGNOSTICS_OFF = {"SGLANG_PYSPY_DUMP_BEFORE_CRASH": "0", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH": "0"}
+
+# Packages of the trainer's stack an engine never uses, which SGLang imports where they are installed beside it
+# (one image for both roles): its model runner imports its debug dumper, whose Megatron plugin imports
+# megatron.core, and with it TransformerEngine, in every engine process at start-up.
+NOT_FOR_ENGINES = ("megatron",)
 
 Scope = dict[str, Any]
 Asgi = Callable[[Scope, Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]], Awaitable[None]]
@@ -120,6 +126,15 @@ def quiet_engine_stops(environ: MutableMapping[str, str]) -> None:
         environ.setdefault(name, value)
 
 
+def keep_out_trainer_packages(modules: MutableMapping[str, Any]) -> None:
+    """Make importing `NOT_FOR_ENGINES` fail with ImportError in this process (`modules`: its `sys.modules`), as
+    where they are not installed: SGLang's optional users of them (the dumper's plugin) then skip them. Leaves a
+    package already imported alone."""
+    for name in NOT_FOR_ENGINES:
+        if name not in modules:
+            modules[name] = None  # `import name` raises ModuleNotFoundError
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse, check the key, then run SGLang's server in this process (returns when it stops)."""
     # Before SGLang is imported or starts its children: they inherit both.
@@ -189,5 +204,9 @@ def launch_keyed(http_server: Any, server_args: Any, key: str) -> int:
     return 0
 
 
+# The launcher's process, and the children SGLang spawns from it (multiprocessing's spawn runs this module again
+# in each, as `__mp_main__`, before anything of SGLang's): not where the driver imports this module.
+if __name__ in ("__main__", "__mp_main__"):
+    keep_out_trainer_packages(sys.modules)
 if __name__ == "__main__":
     sys.exit(main())
