@@ -17,6 +17,7 @@ from miles_lite.config.views import EngineFleetConfig
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted, read_engine_list
 from miles_lite.engines.launcher import EngineLauncher
+from miles_lite.engines.process_stacks import write_stacks
 from miles_lite.formats.chat import resolve_chat_template
 from miles_lite.net.api_key import ApiKey
 from miles_lite.plugins import PluginPool, load_sync_fn
@@ -30,12 +31,14 @@ from miles_lite.rollout.prestarted import PrestartPool
 from miles_lite.rollout.routing import RoutingLayout
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 
+logger = logging.getLogger(__name__)
+
 
 def fleet_launcher(launcher: EngineLauncher, stop_grace_s: float = 10.0) -> Launcher:
     """The fleet's `launcher(index, incarnation)` over `EngineLauncher.start/stop`.
 
     The handle's `pid` is the server process (what a fault-injection test SIGKILLs); `stop` ends
-    its whole process group.
+    its whole process group; `diagnose` writes its processes' stacks beside its log (`<engine>.<n>.stacks.txt`).
     """
 
     async def launch(index: int, incarnation: int) -> EngineHandle:
@@ -44,7 +47,17 @@ def fleet_launcher(launcher: EngineLauncher, stop_grace_s: float = 10.0) -> Laun
         async def stop() -> None:
             await launcher.stop(launched, stop_grace_s)
 
-        return EngineHandle(launched.client, stop=stop, pid=launched.process.pid)
+        async def diagnose(why: str) -> None:
+            pid = launched.process.pid
+            if pid is None:
+                return
+            path = Path(launched.process.log_path).with_suffix(".stacks.txt")
+            await write_stacks(pid, path, f"engine {launched.client.engine_id} (slot {index}, start {incarnation}) "
+                                          f"declared dead: {why}")
+            logger.warning("engine %s declared dead (%s); what its processes were doing: %s",
+                           launched.client.engine_id, why, path)
+
+        return EngineHandle(launched.client, stop=stop, pid=launched.process.pid, diagnose=diagnose)
 
     return launch
 
@@ -231,7 +244,7 @@ def chat_template_of(cfg: EngineFleetConfig, tokenizer: Any) -> Any:
         cfg.rollout.chat_template, tokenizer, cfg.model_arch, tiny=cfg.tiny_model,
         tokenize=lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"]))
     if warning:
-        logging.getLogger(__name__).warning("%s", warning)
+        logger.warning("%s", warning)
     return template
 
 

@@ -59,6 +59,9 @@ class EngineHandle:
     pid: int | None = None
     # Where the server runs (a `cluster.engine_actor.EngineLocation` on Ray; None for a local child).
     location: object | None = None
+    # diagnose(why): records what the server's processes are doing (their stacks), asked by the fleet before it
+    # stops an engine it declared dead (a hung one still runs); None: nothing to record.
+    diagnose: Callable[[str], Awaitable[object]] | None = None
 
     @property
     def local_child(self) -> bool:

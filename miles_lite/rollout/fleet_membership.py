@@ -27,6 +27,7 @@ class FleetMembership:
     _set_state: Callable[[EngineRecord, EngineState, str], None]
     _after_death: Callable[[EngineRecord], None]
     _stop_engine: Callable[[EngineRecord], Awaitable[None]]
+    _diagnose: Callable[[EngineRecord], Awaitable[None]]
     _notify: Callable[[], Awaitable[None]]
     by_id: Callable[[str | RolloutEngine | EngineRecord], EngineRecord]
 
@@ -65,6 +66,7 @@ class FleetMembership:
         await asyncio.gather(*(self._replace(r) for r in self.records if r.state is EngineState.DEAD))
 
     async def _replace(self, rec: EngineRecord) -> None:
+        await self._diagnose(rec)
         while rec.state is EngineState.DEAD and not self._closed:
             if self.launcher is None or self.restarts >= self.cfg.max_engine_restarts:
                 logger.warning("engine slot %d stays dead: restarts used %d/%d", rec.index, self.restarts,

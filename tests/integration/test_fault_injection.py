@@ -171,6 +171,35 @@ def test_faulty_engine_requests_are_retried_on_the_survivor(
     asyncio.run(main())
 
 
+@pytest.mark.slow
+def test_a_hung_engine_declared_dead_leaves_its_processes_stacks_beside_its_log(
+        shared: LaunchedEngine, models: tuple[str, str], tmp_path: Path) -> None:
+    """A hung engine's log says nothing of where it waits: before the fleet stops it, its processes' stacks
+    (py-spy) go to `<engine>.<n>.stacks.txt` beside its log, taken while it still runs."""
+    async def main() -> None:
+        hung = EngineLauncher(_rollout(fail_mode="hang", fail_after=0), models[0], str(tmp_path / "logs"))
+        fleet = await _fleet_with_victim(shared, hung, _ft())
+        victim = fleet.records[1]
+        pid = victim.handle.pid
+        mgr = RolloutManager(fleet, _rollout(request_timeout_s=4.0), fleet.cfg, seed=5)
+        try:
+            groups = await asyncio.wait_for(mgr.generate_groups(PROMPTS[:2]), 120.0)
+            assert [len(g.samples) for g in groups] == [GROUP, GROUP]
+            assert await fleet.wait_for(lambda: victim.handle.stop is None, 90.0), "the dead engine was not stopped"
+        finally:
+            await fleet.close()
+        [stacks] = (tmp_path / "logs").glob("*.stacks.txt")
+        assert (stacks.parent / stacks.name.replace(".stacks.txt", ".log")).is_file()
+        text = stacks.read_text()
+        first = text.splitlines()[0]
+        assert first.startswith("engine reference-1 (slot 1, start 0) declared dead: ") and "health check" in first
+        [line] = [ln for ln in text.splitlines() if ln.startswith(f"pid {pid} ")]
+        assert "(state S)" in line or "(state R)" in line, line  # alive when looked at
+        assert f"==== pid {pid} " in text and "Python stacks" in text and "MainThread" in text, text
+
+    asyncio.run(main())
+
+
 def test_abort_mid_rollout_resumes_partials_under_new_weights(shared: LaunchedEngine, models: tuple[str, str]) -> None:
     async def main() -> None:
         fleet = EngineFleet(_ft(), max_inflight_per_engine=16)

@@ -196,8 +196,9 @@ def test_a_failed_health_check_mid_pass_takes_the_engines_stacks(monkeypatch: py
     py_spy.write_text(f'#!/bin/sh\necho "$*" >> {calls}\n: > {released}\n'
                       'echo "Thread 7 (idle): \\"MainThread\\""\necho "    event_loop_overlap (scheduler.py:812)"\n')
     py_spy.chmod(0o755)
-    # Found where `pip install --target DIR` puts it: DIR/bin, DIR on sys.path.
+    # Found where `pip install --target DIR` puts it: DIR/bin, DIR on sys.path (none on PATH or beside python).
     monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "python"))
     monkeypatch.setattr(sys, "path", [*sys.path, str(tmp_path)])
     assert engine_processes.find_py_spy() == str(py_spy)
     # Round 1's direct pass at 4 requests (calls 5-8) stalls (a request completing meanwhile passes a check).
