@@ -103,8 +103,8 @@ part_limit() {
 }
 
 # A GRPO part: its run (engines' logs among its files) under a temporary directory of its own; whatever the
-# part's end (a failure, its time bound), the logs come back flattened into OUT_DIR/<part>.logs/, the last
-# 20 MiB of each.
+# part's end (a failure, its time bound), the logs (and a dead engine's stacks) come back flattened into
+# OUT_DIR/<part>.logs/, the last 20 MiB of each.
 grpo_part() {
   local name=$1
   shift
@@ -112,7 +112,7 @@ grpo_part() {
   tmp=$(mktemp -d "/tmp/gpu-checks-$name.XXXX")
   TMPDIR=$tmp part "$name" "$@" || rc=1
   mkdir -p "$out/$name.logs"
-  find "$tmp" -name '*.log' -type f | while read -r f; do
+  find "$tmp" \( -name '*.log' -o -name '*.stacks.txt' \) -type f | while read -r f; do
     tail -c 20M "$f" > "$out/$name.logs/$(realpath --relative-to="$tmp" "$f" | tr / _)"
   done
   return $rc
