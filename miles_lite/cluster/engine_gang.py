@@ -148,7 +148,16 @@ class RolloutGang:
         async def stop() -> None:
             await self.stop(slot, actor)
 
-        return EngineHandle(client, stop=stop, pid=location.pid, location=location)
+        async def diagnose(why: str) -> None:
+            title = (f"engine {location.engine_id} (slot {slot}, start {incarnation}) on {location.node_address} "
+                     f"declared dead: {why}")
+            report = await asyncio.wrap_future(actor.stacks.remote(title).future())
+            path = Path(self.log_dir) / f"{location.engine_id}.{incarnation}.stacks.txt"
+            path.write_text(report)
+            logger.warning("engine %s declared dead (%s); what its processes were doing: %s", location.engine_id,
+                           why, path)
+
+        return EngineHandle(client, stop=stop, pid=location.pid, location=location, diagnose=diagnose)
 
     def _record(self, location: EngineLocation) -> None:
         self.locations.append(location)

@@ -53,7 +53,7 @@ from miles_lite.rollout.fleet_memory import FleetMemory
 logger = logging.getLogger(__name__)
 
 # Seconds a dead engine's diagnosis (`EngineHandle.diagnose`: its processes' stacks) may hold up its replacement.
-DIAGNOSE_TIMEOUT_S = 60.0
+DIAGNOSE_TIMEOUT_S = 30.0
 
 __all__ = ["TRANSITIONS", "EngineFleet", "EngineHandle", "EngineLease", "EngineRecord", "EngineState", "FleetAsleep",
            "FleetExhausted", "IllegalTransition", "Launcher", "Transition"]

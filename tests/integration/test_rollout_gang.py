@@ -137,6 +137,11 @@ def test_engines_run_on_the_rollout_node_and_a_killed_one_is_replaced_there(clus
         assert urlsplit(p["url"]).hostname == ROLLOUT_IP, p
     assert placements[-1]["pid"] != victim["pid"]
     assert "rollout gang: engine" in driver_log
+    # What the dead engine's processes were doing, looked at on its node by its actor before the fleet stopped it.
+    stacks = (run / "logs" / f"{victim['engine_id']}.0.stacks.txt").read_text()
+    assert stacks.startswith(f"engine {victim['engine_id']} (slot {victim['slot']}, start 0) on {ROLLOUT_IP} "
+                             "declared dead: "), stacks
+    assert f"process group of pid {victim['pid']}" in stacks, stacks
     # The engines joined the weight-update group at the trainer rank 0 node's address.
     engine_logs = "".join(f.read_text(errors="replace") for f in (run / "logs").glob("reference-*.log"))
     joined = re.findall(r"weight-update group \S+ at ([^\s:]+):\d+", engine_logs)
