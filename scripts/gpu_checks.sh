@@ -173,14 +173,20 @@ lora_parts() {
 
 for p in "${parts[@]}"; do
   case $p in
-    # Also the shell's open-files limits, which engines start under (SGLang holds a descriptor per connection).
+    # Also the shell's open-files limits, which engines start under (SGLang holds a descriptor per connection), and
+    # whether Python may write compiled modules and reads them for SGLang's (each process compiling what it
+    # imports from source is start-up time of every engine and trainer).
     versions) part versions "$py" -c "
-import importlib.metadata as md, sys, torch
+import importlib.metadata as md, os, sys, torch
 print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name())
 for d in ('sglang', 'transformer_engine', 'megatron-core', 'transformers', 'flashinfer-python'):
     try: print(d, md.version(d))
     except md.PackageNotFoundError: print(d, 'absent here')
-print('open files (ulimit -Sn / -Hn): $(ulimit -Sn) / $(ulimit -Hn)')" ;;
+print('open files (ulimit -Sn / -Hn): $(ulimit -Sn) / $(ulimit -Hn)')
+import sglang.srt.server_args as m
+print('bytecode: dont_write', sys.flags.dont_write_bytecode, 'PYTHONDONTWRITEBYTECODE', os.environ.get('PYTHONDONTWRITEBYTECODE'),
+      'pycache_prefix', sys.pycache_prefix, 'sglang module from', type(m.__spec__.loader).__name__, m.__spec__.cached,
+      'exists', os.path.exists(m.__spec__.cached or ''))" ;;
     unit) part unit "$py" -m pytest -q tests/unit/test_sglang_args.py tests/unit/test_sglang_payloads.py \
             tests/unit/test_http_score.py tests/unit/test_lifeline.py tests/unit/test_update_guard.py \
             tests/unit/test_colocation.py ;;
