@@ -28,7 +28,7 @@ from miles_lite.cluster.engine_actor import EngineLocation, EngineServer
 from miles_lite.cluster.gang import GangSpec, reserve, rollout_gang
 from miles_lite.config.views import EngineFleetConfig
 from miles_lite.engines.fleet_launch import populate
-from miles_lite.formats.files import append_line
+from miles_lite.formats.files import append_line, write_atomic
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.engine_state import EngineHandle
 from miles_lite.rollout.fleet import EngineFleet
@@ -153,7 +153,7 @@ class RolloutGang:
                      f"declared dead: {why}")
             report = await asyncio.wrap_future(actor.stacks.remote(title).future())
             path = Path(self.log_dir) / f"{location.engine_id}.{incarnation}.stacks.txt"
-            path.write_text(report)
+            write_atomic(path, report)
             logger.warning("engine %s declared dead (%s); what its processes were doing: %s", location.engine_id,
                            why, path)
 

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from miles_lite.formats.files import write_atomic
 from miles_lite.rollout.lifeline import group_members
 
 # Seconds each py-spy dump may take.
@@ -114,6 +115,4 @@ async def write_stacks(pid: int, path: str | Path, title: str) -> Path:
         lines += ["", f"==== {name}: Python stacks", proc["stack"].rstrip()]
         if "native_stack" in proc:
             lines += ["", f"==== {name}: with native frames", proc["native_stack"].rstrip()]
-    out = Path(path)
-    out.write_text("\n".join(lines) + "\n")
-    return out
+    return write_atomic(path, "\n".join(lines) + "\n")

@@ -52,9 +52,6 @@ from miles_lite.rollout.fleet_memory import FleetMemory
 
 logger = logging.getLogger(__name__)
 
-# Seconds a dead engine's diagnosis (`EngineHandle.diagnose`: its processes' stacks) may hold up its replacement.
-DIAGNOSE_TIMEOUT_S = 30.0
-
 __all__ = ["TRANSITIONS", "EngineFleet", "EngineHandle", "EngineLease", "EngineRecord", "EngineState", "FleetAsleep",
            "FleetExhausted", "IllegalTransition", "Launcher", "Transition"]
 
@@ -204,18 +201,6 @@ class EngineFleet(FleetMemory, FleetMembership):
         await asyncio.gather(*self._background, return_exceptions=True)
         # Servers stop independently (each waits out its own grace period): all at once.
         await asyncio.gather(*(self._stop_engine(rec) for rec in self.records))
-
-    async def _diagnose(self, rec: EngineRecord) -> None:
-        """Before a dead engine's server is stopped: its handle records what the server's processes were doing
-        (`EngineHandle.diagnose`; once per server, within `DIAGNOSE_TIMEOUT_S`). A hang that stops answering
-        leaves nothing in the engine's log; its stacks name where it waits."""
-        diagnose, rec.handle.diagnose = rec.handle.diagnose, None
-        if diagnose is None or rec.handle.stop is None:  # nothing to record, or the server was stopped already
-            return
-        try:
-            await asyncio.wait_for(diagnose(rec.last_error), DIAGNOSE_TIMEOUT_S)
-        except Exception:  # the replacement must not wait on a failed look
-            logger.exception("engine slot %d: recording what its dead server was doing failed", rec.index)
 
     async def _stop_engine(self, rec: EngineRecord) -> None:
         with contextlib.suppress(Exception):

@@ -14,6 +14,9 @@ from miles_lite.rollout.engine_state import ALREADY_CURRENT, EngineHandle, Engin
 
 logger = logging.getLogger("miles_lite.rollout.fleet")
 
+# Seconds a dead engine's diagnosis (`EngineHandle.diagnose`: its processes' stacks) may hold up its replacement.
+DIAGNOSE_TIMEOUT_S = 30.0
+
 
 class FleetMembership:
     """Replacement, admission and retirement of engine slots (see `EngineFleet`)."""
@@ -27,7 +30,6 @@ class FleetMembership:
     _set_state: Callable[[EngineRecord, EngineState, str], None]
     _after_death: Callable[[EngineRecord], None]
     _stop_engine: Callable[[EngineRecord], Awaitable[None]]
-    _diagnose: Callable[[EngineRecord], Awaitable[None]]
     _notify: Callable[[], Awaitable[None]]
     by_id: Callable[[str | RolloutEngine | EngineRecord], EngineRecord]
 
@@ -64,6 +66,18 @@ class FleetMembership:
     async def replace_dead(self) -> None:
         """Replace every dead engine now, while restarts remain (used with `auto_replace=False`)."""
         await asyncio.gather(*(self._replace(r) for r in self.records if r.state is EngineState.DEAD))
+
+    async def _diagnose(self, rec: EngineRecord) -> None:
+        """Before a dead engine's server is stopped: its handle records what the server's processes were doing
+        (`EngineHandle.diagnose`; once per server, within `DIAGNOSE_TIMEOUT_S`). A hang that stops answering
+        leaves nothing in the engine's log; its stacks name where it waits."""
+        diagnose, rec.handle.diagnose = rec.handle.diagnose, None
+        if diagnose is None or rec.handle.stop is None:  # nothing to record, or the server was stopped already
+            return
+        try:
+            await asyncio.wait_for(diagnose(rec.last_error), DIAGNOSE_TIMEOUT_S)
+        except Exception:  # the replacement must not wait on a failed look
+            logger.exception("engine slot %d: recording what its dead server was doing failed", rec.index)
 
     async def _replace(self, rec: EngineRecord) -> None:
         await self._diagnose(rec)
