@@ -26,9 +26,11 @@ from miles_lite.formats.files import append_line
 # guard, 4 a plug-in failed).
 EXIT_NODE_LOST = 5
 LOG_FILE = Path("logs") / "run.log"
-# Seconds a failed run waits for Ray's verdict on its nodes: the failure usually comes after it (a replacement
-# engine waits for room first), a trainer actor's death can come a few health checks before it.
-DEAD_NODE_GRACE_S = 5.0
+# Seconds a failed run waits for Ray's verdict on its nodes. Ray's GCS declares a node dead after 5 failed health
+# checks 3 s apart (its defaults): about 15 s after the node went. The run's failure can come well before that:
+# a request retried on the lost node's engines runs out of retries in milliseconds (connections refused), a
+# trainer actor's death surfaces at once; a replacement engine that waits for room comes after it.
+DEAD_NODE_GRACE_S = 25.0
 
 logger = logging.getLogger(__name__)
 
