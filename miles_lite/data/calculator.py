@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import operator
 import re
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,10 @@ _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, as
 _CALL = re.compile(re.escape(CALC_START) + r"(.*?)" + re.escape(CALC_END), re.DOTALL)
 # Expressions longer than this are refused (bounds the work one reply can cost).
 _MAX_EXPRESSION = 200
+# One parse at a time in the process: CPython (3.11 here) keeps the AST converter's recursion depth per
+# interpreter, not per thread, so two threads parsing at once can fail with "SystemError: AST constructor
+# recursion depth mismatch" (CPython gh-106905); environment replies run on the plug-in pool's threads.
+_PARSING = threading.Lock()
 
 
 def evaluate(expression: str) -> float:
@@ -42,7 +47,8 @@ def evaluate(expression: str) -> float:
     if len(expression) > _MAX_EXPRESSION:
         raise ValueError("expression too long")
     try:
-        tree = ast.parse(expression.replace(",", "").strip(), mode="eval")
+        with _PARSING:
+            tree = ast.parse(expression.replace(",", "").strip(), mode="eval")
     except SyntaxError as exc:
         raise ValueError(f"not an expression: {expression!r}") from exc
 

@@ -137,6 +137,35 @@ def test_calculator_refuses_anything_else(expression):
     assert Calculator().reply(f"<calc>{expression}</calc>", "") == "<result>error</result>"
 
 
+def test_calculator_parses_one_expression_at_a_time_across_threads(monkeypatch):
+    """Replies run on the plug-in pool's threads, and CPython 3.11's AST converter fails when two threads parse at
+    once ("SystemError: AST constructor recursion depth mismatch", seen in a run at step 159): no two parses
+    overlap."""
+    import ast
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    real, inside, most = ast.parse, [0], [0]
+    counting = threading.Lock()
+
+    def slow_parse(*args, **kwargs):
+        with counting:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.002)  # a parse long enough for the other threads to arrive
+        try:
+            return real(*args, **kwargs)
+        finally:
+            with counting:
+                inside[0] -= 1
+
+    monkeypatch.setattr(ast, "parse", slow_parse)
+    with ThreadPoolExecutor(8) as pool:
+        values = list(pool.map(evaluate, [f"{i}*2+1" for i in range(64)]))
+    assert values == [i * 2 + 1 for i in range(64)] and most[0] == 1
+
+
 def test_sft_targets_show_the_tool_turns():
     problem = MathProblem("q", "Mia has 3+4=<<3+4=7>>7 apples.\n7*2=<<7*2=14>>14\n#### 14", 14.0, (7.0,))
     segments = tool_solution_segments(problem)
