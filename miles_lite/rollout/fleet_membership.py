@@ -76,8 +76,8 @@ class FleetMembership:
             return
         try:
             await asyncio.wait_for(diagnose(rec.last_error), DIAGNOSE_TIMEOUT_S)
-        except Exception:  # the replacement must not wait on a failed look
-            logger.exception("engine slot %d: recording what its dead server was doing failed", rec.index)
+        except Exception as exc:  # the replacement must not wait on a failed look (a lost node's actor, a timeout)
+            logger.warning("engine slot %d: recording what its dead server was doing failed: %r", rec.index, exc)
 
     async def _replace(self, rec: EngineRecord) -> None:
         await self._diagnose(rec)
