@@ -19,7 +19,6 @@ import signal
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 
 from miles_lite.config.schema import RolloutConfig
 from miles_lite.net.ports import node_address
@@ -110,18 +109,19 @@ class EngineServer:
     def log_tail(self, lines: int = 40) -> str:
         return self.process.log_tail(lines)
 
-    def stacks(self, title: str) -> str:
-        """What the server's processes on this node are doing (`engines.process_stacks.write_stacks`: their
-        stacks), written beside its log here; the report, for the driver's logs."""
+    def stacks(self, title: str) -> tuple[str, str]:
+        """What the server's processes on this node are doing (`engines.process_stacks`), written beside its log
+        here: the file's name and the report, for the driver's logs."""
         import asyncio
 
-        from miles_lite.engines.process_stacks import write_stacks
+        from miles_lite.engines.process_stacks import stacks_path, stacks_report
+        from miles_lite.formats.files import write_atomic
 
+        path = stacks_path(self.process.log_path)
         pid = self.process.pid
-        if pid is None:
-            return f"{title}\nthe server never started\n"
-        path = Path(self.process.log_path).with_suffix(".stacks.txt")
-        return asyncio.run(write_stacks(pid, path, title)).read_text()
+        report = f"{title}\nthe server never started\n" if pid is None else asyncio.run(stacks_report(pid, title))
+        write_atomic(path, report)
+        return path.name, report
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM the server's process group, SIGKILL after `grace_s`; its exit code."""

@@ -28,6 +28,7 @@ from miles_lite.cluster.engine_actor import EngineLocation, EngineServer
 from miles_lite.cluster.gang import GangSpec, reserve, rollout_gang
 from miles_lite.config.views import EngineFleetConfig
 from miles_lite.engines.fleet_launch import populate
+from miles_lite.engines.process_stacks import dead_engine_title
 from miles_lite.formats.files import append_line, write_atomic
 from miles_lite.rollout.engine import EngineError
 from miles_lite.rollout.engine_state import EngineHandle
@@ -148,14 +149,10 @@ class RolloutGang:
         async def stop() -> None:
             await self.stop(slot, actor)
 
-        async def diagnose(why: str) -> None:
-            title = (f"engine {location.engine_id} (slot {slot}, start {incarnation}) on {location.node_address} "
-                     f"declared dead: {why}")
-            report = await asyncio.wrap_future(actor.stacks.remote(title).future())
-            path = Path(self.log_dir) / f"{location.engine_id}.{incarnation}.stacks.txt"
-            write_atomic(path, report)
-            logger.warning("engine %s declared dead (%s); what its processes were doing: %s", location.engine_id,
-                           why, path)
+        async def diagnose(why: str) -> Path:
+            title = dead_engine_title(location.engine_id, slot, incarnation, why, location.node_address)
+            name, report = await asyncio.wrap_future(actor.stacks.remote(title).future())
+            return write_atomic(Path(self.log_dir) / name, report)  # the run's logs, wherever the node's are
 
         return EngineHandle(client, stop=stop, pid=location.pid, location=location, diagnose=diagnose)
 

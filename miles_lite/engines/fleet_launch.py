@@ -17,8 +17,9 @@ from miles_lite.config.views import EngineFleetConfig
 from miles_lite.data.encoding import PromptEncoder
 from miles_lite.engines.engine_list import EngineListFollower, EngineUnlisted, read_engine_list
 from miles_lite.engines.launcher import EngineLauncher
-from miles_lite.engines.process_stacks import write_stacks
+from miles_lite.engines.process_stacks import dead_engine_title, stacks_path, stacks_report
 from miles_lite.formats.chat import resolve_chat_template
+from miles_lite.formats.files import write_atomic
 from miles_lite.net.api_key import ApiKey
 from miles_lite.plugins import PluginPool, load_sync_fn
 from miles_lite.rollout.agent_slots import AgentSlots, start_agent_slots, stop_agent_slots
@@ -38,7 +39,7 @@ def fleet_launcher(launcher: EngineLauncher, stop_grace_s: float = 10.0) -> Laun
     """The fleet's `launcher(index, incarnation)` over `EngineLauncher.start/stop`.
 
     The handle's `pid` is the server process (what a fault-injection test SIGKILLs); `stop` ends
-    its whole process group; `diagnose` writes its processes' stacks beside its log (`<engine>.<n>.stacks.txt`).
+    its whole process group; `diagnose` writes its processes' stacks beside its log (`stacks_path`).
     """
 
     async def launch(index: int, incarnation: int) -> EngineHandle:
@@ -47,15 +48,12 @@ def fleet_launcher(launcher: EngineLauncher, stop_grace_s: float = 10.0) -> Laun
         async def stop() -> None:
             await launcher.stop(launched, stop_grace_s)
 
-        async def diagnose(why: str) -> None:
+        async def diagnose(why: str) -> Path | None:
             pid = launched.process.pid
             if pid is None:
-                return
-            path = Path(launched.process.log_path).with_suffix(".stacks.txt")
-            await write_stacks(pid, path, f"engine {launched.client.engine_id} (slot {index}, start {incarnation}) "
-                                          f"declared dead: {why}")
-            logger.warning("engine %s declared dead (%s); what its processes were doing: %s",
-                           launched.client.engine_id, why, path)
+                return None
+            title = dead_engine_title(launched.client.engine_id, index, incarnation, why)
+            return write_atomic(stacks_path(launched.process.log_path), await stacks_report(pid, title))
 
         return EngineHandle(launched.client, stop=stop, pid=launched.process.pid, diagnose=diagnose)
 

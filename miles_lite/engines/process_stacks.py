@@ -3,7 +3,8 @@ descriptors and open-files limits (from /proc), and its threads' stacks (py-spy,
 Python frames first, then with native ones (where a thread waits inside CUDA or NCCL).
 
 The fleet asks for this before it stops an engine it declared dead (`EngineHandle.diagnose`, set by
-`engines.fleet_launch.fleet_launcher`): the report goes beside the engine's log, `<engine>.<start>.stacks.txt`.
+`engines.fleet_launch.fleet_launcher` and, under Ray, `cluster.engine_gang`): the report goes beside the engine's
+log (`stacks_path`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from miles_lite.formats.files import write_atomic
 from miles_lite.rollout.lifeline import group_members
 
 # Seconds each py-spy dump may take.
@@ -99,9 +99,19 @@ async def dump_stacks(pids: list[int], py_spy: str | None) -> list[dict[str, Any
     return procs
 
 
-async def write_stacks(pid: int, path: str | Path, title: str) -> Path:
-    """The report of `pid`'s process group (`title` first: which engine, and why it is looked at), written to
-    `path`; returns it."""
+def stacks_path(log_path: str | Path) -> Path:
+    """Where the stacks of the engine logging to `log_path` go: beside it, `<engine>.<start>.stacks.txt`."""
+    return Path(log_path).with_suffix(".stacks.txt")
+
+
+def dead_engine_title(engine_id: str, slot: int, start: int, why: str, node: str | None = None) -> str:
+    """The report's first line: which engine (and where), and why the fleet declared it dead."""
+    where = f" on {node}" if node else ""
+    return f"engine {engine_id} (slot {slot}, start {start}){where} declared dead: {why}"
+
+
+async def stacks_report(pid: int, title: str) -> str:
+    """The report of `pid`'s process group: `title`, each process's facts, then its stacks."""
     pids = group_pids(pid)
     lines = [title, f"taken {time.strftime('%Y-%m-%d %H:%M:%S')}, process group of pid {pid}", ""]
     if not pids:
@@ -115,4 +125,4 @@ async def write_stacks(pid: int, path: str | Path, title: str) -> Path:
         lines += ["", f"==== {name}: Python stacks", proc["stack"].rstrip()]
         if "native_stack" in proc:
             lines += ["", f"==== {name}: with native frames", proc["native_stack"].rstrip()]
-    return write_atomic(path, "\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"

@@ -15,6 +15,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from miles_lite.rollout.engine import RolloutEngine
 
@@ -60,8 +61,8 @@ class EngineHandle:
     # Where the server runs (a `cluster.engine_actor.EngineLocation` on Ray; None for a local child).
     location: object | None = None
     # diagnose(why): records what the server's processes are doing (their stacks), asked by the fleet before it
-    # stops an engine it declared dead (a hung one still runs); None: nothing to record.
-    diagnose: Callable[[str], Awaitable[object]] | None = None
+    # stops an engine it declared dead (a hung one still runs); returns where (None: nothing recorded).
+    diagnose: Callable[[str], Awaitable[Path | None]] | None = None
 
     @property
     def local_child(self) -> bool:

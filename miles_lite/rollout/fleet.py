@@ -374,15 +374,14 @@ class EngineFleet(FleetMemory, FleetMembership):
         A probe failing while the engine completes a request passes: a saturated engine (or this client's
         busy loop: the timeout runs from submission) answers late, yet the request proves it alive."""
         live = [r for r in self.records if r.state in LIVE and not r.in_weight_update]
-        served = {id(r): r.requests_served for r in live}
         busy = {id(r) for r in live if r.requests_served > r.served_at_check}
         for rec in live:
             rec.served_at_check = rec.requests_served
         timeout_s = self.cfg.health_timeout_s
         checked = await probe_live([r for r in live if id(r) not in busy], timeout_s)
         checked += [(r, True) for r in live if id(r) in busy and r.state in LIVE]
-        alive = {id(rec): rec for rec, ok in checked
-                 if ok or rec.requests_served > served.get(id(rec), rec.requests_served)}
+        # Probed or not, an engine is alive if it answered or completed a request while the round ran.
+        alive = {id(rec): rec for rec, ok in checked if ok or rec.requests_served > rec.served_at_check}
         restarted = {id(rec) for rec in await restarted_among(list(alive.values()), timeout_s)}
         for rec, _ in checked:
             if rec.in_weight_update or rec.state not in LIVE:

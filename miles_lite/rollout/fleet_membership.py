@@ -75,9 +75,13 @@ class FleetMembership:
         if diagnose is None or rec.handle.stop is None:  # nothing to record, or the server was stopped already
             return
         try:
-            await asyncio.wait_for(diagnose(rec.last_error), DIAGNOSE_TIMEOUT_S)
+            where = await asyncio.wait_for(diagnose(rec.last_error), DIAGNOSE_TIMEOUT_S)
         except Exception as exc:  # the replacement must not wait on a failed look (a lost node's actor, a timeout)
             logger.warning("engine slot %d: recording what its dead server was doing failed: %r", rec.index, exc)
+            return
+        if where is not None:
+            logger.warning("engine %s declared dead (%s); what its processes were doing: %s", rec.engine_id,
+                           rec.last_error, where)
 
     async def _replace(self, rec: EngineRecord) -> None:
         await self._diagnose(rec)

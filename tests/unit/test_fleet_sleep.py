@@ -129,15 +129,20 @@ def pushing() -> Iterator[tuple[EngineLoop, EngineFleet, FleetPusher, FakeEngine
             engines.run(fleet.close())
 
 
-def test_a_push_to_sleeping_engines_resumes_weights_then_pushes_then_resumes_the_kv_cache(pushing):
-    engines, fleet, pusher, a, b = pushing
-    engines.run(fleet.sleep())
-    report = pusher.push({}, "1")
+def _assert_woken_once_and_pushed(report, fleet: EngineFleet, a: FakeEngine, b: FakeEngine) -> None:
+    """Both engines released everything, resumed their weights once, loaded version "1", then resumed the rest."""
     assert report.push.engines == ("a", "b")
     for engine in (a, b):
         assert engine.log == ["release weights,kv_cache,cuda_graph", "resume weights", "update_weights",
                               "resume kv_cache,cuda_graph"]
     assert [r.state for r in fleet.records] == [S.HEALTHY, S.HEALTHY] and fleet.current_version == "1"
+
+
+def test_a_push_to_sleeping_engines_resumes_weights_then_pushes_then_resumes_the_kv_cache(pushing):
+    engines, fleet, pusher, a, b = pushing
+    engines.run(fleet.sleep())
+    report = pusher.push({}, "1")
+    _assert_woken_once_and_pushed(report, fleet, a, b)
     assert pusher.wake_seconds > 0.0
     # An engine asleep with its weights released refuses a load: the order is what makes the push work.
     engines.run(fleet.sleep())
@@ -153,11 +158,7 @@ def test_a_push_to_engines_whose_weights_resumed_ahead_resumes_only_their_kv_cac
     engines.run(fleet.wake(["weights"]))
     assert [r.state for r in fleet.records] == [S.SLEEPING, S.SLEEPING]
     report = pusher.push({}, "1")
-    assert report.push.engines == ("a", "b")
-    for engine in (a, b):
-        assert engine.log == ["release weights,kv_cache,cuda_graph", "resume weights", "update_weights",
-                              "resume kv_cache,cuda_graph"]
-    assert [r.state for r in fleet.records] == [S.HEALTHY, S.HEALTHY] and fleet.current_version == "1"
+    _assert_woken_once_and_pushed(report, fleet, a, b)
 
 
 def test_a_push_leaves_out_an_engine_whose_address_answers_from_a_new_process(pushing):

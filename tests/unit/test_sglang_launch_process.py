@@ -94,15 +94,21 @@ def launch_server(server_args):
 """
 
 
-def test_the_launcher_sets_both_before_sglang_is_imported(tmp_path: Path) -> None:
-    pkg = tmp_path / "sglang" / "srt"
+def _fake_sglang(root: Path, http_server: str) -> str:
+    """The two SGLang modules the launcher imports, stand-ins under `root` (`http_server`: its source); the
+    PYTHONPATH that finds them and this repository."""
+    pkg = root / "sglang" / "srt"
     (pkg / "entrypoints").mkdir(parents=True)
-    for package in (tmp_path / "sglang", pkg, pkg / "entrypoints"):
+    for package in (root / "sglang", pkg, pkg / "entrypoints"):
         (package / "__init__.py").write_text("")
     (pkg / "server_args.py").write_text(_FAKE_SERVER_ARGS)
-    (pkg / "entrypoints" / "http_server.py").write_text(_FAKE_HTTP_SERVER)
+    (pkg / "entrypoints" / "http_server.py").write_text(http_server)
+    return os.pathsep.join([str(root), str(Path(__file__).resolve().parents[2])])
+
+
+def test_the_launcher_sets_both_before_sglang_is_imported(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SGLANG_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[2])])
+    env["PYTHONPATH"] = _fake_sglang(tmp_path, _FAKE_HTTP_SERVER)
     code = """
         import resource, sys
         resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
@@ -147,13 +153,7 @@ def launch_server(server_args):
 
 def test_the_engine_processes_never_import_the_trainers_megatron(tmp_path: Path) -> None:
     pytest.importorskip("megatron.core")  # installed beside SGLang, as in one image for both roles
-    pkg = tmp_path / "sglang" / "srt"
-    (pkg / "entrypoints").mkdir(parents=True)
-    for package in (tmp_path / "sglang", pkg, pkg / "entrypoints"):
-        (package / "__init__.py").write_text("")
-    (pkg / "server_args.py").write_text(_FAKE_SERVER_ARGS)
-    (pkg / "entrypoints" / "http_server.py").write_text(_SPAWNING_HTTP_SERVER)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(Path(__file__).resolve().parents[2])])}
+    env = {**os.environ, "PYTHONPATH": _fake_sglang(tmp_path, _SPAWNING_HTTP_SERVER)}
     done = subprocess.run([sys.executable, "-m", "miles_lite.engines.sglang.launch", "--model-path", "/m"],
                           capture_output=True, text=True, timeout=180, env=env, check=True)
     seen = json.loads(done.stdout.strip().splitlines()[-1])
