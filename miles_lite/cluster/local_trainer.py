@@ -75,6 +75,9 @@ class LocalTrainer:
     def stage_offload(self, parts: tuple[str, ...]) -> dict[str, float]:
         return self.rank.stage_offload(parts)
 
+    def drop_staged(self, parts: tuple[str, ...]) -> None:
+        self.rank.drop_staged(parts)
+
     def finish_offload(self) -> dict[str, float]:
         return self.rank.finish_offload()
 

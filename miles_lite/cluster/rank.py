@@ -146,6 +146,9 @@ class TrainerRank:
     def stage_offload(self, parts: tuple[str, ...]) -> dict[str, float]:
         return self.actor.stage_offload(parts)
 
+    def drop_staged(self, parts: tuple[str, ...]) -> None:
+        self.actor.drop_staged(parts)
+
     def finish_offload(self) -> dict[str, float]:
         return self.actor.finish_offload()
 

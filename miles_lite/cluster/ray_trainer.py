@@ -345,6 +345,10 @@ class RayTrainerGroup:
         """Every rank copies `parts` to host memory ahead of their offload; rank 0's bytes and seconds."""
         return self._all("stage_offload", tuple(parts))
 
+    def drop_staged(self, parts: tuple[str, ...]) -> None:
+        """Every rank forgets the copies `stage_offload` made of `parts`."""
+        self._all("drop_staged", tuple(parts))
+
     def finish_offload(self) -> dict[str, float]:
         """Every rank finishes its own offload in flight; rank 0's seconds."""
         return self._all("finish_offload")

@@ -51,6 +51,10 @@ class TrainerRole(WeightSource, Protocol):
         """Every rank copies `parts` to host memory ahead of their offload and keeps them on the device until it
         (see `trainer/offload.py`: a write drops the copies); rank 0's bytes and seconds."""
 
+    def drop_staged(self, parts: tuple[str, ...]) -> None:
+        """Every rank forgets the copies `stage_offload` made of `parts` (no offload will take them); its device's
+        later work waits for those copies first."""
+
     def finish_offload(self) -> dict[str, float]:
         """Every rank waits for the copies its offload left in flight and frees their memory; rank 0's seconds."""
 

@@ -47,9 +47,9 @@ def saves_staged_copies(cluster: ClusterConfig, offload: OffloadConfig) -> bool:
     a checkpoint holds (`KEPT_PARTS`: the parameters and the optimizer state), queued before each step's save
     (`Handoff.prepare_push`). Such a run reserves no host buffers for its snapshots at start-up (they would
     double its pinned host memory, 87 GB at 7B); a save copies the few tensors the layout builds, and one outside
-    a step (the run's last) all of them. With `trainer.offload.when=needed` a step may stage nothing (what stays
-    on the device is not copied), so the saves keep buffers of their own."""
-    return _hands_off(cluster) and set(KEPT_PARTS) <= set(offload.parts()) and offload.when == "always"
+    a step (the run's last) all of them. With `trainer.offload.when=needed` what stays on the device is staged too
+    on a step that saves (`prepare_push(saving=True)`)."""
+    return _hands_off(cluster) and set(KEPT_PARTS) <= set(offload.parts())
 
 
 def memory_saver_on(rollout: RolloutConfig) -> bool:

@@ -435,7 +435,8 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         with timer.phase("train"):
             train_stats = system.trainer.train_step(batch, distill_coef=rl_distill_coef(cfg))
     with timer.phase("sync"):
-        handoff.prepare_push(step)  # its offload's host copies are what a checkpoint saved now writes
+        # Its offload's host copies are what a checkpoint saved now writes.
+        handoff.prepare_push(step, saving=io.checkpoint_due(step))
     with timer.phase("checkpoint"):
         in_flight = rollouts.tag
         io.maybe_save_checkpoint(system, CursorAt(in_flight) if in_flight is not None else data, step)

@@ -222,10 +222,15 @@ class RunIO:
             self.log(f"resumed from {path} at step {driver.step} (weight version {driver.weight_version})")
         return driver
 
+    def checkpoint_due(self, steps_done: int) -> bool:
+        """Whether `maybe_save_checkpoint` saves after `steps_done` steps (every `checkpoint.interval`, where
+        `checkpoint.dir` is set)."""
+        interval = self.cfg.checkpoint.interval
+        return bool(self.cfg.checkpoint.dir and interval and steps_done % interval == 0)
+
     def maybe_save_checkpoint(self, system: Any, data: Any, steps_done: int) -> None:
         """`save_checkpoint` every `checkpoint.interval` steps."""
-        interval = self.cfg.checkpoint.interval
-        if interval and steps_done % interval == 0:
+        if self.checkpoint_due(steps_done):
             self.save_checkpoint(system, data, steps_done)
 
     def save_checkpoint(self, system: Any, data: Any, steps_done: int, final: bool = False) -> None:

@@ -30,6 +30,11 @@ class ActorOffload:
         self._require_ready()
         return self.offloader.stage(parts).report()
 
+    def drop_staged(self, parts: tuple[str, ...]) -> None:
+        """Forget the copies `stage_offload` made of `parts` (`TrainerOffload.drop_staged`)."""
+        self._require_ready()
+        self.offloader.drop_staged(parts)
+
     def finish_offload(self) -> dict[str, float]:
         """Wait for the copies an offload left in flight and free their device memory; seconds."""
         self._require_ready()

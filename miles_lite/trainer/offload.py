@@ -221,9 +221,12 @@ class TrainerOffload:
         return stats
 
     def drop_staged(self, parts: Sequence[str] = OFFLOAD_PARTS) -> None:
-        """Forget what `stage` copied of `parts` (they are about to be written)."""
+        """Forget what `stage` copied of `parts` (they are about to be written, or no offload will take the copies).
+        Work queued on the compute stream from now on runs after those copies: a write must not overtake them."""
         for part in _checked(parts):
-            self._staged.pop(part, None)
+            staged = self._staged.pop(part, None)
+            if staged is not None and staged[1] is not None:
+                torch.cuda.current_stream().wait_event(staged[1])
 
     def staged_copies(self) -> Callable[[Tensor], tuple[Tensor, Any] | None]:
         """What `stage` copied, looked up by tensor: for a tensor over a staged storage, the same view (offset,

@@ -74,7 +74,9 @@ class IpcHandleTransport(IpcTransport):
                     report.bytes += sum(t.numel() * t.element_size() for ranks in per_rank for named in ranks
                                         for _, t in named)
                     del per_rank
-                    torch.cuda.synchronize(self.device)  # the engines read the buffer from their own streams
+                    # The engines read the buffer from their own streams once these copies landed. Only this stream:
+                    # a device-wide wait would also wait for the host copies a save queued on the offload's stream.
+                    torch.cuda.current_stream(self.device).synchronize()
                 with report.phase("load"):
                     self.loop.gather({f.engine_id: self.loop.submit(f.engine.update_weights_from_tensor(
                         payloads[f.engine_id], LOADER, report.version, flush_cache=i == len(buckets) - 1))

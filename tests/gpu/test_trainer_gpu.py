@@ -293,3 +293,24 @@ def test_a_deferred_offload_frees_only_when_settled_and_round_trips_exactly(mode
         assert math.isfinite(stats["loss/total"]) and math.isfinite(stats["grad_norm"])
     finally:
         actor.close()
+
+
+def test_a_write_after_the_staged_offload_copies_are_dropped_waits_for_them() -> None:
+    """A hand-off keeping its state stages it for a save, then drops the copies after the push (no offload takes
+    them): the copies run on the offload's stream, so the next write of the state, on the compute stream, must
+    wait for them or the save would write the new values. 1 GiB takes tens of milliseconds to copy out; the write
+    half a millisecond."""
+    from miles_lite.trainer.offload import TrainerOffload
+
+    big = torch.arange(1 << 28, dtype=torch.int32, device="cuda")
+    off = TrainerOffload({"params": lambda: [big], "grads": lambda: [], "optimizer": lambda: []})
+    torch.cuda.synchronize()
+    off.stage(("params",))
+    staged = off.staged_copies()(big)
+    assert staged is not None and staged[1] is not None  # still in flight
+    off.drop_staged(("params",))
+    big.fill_(-1)
+    torch.cuda.synchronize()
+    host = staged[0]
+    assert host[0].item() == 0 and host[-1].item() == (1 << 28) - 1
+    assert torch.equal(host[:: 1 << 16], torch.arange(0, 1 << 28, 1 << 16, dtype=torch.int32))

@@ -85,8 +85,46 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
     return out
 
 
+def _kept(path: str, rank: int, world_size: int, precision: str, ckpt_dir: str) -> dict[str, Any]:
+    """As a hand-off keeping its state on the device (`trainer.offload.when=needed`) saves: the state staged while it
+    stays, the save writing those copies, the copies dropped after the push, then the next step writing the state
+    while the save still flushes."""
+    from miles_lite.trainer.actor import TrainerActor
+
+    cfg = make_config(path, precision=precision)
+    cfg.checkpoint.dir = ckpt_dir
+    actor = TrainerActor(ActorConfig.of(cfg), rank, world_size)
+    batch = make_batch(VOCAB)
+    actor.train_step(batch)
+    actor.offload(("grads",))
+    before = _state(actor)
+    actor.stage_offload(("params", "optimizer"))
+    ckpt = RankCheckpointer(cfg.checkpoint, cfg.model)
+    ckpt.prepare(actor, staged=True)
+    saved = ckpt.save(actor, 1)
+    actor.drop_staged(("params", "optimizer"))
+    name, first = next(iter(actor.policy.model.named_parameters()))
+    out: dict[str, Any] = {"saved": {"bytes": saved.bytes, "reused_bytes": saved.reused_bytes},
+                           "dropped": actor.offloader.staged_copies()(first) is None,
+                           "resident": actor.offloader.offloaded() == {"grads"}}
+    actor.onload(OFFLOAD_PARTS)
+    actor.train_step(batch)
+    out["moved_on"] = not torch.equal(first.detach(), before[f"param/{name}"])
+    actor.close()
+    done = ckpt.finalize()
+    ckpt.close()
+    assert done is not None
+    restored = TrainerActor(ActorConfig.of(cfg), rank, world_size)
+    RankCheckpointer.restore(restored, done.path)
+    again = _state(restored)
+    out["checkpoint_exact"] = again.keys() == before.keys() and all(torch.equal(before[k], again[k]) for k in before)
+    restored.close()
+    return out
+
+
 def scenario_offload(rank: int, world_size: int, root: str) -> dict[str, Any]:
     path = str(make_test_checkpoint("qwen2", Path(root) / "qwen2", vocab_size=VOCAB))
     return {precision: {"offloaded": _steps(path, rank, world_size, precision, True, f"{root}/ckpt-{precision}"),
-                        "resident": _steps(path, rank, world_size, precision, False, f"{root}/unused")}
+                        "resident": _steps(path, rank, world_size, precision, False, f"{root}/unused"),
+                        "kept": _kept(path, rank, world_size, precision, f"{root}/kept-{precision}")}
             for precision in ("fp32", "bf16")}

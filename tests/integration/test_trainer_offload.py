@@ -65,3 +65,15 @@ def test_a_checkpoint_between_the_stage_and_the_offload_writes_the_staged_copies
     assert saved["host_reserved_bytes"] == 0
     assert saved["host_buffer_bytes"] == saved["bytes"] - saved["reused_bytes"], saved
     assert off["checkpoint_exact"]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_save_while_the_state_stays_writes_the_staged_copies_and_holds_the_state_it_was_saved_at(
+        runs: dict[str, Any], precision: str) -> None:
+    """With `trainer.offload.when=needed` the state may stay on the device through a save: it is staged for the
+    save (its copies reused), the copies are dropped after the push (the state stays resident), and the next
+    step's writes do not reach the checkpoint, flushed meanwhile."""
+    kept = runs[precision]["kept"]
+    assert 0.8 * kept["saved"]["bytes"] <= kept["saved"]["reused_bytes"] < kept["saved"]["bytes"], kept["saved"]
+    assert kept["dropped"] and kept["resident"] and kept["moved_on"]
+    assert kept["checkpoint_exact"]

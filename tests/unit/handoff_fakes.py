@@ -59,6 +59,9 @@ class FakeTrainer:
         self.log.append(f"stage {','.join(parts)}")
         return {"seconds": 0.0625}
 
+    def drop_staged(self, parts: tuple[str, ...]) -> None:
+        self.log.append(f"unstage {','.join(parts)}")
+
     def finish_offload(self) -> dict[str, float]:
         self.log.append("settle")
         return {"seconds": 0.5}

@@ -108,12 +108,34 @@ def test_a_step_some_engines_missed_never_lowers_what_the_engines_take_back() ->
     assert "offload optimizer" in log and device.resident == {"params"}
 
 
-def test_a_run_keeping_its_state_gets_checkpoint_buffers_of_its_own() -> None:
-    """Its steps may stage nothing, so its saves cannot count on the staged copies."""
+def test_a_step_that_saves_stages_what_stays_and_the_push_drops_those_copies() -> None:
+    """On a step that saves a checkpoint, what stays on the device is staged (after the probe, on the offload's
+    stream on a GPU) so the save writes those copies rather than queueing its own on the compute stream ahead of
+    the push; the push drops them (no offload takes them). A step without a save stages nothing."""
+    device = FakeDevice(total=80.0, engines=30.0, parts={"params": 2.0, "optimizer": 4.0})
+    handoff, log, _ = handoff_of(room=True, overrides=NEEDED, device=device)
+    handoff.push(1)  # the first push measures the engines
+    handoff.for_generation()
+    log.clear()
+    handoff.prepare_push(2, saving=True)
+    assert log == ["engines sleep", "onload", "offload grads", "wake weights (early)", "score probe 2",
+                   "stage params,optimizer"]
+    handoff.push(2)
+    assert log[-3:] == ["load", "wake kv cache", "unstage params,optimizer"]
+    assert device.resident == {"params", "optimizer"}
+    handoff.for_generation()
+    log.clear()
+    handoff.prepare_push(3)
+    handoff.push(3)
+    assert not any(entry.startswith(("stage", "unstage")) for entry in log)
+
+
+def test_a_run_keeping_its_state_saves_the_staged_copies_too() -> None:
+    """Every step that saves stages all that a checkpoint holds, so neither run reserves snapshot buffers."""
     always = load_config(["cluster.placement=colocated"])
     needed = load_config(["cluster.placement=colocated", *NEEDED])
     assert saves_staged_copies(always.cluster, always.trainer.offload)
-    assert not saves_staged_copies(needed.cluster, needed.trainer.offload)
+    assert saves_staged_copies(needed.cluster, needed.trainer.offload)
 
 
 def test_a_rank_reads_its_device_and_the_parts_it_holds(monkeypatch) -> None:

@@ -22,6 +22,7 @@ HANDOFF = ["cluster.placement=colocated", "cluster.colocated_memory=handoff"]
 
 @pytest.mark.parametrize(("overrides", "staged"), [
     (HANDOFF, True),
+    ([*HANDOFF, "trainer.offload.when=needed"], True),  # what stays is staged on a step that saves
     ([*HANDOFF, "trainer.offload.optimizer=false"], False),  # the optimizer state stays: nothing staged of it
     ([*HANDOFF, "trainer.offload.params=false"], False),
     (["cluster.placement=colocated", "cluster.colocated_memory=resident"], False),
