@@ -43,6 +43,7 @@ from miles_lite.data.source import PromptSource
 from miles_lite.evaluation.greedy import EvalResult, evaluate
 from miles_lite.evaluation.sets import SetResult, evaluate_set
 from miles_lite.net import startup_heap
+from miles_lite.observability.run_log import RunLog
 from miles_lite.plugins import PluginFailed
 from miles_lite.rollout.pipeline import RolloutPipeline
 from miles_lite.rollout.prestarted import PrestartPool
@@ -178,7 +179,8 @@ def _train(cfg: MilesConfig, run_dir: Path, stop: StopRequest, train_problems: l
                   f"{', '.join(p.name for p in moved)} were moved to {moved[0].parent}", flush=True)
     record_start_config(run_dir, to_yaml(recorded_cfg), plan.step)
     data = PromptSource(train_problems, seed=cfg.data.shuffle_seed)
-    with System.start(cfg, run_dir, prestarted) as system, RunIO(system.cfg, run_dir, run_name(cfg), record) as io:
+    with RunLog(run_dir), System.start(cfg, run_dir, prestarted) as system, \
+            RunIO(system.cfg, run_dir, run_name(cfg), record) as io:
         summary = RunSummary(str(run_dir), 0, 0.0, config_changes=plan.as_json() if plan.checkpoint else None)
         nodes = NodeWatch.capture(cfg.cluster) if cfg.cluster.mode == "ray" else None
         try:

@@ -15,11 +15,11 @@ from typing import Any
 
 from miles_lite.checkpoint.resume import newest_complete
 from miles_lite.formats.files import append_line
+from miles_lite.observability.run_log import RUN_LOG
 from miles_lite.plugins import PluginFailed
 
 # Exit status of `miles-lite train` when a plug-in failed (0 done, 2 bad input, 3 halted by a guard).
 EXIT_PLUGIN_FAILED = 4
-LOG_FILE = Path("logs") / "run.log"
 
 
 class RunEndedByPlugin(RuntimeError):
@@ -34,7 +34,7 @@ class RunEndedByPlugin(RuntimeError):
 
 def append_traceback(run_dir: Path, failure: PluginFailed) -> Path:
     """Append the failure and its traceback to the run's log file; returns the file."""
-    path = run_dir / LOG_FILE
+    path = run_dir / RUN_LOG
     path.parent.mkdir(parents=True, exist_ok=True)
     text = "".join(traceback.format_exception(failure.error))
     append_line(path, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {failure} ({failure.where or 'during the run'})\n{text}")

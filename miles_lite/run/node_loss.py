@@ -15,17 +15,16 @@ import logging
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from miles_lite.checkpoint.resume import newest_complete
 from miles_lite.config.schema import ClusterConfig
 from miles_lite.formats.files import append_line
+from miles_lite.observability.run_log import RUN_LOG
 
 # Exit status of `miles-lite train` when the run's Ray cluster lost a node (0 done, 2 bad input, 3 halted by a
 # guard, 4 a plug-in failed).
 EXIT_NODE_LOST = 5
-LOG_FILE = Path("logs") / "run.log"
 # Seconds a failed run waits for Ray's verdict on its nodes. Ray's GCS declares a node dead after 5 failed health
 # checks 3 s apart (its defaults): about 15 s after the node went. The run's failure can come well before that:
 # a request retried on the lost node's engines runs out of retries in milliseconds (connections refused), a
@@ -104,7 +103,7 @@ def end_on_node_loss(system: Any, io: Any, summary: Any, error: BaseException, l
         except Exception as exc:  # the save in flight failed too: the newest committed one stays the resume point
             logger.warning("the checkpoint in flight did not commit: %r", exc)
     resume = newest_complete(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
-    path = io.run_dir / LOG_FILE
+    path = io.run_dir / RUN_LOG
     path.parent.mkdir(parents=True, exist_ok=True)
     nodes = ", ".join(n.describe() for n in lost)
     step = f"step {summary.steps_done + 1}/{cfg.experiment.steps}"

@@ -32,6 +32,7 @@ from miles_lite.rollout.prompt_spec import sampling_from_config
 from miles_lite.rollout.starvation import StarvationRelay
 from miles_lite.rollout.sync_api import EventLoopThread, SyncRolloutManager
 from miles_lite.run.model_assets import prepare_model, run_chat_template
+from miles_lite.timing import PhaseTimer
 from miles_lite.weight_sync.coordinator import SyncReport, WeightSyncCoordinator
 from miles_lite.weight_sync.fleet_push import FleetPusher
 from miles_lite.weight_sync.transport import EngineLoop, WeightSyncError
@@ -111,8 +112,10 @@ class System:
         engine processes the command line started ahead (`engines.reference.prestart.prestart_engines`); the engines
         of this run are started in them."""
         api_key = ApiKey.for_run(cfg.cluster.api_key_file)  # a bad key file fails before anything starts
+        stages = PhaseTimer()  # each stage's seconds, logged once all started (the run's log)
         try:
-            cfg, tokenizer = prepare_model(cfg, run_dir)
+            with stages.phase("model"):
+                cfg, tokenizer = prepare_model(cfg, run_dir)
             cfg = with_lora_serving(cfg)
             system = cls(cfg, run_dir, tokenizer, api_key)
             system.prestarted = prestarted
@@ -121,17 +124,23 @@ class System:
             raise
         try:
             if starts_together(cfg):
-                system._start_trainer_and_rollout()
+                with stages.phase("trainer and engines"):
+                    system._start_trainer_and_rollout()
             else:
-                system.trainer = start_trainer(cfg)
+                with stages.phase("trainer"):
+                    system.trainer = start_trainer(cfg)
                 if hands_off(cfg):
                     system.offloaded_at_start = cfg.trainer.offload.parts()
-                    system.trainer.offload(system.offloaded_at_start)
-                system._rollout = system._start_rollout()
-            system._start_sync()
+                    with stages.phase("trainer offload"):
+                        system.trainer.offload(system.offloaded_at_start)
+                with stages.phase("engines"):
+                    system._rollout = system._start_rollout()
+            with stages.phase("weight sync"):
+                system._start_sync()
         except BaseException:
             system.close()
             raise
+        logger.info("start-up: %s", ", ".join(f"{name} {s:.1f} s" for name, s in stages.seconds.items()))
         return system
 
     def _start_trainer_and_rollout(self) -> None:

@@ -82,6 +82,13 @@ def test_colocated_handoff_loop_and_its_transitions(tmp_path: Path) -> None:
     for key in ("loss/total", "grad_norm", "entropy"):
         assert [r[key] for r in handoff] == pytest.approx([r[key] for r in resident], rel=1e-5, abs=1e-7), key
 
+    # The run's log times the start-up's stages: the trainer's state offloaded before the engines started.
+    startup = [line for line in (tmp_path / "handoff" / "colo" / "logs" / "run.log").read_text().splitlines()
+               if "start-up:" in line]
+    assert len(startup) == 1
+    assert re.search(r"INFO miles_lite.run.system: start-up: model [\d.]+ s, trainer [\d.]+ s, trainer offload "
+                     r"[\d.]+ s, engines [\d.]+ s, weight sync [\d.]+ s$", startup[0]), startup
+
     # Every engine: each push woke its weights, loaded (in one or more buckets), then resumed its KV cache; it
     # slept before each training phase (warm-up, two steps, the final checkpoint) and woke for each push (first,
     # two steps, the final evaluation).
