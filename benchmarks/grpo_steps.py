@@ -42,8 +42,13 @@ hand-off's transitions (`time/offload_seconds`, `time/engine_sleep_seconds`, `ti
 in use by every process, the trainer's peak allocation during the phase, the trainer state resident). Then
 min / median / max of each over the steps after `--skip` warm-up steps (kernel compilation, first pinned
 allocations). `--out` is rewritten after every step (and with the error if the run fails), so a run cut
-short leaves the steps it finished. There is no separate log-prob pass: with one optimizer step per batch
-the old-policy log-probs are the training forward's own (detached), so recomputing them is part of "train".
+short leaves the steps it finished. `--profile-push 12,13` records those steps' hand-over to the engines
+(`Handoff.prepare_push` through `Handoff.push`, the checkpoint between them included) with the torch profiler, each
+push phase and the trainer's probe scoring labelled: `<out>.push-profile/step-<N>.txt` (operators by host time,
+then by device time) and `step-<N>.json.gz` (the timeline, for Perfetto); the figures leave those steps out.
+There is no separate log-prob pass:
+with one optimizer step per batch the old-policy log-probs are the training forward's own (detached), so
+recomputing them is part of "train".
 """
 
 from __future__ import annotations
@@ -55,11 +60,14 @@ import statistics
 import sys
 import tempfile
 import threading
+import time
 import traceback
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from push_profile import PushProfiler
 from train_step import SHAPES, make_model_dir
 
 from miles_lite.config import load_config, validate
@@ -104,6 +112,17 @@ PROFILES = {
 # Megatron's full activation recompute, one layer at a time (TransformerConfig fields, passed through).
 RECOMPUTE = ["+trainer.transformer.recompute_granularity=full", "+trainer.transformer.recompute_method=uniform",
              "+trainer.transformer.recompute_num_layers=1"]
+
+
+def step_list(spec: str) -> set[int]:
+    """`--profile-push`: a comma list of step numbers (from 1)."""
+    try:
+        steps = {int(x) for x in spec.split(",") if x.strip()}
+    except ValueError:
+        steps = set()
+    if not steps or min(steps) < 1:
+        raise argparse.ArgumentTypeError(f"{spec!r}: give step numbers from 1, comma separated (e.g. 12,13)")
+    return steps
 
 
 def offload_parts(spec: str) -> tuple[str, ...]:
@@ -255,8 +274,10 @@ def print_row(r: dict[str, Any]) -> None:
 class StepReport:
     """The result file, rewritten after every step the run logs (a background reader of its metrics.jsonl)."""
 
-    def __init__(self, out_dir: Path, out: Path | None, skip: int, meta: dict[str, Any]) -> None:
-        self.out_dir, self.out, self.skip = out_dir, out, skip
+    def __init__(self, out_dir: Path, out: Path | None, skip: int, meta: dict[str, Any],
+                 profiled: Collection[int] = ()) -> None:
+        self.out_dir, self.out, self.skip, self.profiled = out_dir, out, skip, profiled
+        self.started = time.monotonic()
         self.result: dict[str, Any] = {**meta, "status": "running", "steps": [], "spread": {}}
         self.printed = 0
         self._stop = threading.Event()
@@ -280,12 +301,20 @@ class StepReport:
             if len(rows) <= self.printed:
                 return
             if self.printed == 0:
+                # Where a part's time goes before its first step: the model made, the run's start-up, step 1.
+                self.result["first_step_logged_s"] = round(time.monotonic() - self.started, 1)
+                first = rows[0].get("step_s")
+                print(f"first step logged {self.result['first_step_logged_s']:.0f} s after the benchmark started "
+                      f"(the run started at {self.result.get('run_started_s', 0.0):.0f} s"
+                      + (f"; step {rows[0]['step']} took {first:.1f} s)" if first is not None else ")"), flush=True)
                 print(f"{'step':>4} " + " ".join(f"{p:>10}" for p in PHASES)
                       + f" {'step s':>8} {'gen tok/s':>10} {'train tok/s':>11} {'logp diff':>9} {'probe':>7}")
             for r in rows[self.printed:]:
                 print_row(r)
             self.printed = len(rows)
-            self.result.update(steps=rows, spread=spread(rows[self.skip:]))
+            # The profiled steps ran under the profiler: left out of the figures.
+            measured = [r for r in rows[self.skip:] if r["step"] not in self.profiled]
+            self.result.update(steps=rows, spread=spread(measured))
             self.write()
 
     def finish(self, status: str, run_dir: Path | None = None) -> None:
@@ -337,6 +366,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, list[
     p.add_argument("--engine-env", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--model-root", type=Path, default=Path("/tmp/miles-bench-models"))
     p.add_argument("--out", type=Path, default=None, help="result JSON, rewritten after every step")
+    p.add_argument("--profile-push", type=step_list, default=set(), metavar="STEPS",
+                   help="comma list of steps whose hand-over to the engines the torch profiler records")
     args, extra = p.parse_known_args(argv)
     if args.cpu and args.shape is not None:
         p.error("--shape is for GPU runs; --cpu runs the tiny CPU model")
@@ -360,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
     args, extra = parse_args(argv)
     out_dir = Path(tempfile.mkdtemp(prefix="grpo-steps-"))
     shape = "tiny_cpu" if args.cpu else args.shape or "qwen2.5-0.5b"
-    report = StepReport(out_dir, args.out, args.skip, {"shape": shape, "memory": args.memory})
+    report = StepReport(out_dir, args.out, args.skip, {"shape": shape, "memory": args.memory}, args.profile_push)
     report.start()
     run_dir = None
     try:
@@ -376,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         print("overrides: " + " ".join(over), flush=True)
         cfg = load_config(over)
         validate(cfg)
+        if args.profile_push:
+            out = args.out or out_dir / "grpo-steps.json"
+            PushProfiler(args.profile_push, out.with_name(out.stem + ".push-profile")).install()
+        report.result["run_started_s"] = round(time.monotonic() - report.started, 1)
         summary = train(cfg)
         run_dir = Path(summary.run_dir)
     except BaseException as exc:

@@ -229,12 +229,13 @@ print('bytecode: dont_write', sys.flags.dont_write_bytecode, 'PYTHONDONTWRITEBYT
     rollout-default) part rollout-default "$py" -u benchmarks/rollout_throughput.py --variants sglang-default \
                        --requests 512 --repeats 5 --out "$out/rollout-default.json" ;;
     # GRPO steps of the GSM8K shape, trainer and SGLang on one GPU: handing the GPU over, then both resident.
-    colocated-0.5b) grpo_part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 22 --skip 2 \
-                      --out "$out/colocated-0.5b.json" ;;
+    # Steps 23 and 24 (one without a save, one with) run under the profiler, left out of the figures.
+    colocated-0.5b) grpo_part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 24 --skip 2 \
+                      --profile-push 23,24 --out "$out/colocated-0.5b.json" ;;
     # The same hand-off moving the trainer's state only as far as the engines need (trainer.offload.when=needed):
     # at 0.5B it stays on the card beside them (only the gradients freed), so no copy is on the push's path.
-    colocated-0.5b-kept) grpo_part colocated-0.5b-kept "$py" "${grpo[@]}" --memory handoff --steps 22 --skip 2 \
-                           --out "$out/colocated-0.5b-kept.json" trainer.offload.when=needed ;;
+    colocated-0.5b-kept) grpo_part colocated-0.5b-kept "$py" "${grpo[@]}" --memory handoff --steps 24 --skip 2 \
+                           --profile-push 23,24 --out "$out/colocated-0.5b-kept.json" trainer.offload.when=needed ;;
     resident-0.5b) grpo_part resident-0.5b "$py" "${grpo[@]}" --memory resident --steps 8 --skip 2 \
                      --out "$out/resident-0.5b.json" ;;
     colocated-7b) grpo_part colocated-7b "$py" "${grpo[@]}" --shape qwen2.5-7b --memory handoff \

@@ -71,6 +71,53 @@ def test_the_result_file_follows_the_run_step_by_step(tmp_path: Path) -> None:
     assert result["spread"]["engine_wake_s"]["n"] == 2 and "onload_s" not in result["spread"]
 
 
+def test_profiled_steps_are_named_on_the_command_line_and_left_out_of_the_figures(tmp_path: Path) -> None:
+    args, _ = parse_args(["--profile-push", "3,4"])
+    assert args.profile_push == {3, 4}
+    for bad in ("0", "x", ""):
+        with pytest.raises(SystemExit):
+            parse_args(["--profile-push", bad])
+    run = tmp_path / "runs" / "r1"
+    run.mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("".join(_record(s) + "\n" for s in (1, 2, 3, 4)))
+    report = StepReport(tmp_path / "runs", tmp_path / "result.json", skip=1, meta={}, profiled={3, 4})
+    report.finish("done")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert [r["step"] for r in result["steps"]] == [1, 2, 3, 4]
+    assert result["spread"]["train"]["n"] == 1 and result["first_step_logged_s"] >= 0.0
+
+
+def test_a_push_profile_names_the_phases_and_the_probe(tmp_path: Path) -> None:
+    """The profiler's wrappers over the hand-off, the coordinator and the phase timer, on a fake hand-off."""
+    from push_profile import PushProfiler
+
+    from miles_lite import timing
+    from miles_lite.run.handoff import Handoff
+    from miles_lite.weight_sync.coordinator import WeightSyncCoordinator
+
+    saved = (Handoff.prepare_push, Handoff.push, WeightSyncCoordinator.score_trainer_probe, timing.PhaseTimer.phase)
+    try:
+        def prepare(self: object, version: int, saving: bool = False) -> None:
+            WeightSyncCoordinator.score_trainer_probe(object(), str(version))
+
+        def push(self: object, version: int) -> str:
+            with timing.PhaseTimer().phase("load"):
+                return "pushed"
+
+        Handoff.prepare_push, Handoff.push = prepare, push  # type: ignore[method-assign]
+        WeightSyncCoordinator.score_trainer_probe = lambda self, version: 0.0  # type: ignore[method-assign]
+        PushProfiler({2}, tmp_path / "prof").install()
+        for version in (1, 2):
+            Handoff.prepare_push(object(), version, saving=True)  # type: ignore[arg-type]
+            assert Handoff.push(object(), version) == "pushed"  # type: ignore[arg-type]
+        assert sorted(p.name for p in (tmp_path / "prof").iterdir()) == ["step-2.json.gz", "step-2.txt"]
+        text = (tmp_path / "prof" / "step-2.txt").read_text()
+        assert all(label in text for label in ("prepare_push", "probe_trainer", "push", "phase load"))
+    finally:
+        (Handoff.prepare_push, Handoff.push, WeightSyncCoordinator.score_trainer_probe,
+         timing.PhaseTimer.phase) = saved  # type: ignore[method-assign]
+
+
 def test_the_push_phases_reach_the_row_the_spread_and_the_sitting_summary(tmp_path: Path) -> None:
     from grpo_steps import spread, step_row
 
