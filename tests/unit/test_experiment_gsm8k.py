@@ -54,6 +54,17 @@ def test_fp8_switch_and_single_gpu_overrides(paths: dict[str, str]):
     assert cfg.rollout.sglang_args["base_gpu_id"] == 0
 
 
+def test_on_one_gpu_the_recipe_hands_the_gpu_over_moving_the_state_only_as_needed(paths: dict[str, str]):
+    from miles_lite.config.colocation import hands_off, saves_staged_copies
+
+    cfg = load_config(_overrides(paths, "cluster.placement=colocated", "rollout.async_steps=0",
+                                 "rollout.sglang_args.base_gpu_id=0", "rollout.sglang_args.mem_fraction_static=0.3"))
+    validate(cfg)
+    assert hands_off(cfg) and cfg.trainer.offload.when == "needed"
+    assert cfg.trainer.offload.parts() == ("params", "grads", "optimizer")
+    assert saves_staged_copies(cfg.cluster, cfg.trainer.offload)  # its saves write what each saving step stages
+
+
 def test_recipe_rejects_bad_parallelism_naming_the_field(paths: dict[str, str]):
     with pytest.raises(ConfigError, match="trainer.tp=4 must divide the model's 14 attention heads"):
         validate(load_config(_overrides(paths, "trainer.tp=4")))
