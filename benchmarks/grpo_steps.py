@@ -158,6 +158,9 @@ def overrides(args: argparse.Namespace, model_dir: Path | None, out_dir: Path) -
         common.append(f"+rollout.sglang_args.custom_weight_loader=[{IPC_LOADER}]")
     parts = offload_parts(args.offload)
     trainer = [f"trainer.offload.{p}={str(p in parts).lower()}" for p in OFFLOAD_PARTS]
+    # `--offload` names what moves every step (the recipe's own setting is `needed`): `trainer.offload.when=needed`
+    # after the flags keeps what has room.
+    trainer.append("trainer.offload.when=always")
     trainer.append("trainer.use_distributed_optimizer=false")  # DP=1: it would shard nothing
     if args.micro_batch_tokens is not None:
         trainer.append(f"trainer.micro_batch_tokens={args.micro_batch_tokens}")

@@ -230,9 +230,10 @@ print('bytecode: dont_write', sys.flags.dont_write_bytecode, 'PYTHONDONTWRITEBYT
                        --requests 512 --repeats 5 --out "$out/rollout-default.json" ;;
     # GRPO steps of the GSM8K shape, trainer and SGLang on one GPU: handing the GPU over, then both resident.
     # Steps 23 and 24 (one without a save, one with) run under the profiler, left out of the figures.
-    # The hand-off moving the trainer's whole state every step (the recipe's setting is `needed`, below).
+    # The hand-off moving the trainer's whole state every step (the benchmark's `--offload`; the recipe's own
+    # setting is `needed`, below).
     colocated-0.5b) grpo_part colocated-0.5b "$py" "${grpo[@]}" --memory handoff --steps 24 --skip 2 \
-                      --profile-push 23,24 --out "$out/colocated-0.5b.json" trainer.offload.when=always ;;
+                      --profile-push 23,24 --out "$out/colocated-0.5b.json" ;;
     # The same hand-off moving the trainer's state only as far as the engines need (trainer.offload.when=needed):
     # at 0.5B it stays on the card beside them (only the gradients freed), so no copy is on the push's path.
     colocated-0.5b-kept) grpo_part colocated-0.5b-kept "$py" "${grpo[@]}" --memory handoff --steps 24 --skip 2 \

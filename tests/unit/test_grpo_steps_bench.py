@@ -24,7 +24,8 @@ def test_the_7b_shape_sets_every_memory_knob() -> None:
                      "rollout.sglang_args.mem_fraction_static=0.2", "trainer.micro_batch_tokens=4096",
                      "trainer.offload.params=true", "trainer.offload.grads=true", "trainer.offload.optimizer=false",
                      "trainer.use_distributed_optimizer=false", "trainer.max_update_ratio=0",
-                     "+trainer.transformer.recompute_granularity=full", "cluster.colocated_memory=handoff",
+                     "trainer.offload.when=always", "+trainer.transformer.recompute_granularity=full",
+                     "cluster.colocated_memory=handoff",
                      "cluster.placement=colocated", "checkpoint.dir=''"):
         assert expected in over, expected
     # Each flag overrides its default; resident keeps the knobs.
