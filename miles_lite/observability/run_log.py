@@ -3,8 +3,9 @@ failing plug-in's traceback and a lost node's verdict are written too).
 
 `miles-lite` configures no logging of its own otherwise, and Python drops records below WARNING where nothing is
 configured: the hand-off's plan, the start-up's stages and a dead engine's diagnosis would be lost. For the run's
-duration `RunLog` sends the `miles_lite` loggers' INFO and above to the run's file (timestamped, one line each) and
-their warnings to stderr as before (the bare message), then takes both handlers away.
+duration `RunLog` sends the `miles_lite` loggers' INFO and above to the run's file (timestamped, one line each) and,
+where the process configured no logging of its own, their warnings to stderr as before (the bare message: Python's
+last resort stops once a handler is found); then it takes its handlers away.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ class RunLog:
         to_file = logging.FileHandler(self.path, encoding="utf-8")
         to_file.setLevel(logging.INFO)
         to_file.setFormatter(logging.Formatter(FORMAT))
-        # With a handler here, Python's last-resort output of warnings stops: this one keeps them on stderr.
-        to_console = logging.StreamHandler(sys.stderr)
-        to_console.setLevel(logging.WARNING)
-        to_console.setFormatter(logging.Formatter("%(message)s"))
-        self._handlers = [to_file, to_console]
+        self._handlers = [to_file]
+        if not logging.getLogger().handlers:  # else the process's own handlers show the warnings (once)
+            to_console = logging.StreamHandler(sys.stderr)
+            to_console.setLevel(logging.WARNING)
+            to_console.setFormatter(logging.Formatter("%(message)s"))
+            self._handlers.append(to_console)
         for handler in self._handlers:
             self.logger.addHandler(handler)
         if self.logger.level == logging.NOTSET or self.logger.level > logging.INFO:

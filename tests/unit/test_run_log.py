@@ -1,5 +1,6 @@
-"""The run's own log (`observability/run_log.py`): the project's INFO records reach `logs/run.log` with their
-times while the run lasts, warnings still reach stderr as bare messages, and nothing stays attached after."""
+"""The run's own log (`observability/run_log.py`): the project's INFO records reach `logs/run.log` with their times
+while the run lasts, warnings still reach stderr as bare messages (once, where the process logs on its own), and
+nothing stays attached after."""
 
 from __future__ import annotations
 
@@ -12,8 +13,14 @@ import pytest
 from miles_lite.observability.run_log import RunLog
 
 
+def plain_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root logger as in a `miles-lite` process: no handler (pytest adds its own for each test's call)."""
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+
+
 def test_info_goes_to_the_run_file_and_warnings_to_stderr_while_the_run_lasts(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    plain_process(monkeypatch)
     log = logging.getLogger("miles_lite.run.handoff")
     root = logging.getLogger("miles_lite")
     before = (list(root.handlers), root.level)
@@ -31,3 +38,19 @@ def test_info_goes_to_the_run_file_and_warnings_to_stderr_while_the_run_lasts(
     assert lines[1].endswith("WARNING miles_lite.run.handoff: an engine died")
     assert capsys.readouterr().err == "an engine died\n"
     assert (list(root.handlers), root.level) == before
+
+
+def test_a_process_logging_on_its_own_shows_each_warning_once(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    plain_process(monkeypatch)
+    own = logging.StreamHandler(sys.stderr)
+    logging.getLogger().addHandler(own)
+    try:
+        with RunLog(tmp_path) as run_log:
+            logging.getLogger("miles_lite.rollout.fleet").warning("an engine died")
+    finally:
+        logging.getLogger().removeHandler(own)
+    assert capsys.readouterr().err == "an engine died\n"
+    assert run_log.path.read_text().count("an engine died") == 1
