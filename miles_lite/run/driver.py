@@ -424,12 +424,13 @@ def rl_step(system: System, data: PromptSource, io: RunIO, rollouts: RolloutPipe
         eval_stats.update(io.report_eval_sets(f"evaluation after {step - 1} RL steps", results, step, in_step=True))
     while rollouts.pending < cfg.rollout.async_steps and step + rollouts.pending < cfg.experiment.steps:
         start_rollouts(system, data, rollouts)
+    handoff.measure("generate")
+    handoff.sleep_engines()  # they go to sleep while the groups are scored and the batch is built
     with timer.phase("reward"):  # dynamic sampling scored the groups as they completed
         groups = rollout.groups if cfg.rollout.dynamic_sampling else rewards.score(system.reward_set, rollout.groups)
     require_scored(groups)
     fresh, stale_stats = drop_stale(groups, system.version, cfg.rollout.max_staleness)
     batch, algo_stats = build_train_batch(fresh, cfg.algo)
-    handoff.measure("generate")
     with timer.phase("sync"):
         handoff.for_training()
     train_stats: dict[str, float] = {}

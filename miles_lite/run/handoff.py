@@ -2,15 +2,17 @@
 
 Who holds the device is a state machine:
 
-    both ──for_generation──> engines ──for_training──> trainer ──push──> engines
-      └──────────────────────for_training─────────────────────┘
+    both ──for_generation──> engines ──sleep_engines──> handing over ──for_training──> trainer ──push──> engines
+      └──────────────────────────────────for_training (the sleep then)─────────────────────┘
 
 - `both`: both roles loaded (colocated resident runs); a hand-off run starts in `engines`, the trainer's
   state offloaded before the engines started (`System.start`), so they start into the room;
 - `for_generation`: the trainer offloads `trainer.offload.*` to host memory (`time/offload_seconds`);
-- `for_training`: the engines release weights, KV cache and CUDA graphs (`time/engine_sleep_seconds`),
-  then the trainer onloads (`time/onload_seconds`: on a GPU the time to queue the copies; they run on a stream
-  of their own while the step starts, the optimizer state landing before the optimizer step reads it). Runs
+- `sleep_engines` (once the step's generation and evaluation are done): the engines start releasing weights, KV
+  cache and CUDA graphs (`time/engine_sleep_seconds`) while the rewards are scored and the batch is built;
+- `for_training`: waits for that sleep (starts it, when nothing did), then the trainer onloads
+  (`time/onload_seconds`: on a GPU the time to queue the copies; they run on a stream of their own while the step
+  starts, the optimizer state landing before the optimizer step reads it). Runs
   that push only LoRA adapters keep the engines' weights: their base never changes, and SGLang's memory saver
   drops released weights (no host copy), so an adapter-only push after the wake would leave the engine
   computing with garbage;
@@ -97,6 +99,7 @@ def parts_leaving(parts: tuple[str, ...], ranks: list[dict[str, float]],
 class Holder(enum.Enum):
     BOTH = "both"
     ENGINES = "engines"
+    HANDING_OVER = "handing over"  # the engines going to sleep (`sleep_engines`), the trainer not back yet
     TRAINER = "trainer"
 
 
@@ -148,6 +151,9 @@ class Handoff:
         self._waking: Future[float] | None = None
         # The parts staying on the device that `prepare_push` staged for a save (dropped once the push is done).
         self._staged_for_save: tuple[str, ...] = ()
+        # The engines' sleep since `sleep_engines`: the trainer's device memory read before it (with
+        # `trainer.offload.when=needed`) and the sleep's seconds.
+        self._sleeping: tuple[list[dict[str, float]] | None, Future[float]] | None = None
 
     def _add(self, name: str, seconds: float) -> None:
         self._seconds[name] = self._seconds.get(name, 0.0) + seconds
@@ -164,20 +170,37 @@ class Handoff:
     def for_generation(self) -> None:
         """Before generating: the trainer's state off the device (nothing when the engines hold it already)."""
         if self.enabled and self.holder is not Holder.ENGINES:
-            if self.holder is Holder.TRAINER:
+            if self.holder in (Holder.TRAINER, Holder.HANDING_OVER):
                 raise RuntimeError("the engines sleep: only a weight push (Handoff.push) wakes them")
             self._offload(self.parts)
             self.holder = Holder.ENGINES
 
-    def for_training(self) -> None:
-        """Before training (or a checkpoint): the engines asleep, the trainer's state back on the device."""
-        if not self.enabled or self.holder is Holder.TRAINER:
+    def sleep_engines(self) -> None:
+        """Once the step's generation (and evaluation) is done: the engines start going to sleep on the rollout
+        loop, so they sleep while the rewards are scored and the batch is built; `for_training` waits for it."""
+        if not self.enabled or self.holder not in (Holder.ENGINES, Holder.BOTH):
             return
         assert self.system.fleet is not None and self.system.loop_thread is not None and self.system.trainer
         awake = self.system.trainer.device_memory() if self.as_needed else None
-        start = time.perf_counter()
-        self.system.loop_thread.run(self.system.fleet.sleep(self.sleep_tags))
-        self._add("engine_sleep", time.perf_counter() - start)
+        fleet, tags = self.system.fleet, self.sleep_tags
+
+        async def sleep() -> float:
+            start = time.perf_counter()
+            await fleet.sleep(tags)
+            return time.perf_counter() - start
+
+        self._sleeping = (awake, self.system.loop_thread.submit(sleep()))
+        self.holder = Holder.HANDING_OVER
+
+    def for_training(self) -> None:
+        """Before training (or a checkpoint): the engines asleep (the sleep `sleep_engines` started, else one now),
+        the trainer's state back on the device."""
+        if not self.enabled or self.holder is Holder.TRAINER:
+            return
+        self.sleep_engines()
+        assert self._sleeping is not None and self.system.trainer is not None
+        (awake, sleeping), self._sleeping = self._sleeping, None
+        self._add("engine_sleep", sleeping.result())
         if awake is not None:
             self._measure_engines(awake, self.system.trainer.device_memory())
         self._add("onload", self.system.trainer.onload(OFFLOAD_PARTS)["seconds"])

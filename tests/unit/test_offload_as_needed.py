@@ -11,7 +11,7 @@ from handoff_fakes import GIB, FakeDevice, handoff_of
 
 from miles_lite.config.colocation import saves_staged_copies
 from miles_lite.config.compose import load_config
-from miles_lite.run.handoff import SPARE_FRACTION, parts_leaving
+from miles_lite.run.handoff import SPARE_FRACTION, Holder, parts_leaving
 from miles_lite.trainer import offload as offload_module
 from miles_lite.trainer.offload import TrainerOffload
 
@@ -67,6 +67,25 @@ def test_on_a_device_with_room_nothing_is_copied_and_the_state_stays_while_the_e
     assert log == ["engines sleep", "onload", "offload grads", "wake weights (early)", "score probe 2", "load",
                    "wake kv cache"]
     assert "stay on the device" not in caplog.text
+
+
+def test_the_engines_go_to_sleep_before_the_rewards_and_training_waits_for_that_sleep() -> None:
+    """`sleep_engines` (the driver calls it once generation and evaluation are done) starts the sleep on the rollout
+    loop; the rewards are scored meanwhile; `for_training` waits for that sleep rather than asking for another,
+    and the engines' share is still measured across it (the memory read before it began)."""
+    device = FakeDevice(total=80.0, engines=30.0, parts={"params": 2.0, "optimizer": 4.0})
+    handoff, log, _ = handoff_of(room=True, overrides=NEEDED, device=device)
+    handoff.sleep_engines()
+    assert log == ["engines sleep"] and handoff.holder is Holder.HANDING_OVER and not device.awake
+    log.append("score rewards")
+    with pytest.raises(RuntimeError, match="only a weight push"):
+        handoff.for_generation()
+    handoff.sleep_engines()  # already going to sleep: nothing more
+    handoff.for_training()
+    assert log == ["engines sleep", "score rewards", "onload"] and handoff.holder is Holder.TRAINER
+    assert "time/engine_sleep_seconds" in handoff.stats()
+    handoff.push(1)  # measured: the state stays and the engines' weights resume early
+    assert log[-5:] == ["offload grads", "wake weights (early)", "score probe 1", "load", "wake kv cache"]
 
 
 def test_where_the_engines_need_more_the_optimizer_leaves_and_the_parameters_stay() -> None:
