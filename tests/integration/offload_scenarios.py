@@ -73,16 +73,23 @@ def _steps(path: str, rank: int, world_size: int, precision: str, round_trip: bo
     out["logprobs"] = actor.compute_logprobs(batch)
     actor.close()
     if round_trip:  # the checkpoint, flushed while the state moved on, holds the state it was saved at
-        done = ckpt.finalize()
-        ckpt.close()
-        assert done is not None
-        restored = TrainerActor(ActorConfig.of(cfg), rank, world_size)
-        RankCheckpointer.restore(restored, done.path)
-        again = _state(restored)
-        out["checkpoint_exact"] = again.keys() == before.keys() and all(
-            torch.equal(before[k], again[k]) for k in before)
-        restored.close()
+        out["checkpoint_exact"] = _restores_exactly(ckpt, cfg, rank, world_size, before)
     return out
+
+
+def _restores_exactly(ckpt: RankCheckpointer, cfg: Any, rank: int, world_size: int,
+                      before: dict[str, torch.Tensor]) -> bool:
+    """Whether the save in flight, once committed, loads into a fresh actor as the state `before`, bit for bit."""
+    from miles_lite.trainer.actor import TrainerActor
+
+    done = ckpt.finalize()
+    ckpt.close()
+    assert done is not None
+    restored = TrainerActor(ActorConfig.of(cfg), rank, world_size)
+    RankCheckpointer.restore(restored, done.path)
+    again = _state(restored)
+    restored.close()
+    return again.keys() == before.keys() and all(torch.equal(before[k], again[k]) for k in before)
 
 
 def _kept(path: str, rank: int, world_size: int, precision: str, ckpt_dir: str) -> dict[str, Any]:
@@ -111,14 +118,7 @@ def _kept(path: str, rank: int, world_size: int, precision: str, ckpt_dir: str) 
     actor.train_step(batch)
     out["moved_on"] = not torch.equal(first.detach(), before[f"param/{name}"])
     actor.close()
-    done = ckpt.finalize()
-    ckpt.close()
-    assert done is not None
-    restored = TrainerActor(ActorConfig.of(cfg), rank, world_size)
-    RankCheckpointer.restore(restored, done.path)
-    again = _state(restored)
-    out["checkpoint_exact"] = again.keys() == before.keys() and all(torch.equal(before[k], again[k]) for k in before)
-    restored.close()
+    out["checkpoint_exact"] = _restores_exactly(ckpt, cfg, rank, world_size, before)
     return out
 
 
