@@ -46,9 +46,8 @@ short leaves the steps it finished. `--profile-push 12,13` records those steps' 
 (`Handoff.prepare_push` through `Handoff.push`, the checkpoint between them included) with the torch profiler, each
 push phase and the trainer's probe scoring labelled: `<out>.push-profile/step-<N>.txt` (operators by host time,
 then by device time) and `step-<N>.json.gz` (the timeline, for Perfetto); the figures leave those steps out.
-There is no separate log-prob pass:
-with one optimizer step per batch the old-policy log-probs are the training forward's own (detached), so
-recomputing them is part of "train".
+There is no separate log-prob pass: with one optimizer step per batch the old-policy log-probs are the training
+forward's own (detached), so recomputing them is part of "train".
 """
 
 from __future__ import annotations
