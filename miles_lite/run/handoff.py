@@ -50,6 +50,7 @@ import enum
 import logging
 import math
 import time
+from collections.abc import Awaitable
 from concurrent.futures import Future
 from typing import Any
 
@@ -94,6 +95,13 @@ def parts_leaving(parts: tuple[str, ...], ranks: list[dict[str, float]],
             leaving.add(part)
             short -= room.get(f"{part}_bytes", 0.0)
     return tuple(p for p in parts if p in leaving)
+
+
+async def _seconds_of(transition: Awaitable[None]) -> float:
+    """The seconds an engines' transition takes, run on the rollout loop while the driver goes on."""
+    start = time.perf_counter()
+    await transition
+    return time.perf_counter() - start
 
 
 class Holder(enum.Enum):
@@ -182,14 +190,7 @@ class Handoff:
             return
         assert self.system.fleet is not None and self.system.loop_thread is not None and self.system.trainer
         awake = self.system.trainer.device_memory() if self.as_needed else None
-        fleet, tags = self.system.fleet, self.sleep_tags
-
-        async def sleep() -> float:
-            start = time.perf_counter()
-            await fleet.sleep(tags)
-            return time.perf_counter() - start
-
-        self._sleeping = (awake, self.system.loop_thread.submit(sleep()))
+        self._sleeping = (awake, self.system.loop_thread.submit(_seconds_of(self.system.fleet.sleep(self.sleep_tags))))
         self.holder = Holder.HANDING_OVER
 
     def for_training(self) -> None:
@@ -242,14 +243,7 @@ class Handoff:
                 or any(p in KEPT_PARTS for p in self._moving)):
             return
         assert self.system.fleet is not None and self.system.loop_thread is not None
-        fleet = self.system.fleet
-
-        async def wake() -> float:
-            start = time.perf_counter()
-            await fleet.wake(["weights"])
-            return time.perf_counter() - start
-
-        self._waking = self.system.loop_thread.submit(wake())
+        self._waking = self.system.loop_thread.submit(_seconds_of(self.system.fleet.wake(["weights"])))
 
     def _kept_before_push(self) -> tuple[str, ...]:
         """The parts whose copies the push's offload takes before the engines wake: all kept but the parameters

@@ -95,6 +95,11 @@ class IpcTransport(WeightTransport):
         self.bucket_bytes = bucket_bytes
         self.device = torch.device(device)
 
+    def _copies_landed(self) -> None:
+        """Wait for this push's device work, queued on the current stream. Only that stream: a device-wide wait
+        would also wait for the host copies a checkpoint's save queued on the trainer's offload stream."""
+        torch.cuda.current_stream(self.device).synchronize()
+
     def connect(self, fleet_engines: Sequence[FleetEngine]) -> None:
         self._require(TransportState.NEW, TransportState.CONNECTED, TransportState.FAILED)
         self._set_fleet(fleet_engines)
@@ -132,7 +137,7 @@ class IpcTransport(WeightTransport):
                     self.loop.gather({f.engine_id: self.loop.submit(f.engine.update_weights_from_tensor(
                         payloads[f.engine_id], "direct", report.version, flush_cache=i == len(buckets) - 1))
                         for f in self.fleet})
-                torch.cuda.synchronize(self.device)
+                self._copies_landed()
         except Exception:
             self.state = TransportState.FAILED
             raise

@@ -74,9 +74,7 @@ class IpcHandleTransport(IpcTransport):
                     report.bytes += sum(t.numel() * t.element_size() for ranks in per_rank for named in ranks
                                         for _, t in named)
                     del per_rank
-                    # The engines read the buffer from their own streams once these copies landed. Only this stream:
-                    # a device-wide wait would also wait for the host copies a save queued on the offload's stream.
-                    torch.cuda.current_stream(self.device).synchronize()
+                    self._copies_landed()  # the engines read the buffer from their own streams
                 with report.phase("load"):
                     self.loop.gather({f.engine_id: self.loop.submit(f.engine.update_weights_from_tensor(
                         payloads[f.engine_id], LOADER, report.version, flush_cache=i == len(buckets) - 1))

@@ -307,7 +307,7 @@ def test_a_write_after_the_staged_offload_copies_are_dropped_waits_for_them() ->
     torch.cuda.synchronize()
     off.stage(("params",))
     staged = off.staged_copies()(big)
-    assert staged is not None and staged[1] is not None  # still in flight
+    assert staged is not None and staged[1] is not None  # queued on the offload's stream, with its event
     off.drop_staged(("params",))
     big.fill_(-1)
     torch.cuda.synchronize()
